@@ -1,0 +1,93 @@
+"""The ``k3course`` command: doctor, build-exercises, progress, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+
+
+def _build_exercises(args) -> int:
+    from k3course.grading.build import MarkerError, build
+
+    try:
+        problems = build(Path(args.root), check_only=args.check)
+    except MarkerError as error:
+        print(f"unbalanced solution markers: {error}", file=sys.stderr)
+        return 2
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if problems:
+        print(f"{len(problems)} exercise notebook(s) out of sync with solutions/: run `k3course build-exercises`",
+              file=sys.stderr)
+        return 1
+    print("exercises/ is in sync with solutions/" if args.check else "exercises/ rebuilt from solutions/")
+    return 0
+
+
+def _progress(args) -> int:
+    from tqdm import tqdm
+
+    from k3course.grading.notebooks import execute
+
+    folder = Path(args.folder)
+    paths = sorted(folder.glob("[0-9][0-9]_*.ipynb")) if folder.is_dir() else [folder]
+    if not paths or not paths[0].exists():
+        print(f"folder: no exercise notebooks at {folder}", file=sys.stderr)
+        return 2
+    rows = []
+    for path in tqdm(paths, desc="running notebooks", unit="nb"):
+        _, results = execute(path)
+        rows += [(path.name, exercise_id, cell.status) for cell in results for exercise_id in cell.exercise_ids]
+    width = max(len(r[1]) for r in rows) if rows else 10
+    for name, exercise_id, status in rows:
+        print(f"{name:<28} {exercise_id:<{width}}  {status}")
+    done = sum(status == "done" for *_, status in rows)
+    print(f"{done} of {len(rows)} exercises done")
+    return 0
+
+
+def _bench(args) -> int:
+    from k3course import bench
+
+    names = sorted(m.name for m in pkgutil.iter_modules(bench.__path__))
+    if args.name not in names:
+        print(f"name: unknown benchmark {args.name!r}; choose one of {', '.join(names)}", file=sys.stderr)
+        return 2
+    return importlib.import_module(f"k3course.bench.{args.name}").main(args.options) or 0
+
+
+def _doctor(args) -> int:
+    from k3course.doctor import main as doctor_main
+
+    return doctor_main()
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="k3course", description="Rebuild Kimi K3 from NumPy to Triton.")
+    sub = top.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="environment check: versions, device, Triton mode, oracle").set_defaults(
+        run=_doctor)
+    build = sub.add_parser("build-exercises", help="generate exercises/ from solutions/")
+    build.add_argument("--check", action="store_true", help="only check that exercises/ is up to date")
+    build.add_argument("--root", default=".", help="repository root holding solutions/ and exercises/")
+    build.set_defaults(run=_build_exercises)
+    progress = sub.add_parser("progress", help="run exercise notebooks and tabulate done / not done / failing")
+    progress.add_argument("folder", nargs="?", default="exercises")
+    progress.set_defaults(run=_progress)
+    bench = sub.add_parser("bench", help="benchmarks, printed as ratios measured in one run")
+    bench.add_argument("name", help="which benchmark (moe, kda, kernels, ...)")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    bench.set_defaults(run=_bench)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

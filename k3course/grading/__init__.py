@@ -1,0 +1,12 @@
+"""Grading for the exercise notebooks: ``check("<exercise id>", your_fn)``.
+
+See DESIGN §4. The registry lives in :mod:`k3course.grading.registry`, one module per chapter in
+:mod:`k3course.grading.chapters`; notebook execution for ``k3course progress`` and the contract tests in
+:mod:`k3course.grading.notebooks`.
+"""
+
+from k3course.grading.check import ExerciseFailed, ExerciseNotDone, check
+from k3course.grading.registry import Case, Exercise, all_exercises, get_exercise, register
+
+__all__ = ["Case", "Exercise", "ExerciseFailed", "ExerciseNotDone", "all_exercises", "check", "get_exercise",
+           "register"]

@@ -1,0 +1,1 @@
+"""One module per chapter, ``chNN_<topic>.py``, each calling ``register(Exercise(...))`` at import."""

@@ -1,0 +1,59 @@
+"""Execute a notebook and report, cell by cell, which check cells pass, are not done, or fail.
+
+Used by ``k3course progress`` and by the grading-contract tests.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+CHECK_CALL = re.compile(r"""\bcheck\(\s*["']([^"']+)["']""")
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """What one code cell did: its index, the exercise ids it checks, and its error (if any)."""
+
+    index: int
+    exercise_ids: tuple[str, ...]
+    error_name: str | None
+    error_value: str | None
+
+    @property
+    def is_check(self) -> bool:
+        return bool(self.exercise_ids)
+
+    @property
+    def status(self) -> str:
+        """'done', 'not done' (ExerciseNotDone) or 'failing' (any other error)."""
+        if self.error_name is None:
+            return "done"
+        return "not done" if self.error_name == "ExerciseNotDone" else "failing"
+
+
+def check_ids(source: str) -> tuple[str, ...]:
+    """The exercise ids that a cell's source passes to ``check``."""
+    return tuple(CHECK_CALL.findall(source))
+
+
+def execute(path: Path, timeout: int = 600) -> tuple[nbformat.NotebookNode, list[CellResult]]:
+    """Run the notebook at ``path`` top to bottom (errors don't stop it); return it and one result per cell."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"path: no notebook at {path}")
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
+    results = []
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        error = next((out for out in cell.get("outputs", []) if out.output_type == "error"), None)
+        results.append(CellResult(index, check_ids(cell.source), error and error.ename, error and error.evalue))
+    return nb, results

@@ -1,0 +1,78 @@
+"""The exercise registry: exercise id -> reference function, seeded cases and tolerances.
+
+Each chapter registers its exercises in ``k3course/grading/chapters/chNN_*.py`` with :func:`register`.
+The chapter modules are imported on first use, so adding a chapter never touches this file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Case:
+    """One seeded input for an exercise: ``fn(*args, **kwargs)``; ``name`` says what it probes."""
+
+    name: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """An exercise the learner solves and :func:`k3course.grading.check` grades.
+
+    id:        "NN.name", e.g. "01.topk_route" (NN = chapter).
+    reference: the package function the learner's answer is compared with.
+    cases:     builds the seeded input cases (called fresh for every check, so inputs can't leak state).
+    normalize: optional map applied to both outputs before comparing (e.g. sort top-k indices per row).
+    tolerance: optional {dtype name: (rtol, atol)} overriding the default table for this exercise.
+    """
+
+    id: str
+    reference: Callable[..., Any]
+    cases: Callable[[], list[Case]]
+    normalize: Callable[[Any], Any] | None = None
+    tolerance: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+_EXERCISES: dict[str, Exercise] = {}
+_loaded = False
+
+
+def register(exercise: Exercise) -> Exercise:
+    """Add ``exercise`` to the registry; ids are unique."""
+    if exercise.id in _EXERCISES:
+        raise ValueError(f"exercise id {exercise.id!r} is registered twice")
+    _EXERCISES[exercise.id] = exercise
+    return exercise
+
+
+def _load_chapters() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from k3course.grading import chapters
+
+    for module in sorted(pkgutil.iter_modules(chapters.__path__), key=lambda m: m.name):
+        importlib.import_module(f"{chapters.__name__}.{module.name}")
+
+
+def get_exercise(exercise_id: str) -> Exercise:
+    """The registered exercise ``exercise_id``; an unknown id lists the known ones."""
+    _load_chapters()
+    if not isinstance(exercise_id, str) or exercise_id not in _EXERCISES:
+        known = ", ".join(sorted(_EXERCISES)) or "(none)"
+        raise KeyError(f"exercise_id {exercise_id!r} is not a registered exercise; known: {known}")
+    return _EXERCISES[exercise_id]
+
+
+def all_exercises() -> dict[str, Exercise]:
+    """Every registered exercise, by id."""
+    _load_chapters()
+    return dict(sorted(_EXERCISES.items()))

@@ -6,10 +6,13 @@ Used by ``k3course progress`` and by the grading-contract tests.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 CHECK_CALL = re.compile(r"""\bcheck\(\s*["']([^"']+)["']""")
@@ -36,6 +39,14 @@ class CellResult:
         return "not done" if self.error_name == "ExerciseNotDone" else "failing"
 
 
+class _CurrentInterpreter(KernelSpecManager):
+    """Kernel specs that always run this interpreter, so a notebook sees the same installed k3course."""
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        return KernelSpec(argv=argv, display_name="Python (current)", language="python", resource_dir="")
+
+
 def check_ids(source: str) -> tuple[str, ...]:
     """The exercise ids that a cell's source passes to ``check``."""
     return tuple(CHECK_CALL.findall(source))
@@ -47,7 +58,8 @@ def execute(path: Path, timeout: int = 600) -> tuple[nbformat.NotebookNode, list
     if not path.is_file():
         raise FileNotFoundError(f"path: no notebook at {path}")
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
+    kernel = KernelManager(kernel_name="python3", kernel_spec_manager=_CurrentInterpreter())
+    client = NotebookClient(nb, km=kernel, timeout=timeout, allow_errors=True,
                             resources={"metadata": {"path": str(path.parent)}})
     client.execute()
     results = []

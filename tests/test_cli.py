@@ -1,0 +1,59 @@
+"""The `k3course` command line: doctor, bench dispatch, progress, and the Triton mode switch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from k3course.cli import main
+
+
+def test_doctor_reports_versions_device_triton_mode_and_oracle(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    for item in ("python", "torch", "triton", "numpy", "device", "cuda / GPUs", "triton mode", "oracle (fla)",
+                 "unlocks"):
+        assert item in out
+
+
+def test_kernels_package_switches_to_the_interpreter_without_a_gpu():
+    code = "import os, k3course.kernels as k; print(k.TRITON_MODE, os.environ.get('TRITON_INTERPRET'))"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    import torch
+
+    expected = "native None" if torch.cuda.is_available() else "interpreter 1"
+    assert out.split() == expected.split()
+
+
+def test_unknown_benchmark_lists_the_valid_ones(capsys):
+    assert main(["bench", "nope"]) == 2
+    assert "unknown benchmark 'nope'; choose one of" in capsys.readouterr().err
+
+
+def test_progress_on_a_missing_folder_names_it(tmp_path, capsys):
+    assert main(["progress", str(tmp_path / "missing")]) == 2
+    assert "no exercise notebooks" in capsys.readouterr().err
+
+
+def test_unknown_command_is_an_argparse_error():
+    with pytest.raises(SystemExit):
+        main(["fly"])
+
+
+def test_progress_tabulates_done_not_done_and_failing(tmp_path, capsys):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("from k3course.grading import ExerciseNotDone"),
+                nbformat.v4.new_code_cell('# check("99.a", f)\nraise ExerciseNotDone("99.a")'),
+                nbformat.v4.new_code_cell('# check("99.b", f)\nprint("ok")'),
+                nbformat.v4.new_code_cell('# check("99.c", f)\n1 / 0')]
+    nbformat.write(nb, tmp_path / "99_toy.ipynb")
+    assert main(["progress", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[-2:] for line in lines[:3]] == [["not", "done"], ["99.b", "done"], ["99.c", "failing"]]
+    assert lines[-1] == "1 of 3 exercises done"

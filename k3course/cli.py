@@ -17,6 +17,9 @@ def _build_exercises(args) -> int:
     except MarkerError as error:
         print(f"unbalanced solution markers: {error}", file=sys.stderr)
         return 2
+    except FileNotFoundError as error:
+        print(error, file=sys.stderr)
+        return 2
     for problem in problems:
         print(problem, file=sys.stderr)
     if problems:

@@ -77,3 +77,8 @@ def test_unbalanced_marker_exits_nonzero(tmp_path, capsys):
     _write_course(tmp_path, "### BEGIN SOLUTION\nx = 1")
     assert main(["build-exercises", "--check", "--root", str(tmp_path)]) == 2
     assert "99_toy.ipynb, cell 1" in capsys.readouterr().err
+
+
+def test_missing_solutions_folder_is_named(tmp_path, capsys):
+    assert main(["build-exercises", "--check", "--root", str(tmp_path)]) == 2
+    assert "no solutions/ folder" in capsys.readouterr().err

@@ -1,0 +1,236 @@
+"""Gated multi-head latent attention (MLA): K3's global-attention layer, with its compressed KV cache.
+
+Per token x ∈ R^d (DESIGN §6; shapes in the K3 sizes):
+
+    c_Q = RMSNorm(W_DQ x)                         [1536]
+    q_h = W_UQ[h] c_Q = [q_nope_h ; q_rope_h]     [128 ; 64] for each of H heads
+    [c_KV ; k_rope] = W_DKV x, c = RMSNorm(c_KV)  [512 ; 64]  <- the only thing cached: 576 numbers per token
+    k_nope_h = W_UK[h] c,  v_h = W_UV[h] c        [128], [128]
+    o_h(t) = Σ_{s≤t} softmax_s((q_nope_h·k_nope_h(s) + q_rope_h·k_rope(s)) / sqrt(128 + 64)) v_h(s)
+    y = W_O [σ(W_G x) ⊙ concat_h o_h]             full-rank sigmoid output gate (K3)
+
+NoPE by default (K3, Kimi Linear): the "rope" dims are a shared, unrotated key part. ``use_rope=True`` rotates
+them by absolute position.
+
+Two ways to attend over the cache, equal in exact arithmetic:
+naive    up-project every cached latent to k_nope and v for every head, then attend (cost grows with T·H·r·d_h);
+absorbed fold W_UK into the query (q̃_h = W_UK[h]ᵀ q_nope_h ∈ R^r) and W_UV into the output
+         (o_h = W_UV[h] Σ_s p_s c_s), so attention runs directly over the 576-wide cache.
+
+The module-level functions count cache sizes for the KV-cache comparison (MHA / GQA / MLA / the KDA state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class MLACache:
+    """The compressed KV cache of one gated-MLA layer.
+
+    latent:   [B, S, kv_lora_rank]     RMSNorm(c_KV) of every token so far
+    rope_key: [B, S, qk_rope_head_dim] the shared rope key (rotated when RoPE is on)
+
+    Per token it holds kv_lora_rank + qk_rope_head_dim numbers (576 at K3 size), whatever the head count.
+    """
+
+    latent: torch.Tensor
+    rope_key: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        """Number of cached tokens S."""
+        return self.latent.shape[1]
+
+    @property
+    def numbers_per_token(self) -> int:
+        """Cached numbers per token (per layer): kv_lora_rank + qk_rope_head_dim."""
+        return self.latent.shape[-1] + self.rope_key.shape[-1]
+
+
+def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Half-split RoPE: rotate pairs (x[i], x[i + r/2]) by positions·theta^(-2i/r).
+
+    x: [B, T, ..., r]; positions: [T] (absolute). Shape kept.
+    """
+    half, wide = x.shape[-1] // 2, torch.promote_types(x.dtype, torch.float32)
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=wide) * 2.0 / x.shape[-1])
+    angle = positions.to(wide)[:, None] * inv_freq                          # [T, r/2]
+    angle = angle.view(1, angle.shape[0], *([1] * (x.dim() - 3)), half)     # broadcast over B and heads
+    cos, sin = angle.cos(), angle.sin()
+    first, second = x[..., :half].to(wide), x[..., half:].to(wide)
+    rotated = torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+    return rotated.to(x.dtype)
+
+
+class GatedMLA(nn.Module):
+    """Gated multi-head latent attention with a compressed KV cache.
+
+    ``forward(x, cache=None, absorbed=False)`` takes x [B, T, d_model] and an optional :class:`MLACache` of
+    earlier tokens, and returns (y [B, T, d_model], the cache extended by these T tokens). Causal: new token t
+    sees every cached token and the new tokens up to t. ``max_cache_len`` (optional) bounds the cache length.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, gated: bool = True, use_rope: bool = False,
+                 rope_theta: float = 10000.0, max_cache_len: int | None = None, eps: float = 1e-6,
+                 device=None, dtype=None):
+        super().__init__()
+        sizes = dict(d_model=d_model, n_heads=n_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                     qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim)
+        for name, value in sizes.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(qk_rope_head_dim, int) or qk_rope_head_dim < 0:
+            raise ValueError(f"qk_rope_head_dim must be an int >= 0, got {qk_rope_head_dim!r}")
+        if use_rope and qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even for RoPE (it rotates pairs), got {qk_rope_head_dim}")
+        if max_cache_len is not None and max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
+        factory = dict(device=device, dtype=dtype)
+        self.n_heads, self.kv_lora_rank = n_heads, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.gated, self.use_rope, self.rope_theta, self.max_cache_len = gated, use_rope, rope_theta, max_cache_len
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+        self.q_down = nn.Linear(d_model, q_lora_rank, bias=False, **factory)
+        self.q_norm = nn.RMSNorm(q_lora_rank, eps=eps, **factory)
+        self.q_up = nn.Linear(q_lora_rank, n_heads * (qk_nope_head_dim + qk_rope_head_dim), bias=False, **factory)
+        self.kv_down = nn.Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=False, **factory)
+        self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=eps, **factory)
+        self.k_up = nn.Parameter(torch.empty(n_heads, qk_nope_head_dim, kv_lora_rank, **factory))
+        self.v_up = nn.Parameter(torch.empty(n_heads, v_head_dim, kv_lora_rank, **factory))
+        self.gate = nn.Linear(d_model, n_heads * v_head_dim, bias=False, **factory) if gated else None
+        self.out = nn.Linear(n_heads * v_head_dim, d_model, bias=False, **factory)
+        nn.init.normal_(self.k_up, std=kv_lora_rank ** -0.5)
+        nn.init.normal_(self.v_up, std=kv_lora_rank ** -0.5)
+
+    # --- the pieces ---------------------------------------------------------------------------------------
+
+    def compress(self, x: torch.Tensor, positions: torch.Tensor) -> MLACache:
+        """The cache entries of x: [RMSNorm(c_KV) ; k_rope]. x: [B, T, d] -> latent [B, T, r], rope [B, T, rope]."""
+        compressed = self.kv_down(x)
+        latent = self.kv_norm(compressed[..., : self.kv_lora_rank])
+        rope_key = compressed[..., self.kv_lora_rank:]
+        if self.use_rope:
+            rope_key = rope_rotate(rope_key, positions, self.rope_theta)
+        return MLACache(latent, rope_key)
+
+    def queries(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q through the low-rank path. x: [B, T, d] -> q_nope [B, T, H, nope], q_rope [B, T, H, rope]."""
+        q = self.q_up(self.q_norm(self.q_down(x)))
+        q = q.view(*x.shape[:2], self.n_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        if self.use_rope:
+            q_rope = rope_rotate(q_rope, positions, self.rope_theta)
+        return q_nope, q_rope
+
+    def _probabilities(self, scores: torch.Tensor, start: int) -> torch.Tensor:
+        """Causal softmax over keys (last axis), in fp32 or wider. scores: [B, H, T, S]; query t at start + t."""
+        query_pos = start + torch.arange(scores.shape[-2], device=scores.device)
+        visible = torch.arange(scores.shape[-1], device=scores.device)[None, :] <= query_pos[:, None]   # [T, S]
+        wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        return torch.softmax(wide.masked_fill(~visible, float("-inf")), dim=-1)
+
+    def attend_naive(self, q_nope, q_rope, cache: MLACache, start: int) -> torch.Tensor:
+        """Up-project the whole cache to per-head keys and values, then attend. Returns o [B, T, H, v]."""
+        k_nope = torch.einsum("bsr,hnr->bhsn", cache.latent, self.k_up)     # [B, H, S, nope]
+        values = torch.einsum("bsr,hvr->bhsv", cache.latent, self.v_up)     # [B, H, S, v]
+        scores = (torch.einsum("bthn,bhsn->bhts", q_nope, k_nope)
+                  + torch.einsum("bthe,bse->bhts", q_rope, cache.rope_key)) * self.scale
+        probs = self._probabilities(scores, start)
+        return torch.einsum("bhts,bhsv->bthv", probs, values.to(probs.dtype)).to(q_nope.dtype)
+
+    def attend_absorbed(self, q_nope, q_rope, cache: MLACache, start: int) -> torch.Tensor:
+        """Attend over the latent cache itself: W_UK folded into the query, W_UV applied after. o [B, T, H, v]."""
+        q_latent = torch.einsum("bthn,hnr->bthr", q_nope, self.k_up)        # absorbed query [B, T, H, r]
+        scores = (torch.einsum("bthr,bsr->bhts", q_latent, cache.latent)
+                  + torch.einsum("bthe,bse->bhts", q_rope, cache.rope_key)) * self.scale
+        probs = self._probabilities(scores, start)
+        latent_context = torch.einsum("bhts,bsr->bthr", probs, cache.latent.to(probs.dtype))   # [B, T, H, r]
+        return torch.einsum("bthr,hvr->bthv", latent_context.to(q_nope.dtype), self.v_up)
+
+    # --- the layer ----------------------------------------------------------------------------------------
+
+    def _check_inputs(self, x: torch.Tensor, cache: MLACache | None) -> int:
+        """Validate x and the cache; return the number of cached tokens."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.q_down.in_features:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be [B, T, d_model={self.q_down.in_features}], got {shape}")
+        if cache is None:
+            start = 0
+        elif not isinstance(cache, MLACache):
+            raise TypeError(f"cache must be an MLACache (or None), got {type(cache).__name__}")
+        else:
+            want = (x.shape[0], cache.length)
+            if (tuple(cache.latent.shape) != (*want, self.kv_lora_rank)
+                    or tuple(cache.rope_key.shape) != (*want, self.qk_rope_head_dim)):
+                raise ValueError(f"cache does not match this layer and batch: expected latent [B={x.shape[0]}, S, "
+                                 f"{self.kv_lora_rank}] and rope_key [B, S, {self.qk_rope_head_dim}], got "
+                                 f"{tuple(cache.latent.shape)} and {tuple(cache.rope_key.shape)}")
+            if cache.latent.dtype != x.dtype or cache.latent.device != x.device:
+                raise ValueError(f"cache is {cache.latent.dtype} on {cache.latent.device}, x is {x.dtype} on "
+                                 f"{x.device}: they must match")
+            start = cache.length
+        if self.max_cache_len is not None and start + x.shape[1] > self.max_cache_len:
+            raise ValueError(f"x: {start} cached + {x.shape[1]} new tokens exceed max_cache_len={self.max_cache_len}")
+        return start
+
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None,
+                absorbed: bool = False) -> tuple[torch.Tensor, MLACache]:
+        """y = W_O[σ(W_G x) ⊙ MLA(x)]. x: [B, T, d] -> (y [B, T, d], cache with S + T tokens)."""
+        start = self._check_inputs(x, cache)
+        positions = torch.arange(start, start + x.shape[1], device=x.device)
+        new = self.compress(x, positions)
+        if cache is not None:
+            new = MLACache(torch.cat([cache.latent, new.latent], dim=1), torch.cat([cache.rope_key, new.rope_key], 1))
+        q_nope, q_rope = self.queries(x, positions)
+        attend = self.attend_absorbed if absorbed else self.attend_naive
+        heads = attend(q_nope, q_rope, new, start).flatten(2)                  # [B, T, H·v]
+        if self.gated:
+            heads = torch.sigmoid(self.gate(x)) * heads
+        return self.out(heads), new
+
+
+# --- cache and cost accounting (numbers per token per layer; multiply by bytes per number) -------------------
+
+def mha_cache_numbers(n_heads: int, head_dim: int) -> int:
+    """Multi-head attention caches a key and a value per head: 2·H·d_h numbers per token."""
+    return 2 * n_heads * head_dim
+
+
+def gqa_cache_numbers(n_kv_heads: int, head_dim: int, n_heads: int | None = None) -> int:
+    """Grouped-query attention caches 2·G·d_h per token (G key/value heads shared by groups of query heads)."""
+    if n_heads is not None and n_heads % n_kv_heads:
+        raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+    return 2 * n_kv_heads * head_dim
+
+
+def mla_cache_numbers(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+    """MLA caches the normalised latent and the shared rope key: kv_lora_rank + rope per token."""
+    return kv_lora_rank + qk_rope_head_dim
+
+
+def kda_state_numbers(n_heads: int, head_k_dim: int, head_v_dim: int, conv_size: int = 4) -> int:
+    """A KDA layer keeps a fixed state, whatever the context: H·K·V for S plus the short-conv tails of q, k, v.
+
+    The conv tails hold (conv_size − 1) past inputs for each of the q, k and v channels.
+    """
+    return n_heads * head_k_dim * head_v_dim + (conv_size - 1) * n_heads * (2 * head_k_dim + head_v_dim)
+
+
+def decode_step_flops(context: int, n_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                      qk_rope_head_dim: int, v_head_dim: int, absorbed: bool) -> int:
+    """Multiply-adds of attending one new token over ``context`` cached tokens (projections of x excluded).
+
+    naive:    up-project the cache (S·H·r·(nope + v)) + scores (S·H·(nope + rope)) + weighted values (S·H·v)
+    absorbed: absorb the query (H·nope·r) + scores (S·H·(r + rope)) + weighted latents (S·H·r) + W_UV (H·r·v)
+    """
+    s, h, r = context, n_heads, kv_lora_rank
+    if absorbed:
+        return h * qk_nope_head_dim * r + s * h * (r + qk_rope_head_dim) + s * h * r + h * r * v_head_dim
+    up_projection = s * h * r * (qk_nope_head_dim + v_head_dim)
+    return up_projection + s * h * (qk_nope_head_dim + qk_rope_head_dim) + s * h * v_head_dim

@@ -1,0 +1,211 @@
+"""Gated MLA: NumPy and torch rungs agree; naive = absorbed = token-by-token; the cache is only the latent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from k3course.attention.mla import (
+    GatedMLA,
+    MLACache,
+    decode_step_flops,
+    gqa_cache_numbers,
+    kda_state_numbers,
+    mha_cache_numbers,
+    mla_cache_numbers,
+)
+from k3course.reference import mla as ref
+
+SMALL = dict(d_model=16, n_heads=3, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
+             v_head_dim=5)
+
+
+def make(seed: int = 0, dtype=torch.float64, **overrides) -> GatedMLA:
+    torch.manual_seed(seed)
+    return GatedMLA(**{**SMALL, **overrides}).to(dtype)
+
+
+def numpy_weights(module: GatedMLA) -> dict:
+    return {name: value.detach().double().numpy() for name, value in module.state_dict().items()}
+
+
+def seeded_x(batch=2, length=7, seed=1, dtype=torch.float64) -> torch.Tensor:
+    return torch.randn(batch, length, SMALL["d_model"], generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_torch_matches_numpy_reference(gated, use_rope):
+    module = make(gated=gated, use_rope=use_rope)
+    x = seeded_x()
+    y, cache = module(x)
+    for b in range(x.shape[0]):
+        y_ref, cache_ref = ref.gated_mla(x[b].numpy(), numpy_weights(module), SMALL["n_heads"],
+                                         SMALL["qk_nope_head_dim"], SMALL["kv_lora_rank"], gated, use_rope)
+        np.testing.assert_allclose(y[b].detach().numpy(), y_ref, rtol=1e-10, atol=1e-12)
+        rows = torch.cat([cache.latent[b], cache.rope_key[b]], dim=-1).detach().numpy()
+        np.testing.assert_allclose(rows, cache_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_fp32_torch_matches_fp64_reference():
+    module = make(dtype=torch.float32)
+    x = seeded_x(dtype=torch.float32)
+    y, _ = module(x)
+    assert y.dtype == torch.float32
+    y_ref, _ = ref.gated_mla(x[0].double().numpy(), numpy_weights(module), 3, 4, 6)
+    np.testing.assert_allclose(y[0].detach().double().numpy(), y_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_numpy_absorbed_equals_naive():
+    module = make(use_rope=True)
+    x = seeded_x()[0].numpy()
+    naive, _ = ref.gated_mla(x, numpy_weights(module), 3, 4, 6, use_rope=True)
+    absorbed, _ = ref.gated_mla(x, numpy_weights(module), 3, 4, 6, use_rope=True, absorbed=True)
+    np.testing.assert_allclose(absorbed, naive, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_absorbed_and_naive_equal_the_full_forward(use_rope):
+    module = make(use_rope=use_rope)
+    x = seeded_x()
+    full, _ = module(x)
+    absorbed, _ = module(x, absorbed=True)
+    torch.testing.assert_close(absorbed, full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("absorbed", [False, True])
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_token_by_token_decoding_equals_full_forward(absorbed, use_rope):
+    module = make(use_rope=use_rope)
+    x = seeded_x(length=9)
+    full, full_cache = module(x)
+    prefill, cache = module(x[:, :4])              # a prompt, then one token at a time
+    outputs = [prefill]
+    for t in range(4, 9):
+        step, cache = module(x[:, t:t + 1], cache, absorbed=absorbed)
+        outputs.append(step)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cache.latent, full_cache.latent)
+    torch.testing.assert_close(cache.rope_key, full_cache.rope_key)
+
+
+def test_numpy_reference_decodes_with_its_cache():
+    module = make()
+    x, weights = seeded_x(length=6)[0].numpy(), numpy_weights(module)
+    full, _ = ref.gated_mla(x, weights, 3, 4, 6)
+    _, cache = ref.gated_mla(x[:3], weights, 3, 4, 6)
+    rest, cache = ref.gated_mla(x[3:], weights, 3, 4, 6, cache=cache, absorbed=True)
+    np.testing.assert_allclose(rest, full[3:], rtol=1e-12, atol=1e-13)
+    assert cache.shape == (6, 6 + 2)
+
+
+def test_causal_future_tokens_do_not_change_the_past():
+    module = make()
+    x = seeded_x()
+    changed = x.clone()
+    changed[:, 5:] += 1.0
+    torch.testing.assert_close(module(changed)[0][:, :5], module(x)[0][:, :5])
+    assert not torch.allclose(module(changed)[0][:, 5:], module(x)[0][:, 5:])
+
+
+def test_scale_is_inverse_sqrt_of_nope_plus_rope():
+    module = make()
+    assert module.scale == pytest.approx((4 + 2) ** -0.5)
+    x = seeded_x()
+    y, _ = module(x)
+    module.scale = 4 ** -0.5                       # the plausible mistake changes the output
+    assert not torch.allclose(module(x)[0], y)
+
+
+def test_cache_holds_only_latent_and_rope_key():
+    module = make()
+    _, cache = module(seeded_x(batch=2, length=5))
+    assert cache.numbers_per_token == SMALL["kv_lora_rank"] + SMALL["qk_rope_head_dim"]
+    assert (cache.latent.numel() + cache.rope_key.numel()) == 2 * 5 * (6 + 2)
+    full_kv = SMALL["n_heads"] * (SMALL["qk_nope_head_dim"] + SMALL["qk_rope_head_dim"] + SMALL["v_head_dim"])
+    assert cache.numbers_per_token < full_kv
+
+
+def test_k3_size_cache_is_576_numbers_per_token():
+    module = GatedMLA(7168, 96, 1536, 512, 128, 64, 128, device="meta")
+    y, cache = module(torch.empty(1, 3, 7168, device="meta"))
+    assert cache.numbers_per_token == 576 == mla_cache_numbers(512, 64)
+    assert tuple(y.shape) == (1, 3, 7168)
+    assert module.scale == pytest.approx(192 ** -0.5)
+
+
+def test_ungated_has_no_gate_and_differs():
+    gated, ungated = make(seed=3), make(seed=3, gated=False)
+    assert ungated.gate is None
+    x = seeded_x()
+    assert not torch.allclose(gated(x)[0], ungated(x)[0])
+
+
+def test_gradients_flow_to_every_parameter():
+    module = make(dtype=torch.float32, use_rope=True)
+    module(seeded_x(dtype=torch.float32))[0].square().mean().backward()
+    for name, parameter in module.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+
+
+def test_accounting_helpers():
+    assert mha_cache_numbers(96, 128) == 2 * 96 * 128
+    assert gqa_cache_numbers(8, 128, n_heads=64) == 2 * 8 * 128
+    assert kda_state_numbers(2, 3, 4, conv_size=4) == 2 * 3 * 4 + 3 * 2 * (3 + 3 + 4)
+    naive = decode_step_flops(1000, 96, 512, 128, 64, 128, absorbed=False)
+    absorbed = decode_step_flops(1000, 96, 512, 128, 64, 128, absorbed=True)
+    assert absorbed < naive / 50
+    with pytest.raises(ValueError, match="n_heads=6 must be a multiple of n_kv_heads=4"):
+        gqa_cache_numbers(4, 16, n_heads=6)
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+
+def test_heads_that_do_not_divide_are_rejected_by_the_reference():
+    module = make()
+    weights = numpy_weights(module)
+    with pytest.raises(ValueError, match="q_up.weight has 18 rows, which do not divide into n_heads=4"):
+        ref.gated_mla(seeded_x()[0].numpy(), weights, 4, 4, 6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(n_heads=0), "n_heads must be a positive int"),
+    (dict(qk_rope_head_dim=3, use_rope=True), "qk_rope_head_dim must be even"),
+    (dict(max_cache_len=0), "max_cache_len must be a positive int"),
+])
+def test_bad_sizes_are_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        GatedMLA(**{**SMALL, **overrides})
+
+
+def test_sequence_longer_than_cache_limit():
+    module = make(max_cache_len=8)
+    _, cache = module(seeded_x(length=6))
+    with pytest.raises(ValueError, match="6 cached \\+ 3 new tokens exceed max_cache_len=8"):
+        module(seeded_x(length=3), cache)
+    with pytest.raises(ValueError, match="exceed max_cache_len=8"):
+        module(seeded_x(length=9))
+
+
+def test_mismatched_cache_is_rejected():
+    module = make()
+    _, cache = module(seeded_x(batch=2))
+    with pytest.raises(ValueError, match="cache does not match this layer and batch"):
+        module(seeded_x(batch=3, length=1), cache)
+    other = make(kv_lora_rank=7)
+    with pytest.raises(ValueError, match="cache does not match"):
+        other(seeded_x(batch=2, length=1), cache)
+    with pytest.raises(ValueError, match="cache is torch.float64 .* x is torch.float32"):
+        module.float()(seeded_x(batch=2, length=1, dtype=torch.float32), cache)
+    with pytest.raises(TypeError, match="cache must be an MLACache"):
+        make()(seeded_x(), torch.zeros(2, 7, 8, dtype=torch.float64))
+
+
+def test_bad_x_shape():
+    with pytest.raises(ValueError, match=r"x must be \[B, T, d_model=16\]"):
+        make()(torch.zeros(7, 16, dtype=torch.float64))
+
+
+def test_mlacache_type_is_exported():
+    assert MLACache.__dataclass_fields__.keys() == {"latent", "rope_key"}

@@ -1,0 +1,156 @@
+"""K3Config: presets count to the published sizes, the two counts agree, the accounting is right, bad input is named."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from k3course.config import (
+    PRESETS,
+    PUBLISHED_PARAMS,
+    K3Config,
+    kda_layer_params,
+    meta_layer,
+    meta_param_count,
+    mla_layer_params,
+    moe_layer_params,
+)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2", "kimi-k3"])
+def test_reference_presets_count_to_published_total_and_active_within_3_percent(name):
+    count = K3Config.preset(name).param_count()
+    total, active = PUBLISHED_PARAMS[name]
+    assert count.total == pytest.approx(total, rel=0.03)
+    assert count.active == pytest.approx(active, rel=0.03)
+
+
+def test_kimi_linear_counts_to_48b_and_its_active_count_is_3b_without_the_embedding_lookup():
+    count = K3Config.preset("kimi-linear-48b").param_count()
+    assert count.total == pytest.approx(48e9, rel=0.03)
+    # "A3B" rounds down: 3.48B counting every touched weight, 3.11B without the input embedding table.
+    assert count.active == pytest.approx(3.48e9, rel=0.01)
+    assert count.active - count.components["embedding"][1] == pytest.approx(3e9, rel=0.05)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_meta_device_count_agrees_with_the_analytic_count(name):
+    cfg = K3Config.preset(name)
+    counts, meta = cfg.param_count(), meta_param_count(cfg)
+    assert meta["total"] == counts.total
+    assert meta["kda"] == counts.components["kda_attention"][0]
+    assert meta["mla"] == counts.components["mla_attention"][0]
+    moe_parts = ("routed_experts", "shared_experts", "latent_projections", "router")
+    assert meta["moe"] == sum(counts.components[part][0] for part in moe_parts)
+
+
+def test_meta_layers_allocate_nothing_and_match_the_per_layer_formulas():
+    cfg = K3Config.preset("kimi-k3")
+    kda, mla, moe = meta_layer(cfg, "kda"), meta_layer(cfg, "mla"), meta_layer(cfg, "moe")
+    assert all(p.is_meta for module in (kda, mla, moe) for p in module.parameters())
+    assert sum(p.numel() for p in kda.parameters()) == kda_layer_params(cfg)
+    assert sum(p.numel() for p in mla.parameters()) == mla_layer_params(cfg)
+    assert sum(p.numel() for p in moe.parameters()) == moe_layer_params(cfg)[0]
+
+
+def test_k3_per_layer_numbers_by_hand():
+    cfg = K3Config.preset("kimi-k3")
+    expert = 3 * 3584 * 3072  # gate, up, down in the 3584-wide latent space
+    always_on = 3 * 7168 * 6144 + 2 * 7168 * 3584 + 3584 + 896 * 7168
+    assert moe_layer_params(cfg) == (896 * expert + always_on, 16 * expert + always_on)
+    mla = 7168 * 1536 + 1536 + 1536 * 96 * 192 + 7168 * 576 + 512 + 512 * 96 * 256 + 2 * 7168 * 96 * 128
+    assert mla_layer_params(cfg) == mla
+
+
+def test_schedules_match_the_papers():
+    k3 = K3Config.preset("kimi-k3")
+    assert (k3.n_kda_layers, k3.n_mla_layers) == (69, 24) and k3.layer_types()[-1] == "mla"
+    assert k3.layer_types()[:4] == ("kda", "kda", "kda", "mla") and k3.ffn_types()[:2] == ("dense", "moe")
+    linear = K3Config.preset("kimi-linear-48b")
+    assert [i + 1 for i, kind in enumerate(linear.layer_types()) if kind == "mla"] == [4, 8, 12, 16, 20, 24, 27]
+    assert set(K3Config.preset("kimi-k2").layer_types()) == {"mla"}
+    tiny = K3Config.preset("tiny")
+    assert tiny.layer_types() == ("kda", "kda", "kda", "mla") and tiny == K3Config()
+    assert K3Config(mla_layers=()).layer_types() == ("kda",) * 4
+
+
+def test_activation_ratios():
+    assert K3Config.preset("kimi-k3").activation_ratio() == pytest.approx(16 / 896)
+    assert K3Config.preset("kimi-k2").activation_ratio() == pytest.approx(8 / 384)
+    assert K3Config(n_routed_experts=4, top_k=4).activation_ratio() == 1.0
+
+
+def test_active_counts_only_the_chosen_routed_experts():
+    cfg = K3Config.preset("small")
+    dense_routing = cfg.replace(top_k=cfg.n_routed_experts).param_count()
+    assert dense_routing.active == dense_routing.total
+    count = cfg.param_count()
+    inactive = count.total - count.active
+    assert inactive == count.components["routed_experts"][0] - count.components["routed_experts"][1] > 0
+
+
+def test_kv_cache_hybrid_grows_with_mla_layers_only_and_keeps_a_constant_state():
+    k3 = K3Config.preset("kimi-k3")
+    assert k3.kv_cache_bytes_per_token() == 24 * 576 * 2
+    assert k3.all_mla().kv_cache_bytes_per_token() == 93 * 576 * 2
+    assert k3.all_mla().recurrent_state_bytes() == 0
+    state = 69 * (96 * 128 * 128 + 3 * 3 * 96 * 128) * 2
+    assert k3.recurrent_state_bytes() == state
+    assert k3.kv_cache_bytes(0) == state
+    assert k3.kv_cache_bytes(1000) - k3.kv_cache_bytes(999) == k3.kv_cache_bytes_per_token()
+    saving = 1 - k3.kv_cache_bytes(2**20) / k3.all_mla().kv_cache_bytes(2**20)
+    assert 0.7 < saving < 0.75  # "up to 75% less KV cache"
+    assert k3.kv_cache_bytes_per_token(dtype_bytes=4) == 2 * k3.kv_cache_bytes_per_token()
+
+
+def test_parameter_count_scales_as_the_formula_says():
+    base = K3Config()
+    wider = base.replace(n_routed_experts=16)
+    routed = base.param_count().components["routed_experts"][0]
+    assert wider.param_count().components["routed_experts"][0] == 2 * routed
+    tied = base.replace(tie_embeddings=True).param_count()
+    assert tied.components["lm_head"] == (0, 0)
+    full_width = base.replace(latent_dim=None).param_count().components
+    assert full_width["latent_projections"] == (0, 0)
+    assert full_width["routed_experts"][0] == 2 * routed  # experts read d = 128 instead of ℓ = 64
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="name: unknown preset 'kimi-k4'.*kimi-k3.*tiny.*small"):
+        K3Config.preset("kimi-k4")
+    with pytest.raises(TypeError, match="name must be"):
+        K3Config.preset(3)
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(d_model=0), "d_model"), (dict(n_layers=2.5), "n_layers"), (dict(top_k=9), "top_k"),
+    (dict(first_k_dense=5), "first_k_dense"), (dict(latent_dim=0), "latent_dim"),
+    (dict(router_score="relu"), "router_score"), (dict(balancing="magic"), "balancing"),
+    (dict(ffn_activation="gelu"), "ffn_activation"), (dict(residual="postnorm"), "residual"),
+    (dict(mla_layers=(4,)), "mla_layers"), (dict(mla_layers=[3]), "mla_layers"),
+    (dict(mla_layers=(3, 1)), "mla_layers"),
+    (dict(route_scale=0.0), "route_scale"), (dict(mla_gated=1), "mla_gated"), (dict(kda_per_mla=-1), "kda_per_mla"),
+    (dict(kda_output_gate="none"), "kda_output_gate"), (dict(q_lora_rank=-3), "q_lora_rank"),
+])
+def test_bad_fields_are_named(changes, field):
+    with pytest.raises((ValueError, TypeError), match=field):
+        K3Config(**changes)
+
+
+def test_bad_arguments_are_named():
+    cfg = K3Config()
+    with pytest.raises(ValueError, match="context"):
+        cfg.kv_cache_bytes(-1)
+    with pytest.raises(ValueError, match="dtype_bytes"):
+        cfg.kv_cache_bytes_per_token(dtype_bytes=0)
+    with pytest.raises(ValueError, match="dtype_bytes"):
+        cfg.recurrent_state_bytes(dtype_bytes=1.5)
+    with pytest.raises(ValueError, match="kind"):
+        meta_layer(cfg, "conv")
+    with pytest.raises(TypeError, match="cfg"):
+        meta_layer("tiny", "kda")
+    with pytest.raises(TypeError, match="changes: widht"):
+        cfg.replace(widht=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.d_model = 3

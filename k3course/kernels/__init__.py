@@ -26,3 +26,26 @@ def _choose_mode() -> str:
 
 TRITON_MODE: str = _choose_mode()
 """'native' (compiled for the GPU), 'interpreter' (TRITON_INTERPRET=1, CPU tensors, fp32) or 'unavailable'."""
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def use_triton(device: torch.device | str, backend: str | None = None) -> bool:
+    """Whether a layer on ``device`` should run the Triton kernels (True) or the torch path (False).
+
+    ``backend`` is ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` (always; on CPU the kernels run
+    under the interpreter, slowly, in fp32) or ``"torch"`` (never). When ``backend`` is None it is read from the
+    environment variable ``K3COURSE_KERNELS`` (default ``"auto"``): the one switch that forces either path.
+    """
+    chosen = backend if backend is not None else os.environ.get("K3COURSE_KERNELS", "auto")
+    if chosen not in BACKENDS:
+        raise ValueError(f"backend (or K3COURSE_KERNELS) must be one of {BACKENDS}, got {chosen!r}")
+    if chosen == "torch":
+        return False
+    if TRITON_MODE == "unavailable":
+        if chosen == "triton":
+            raise RuntimeError("backend 'triton' was forced but triton is not installed")
+        return False
+    if chosen == "triton":
+        return True
+    return torch.device(device).type == "cuda" and TRITON_MODE == "native"

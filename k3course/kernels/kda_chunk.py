@@ -1,0 +1,344 @@
+"""Kimi Delta Attention, chunkwise, as Triton kernels (DESIGN §6, "Chunkwise algorithm").
+
+The forward pass is five kernels, one per step of the chunkwise algorithm, each reading and writing global
+memory with plain pointer arithmetic (no block pointers):
+
+1. ``_chunk_cumsum_kernel``  G = in-chunk inclusive cumulative sum of the log-decay g (resets every chunk).
+2. ``_intra_chunk_kernel``   A_kk[r,i] = β_r Σ_d k_rd k_id e^{G_rd − G_id} (i < r) and
+                             A_qk[r,i] = scale Σ_d q_rd k_id e^{G_rd − G_id} (i ≤ r), in 16-token sub-chunk
+                             tiles so that no exponent is ever positive (log-space stability).
+3. ``_wy_kernel``            UT transform: X = (I + A_kk)^-1 by forward substitution; W = X (β Γ ⊙ K), U = X (β V).
+4. ``_state_kernel``         the only sequential part: for each chunk, store the entering state S, then
+                             Ṽ = U − W S and S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
+5. ``_output_kernel``        O = (scale Γ ⊙ Q) S + A_qk Ṽ, all chunks in parallel.
+
+Everything accumulates in fp32 whatever the input dtype; the output has the dtype of ``v``. Under the Triton
+interpreter (no GPU) inputs must be fp32 (bf16 is wrong there, DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3course.kernels import TRITON_MODE
+
+SUB_CHUNK = 16  # tile side of the intra-chunk products; 16 is also the smallest tl.dot on a GPU
+
+
+@triton.jit
+def _dot(a, b, LOW_PRECISION: tl.constexpr):
+    """a @ b accumulated in fp32: bf16 tensor-core inputs for bf16 / fp16 data, exact fp32 otherwise."""
+    if LOW_PRECISION:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _chunk_cumsum_kernel(g_ptr, out_ptr, T, H, K, BT: tl.constexpr, BK: tl.constexpr):
+    """One program per (chunk, batch·head): out[t] = Σ_{s in chunk, s ≤ t} g[s], in fp32."""
+    chunk, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = chunk * BT + tl.arange(0, BT)  # [BT] time indices of this chunk
+    cols = tl.arange(0, BK)  # [BK] channels
+    offsets = ((b * T + rows[:, None]) * H + h) * K + cols[None, :]  # [BT, BK], layout [B, T, H, K]
+    mask = (rows[:, None] < T) & (cols[None, :] < K)
+    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, tl.cumsum(g, axis=0), mask=mask)
+
+
+def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
+    """In-chunk cumulative log-decay G[b, t, h] = Σ_{s = c·C}^{t} g[b, s, h] with c = ⌊t / C⌋, in fp32.
+
+    g: [B, T, H, K] log-decay (≤ 0). Returns fp32 [B, T, H, K]; the sum restarts at every chunk boundary.
+    """
+    if g.dim() != 4:
+        raise ValueError(f"g must be [B, T, H, K], got shape {tuple(g.shape)}")
+    _check_chunk_size(chunk_size)
+    g = g.contiguous()
+    B, T, H, K = g.shape
+    out = torch.empty(B, T, H, K, dtype=torch.float32, device=g.device)
+    grid = (triton.cdiv(T, chunk_size), B * H)
+    _chunk_cumsum_kernel[grid](g, out, T, H, K, BT=chunk_size, BK=_block(K))
+    return out
+
+
+@triton.jit
+def _intra_chunk_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, scale, T, H, K,
+                        BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """One program per (chunk, batch·head): the [BT, BT] matrices A_kk (β-scaled) and A_qk (scaled).
+
+    Tile (a, b) covers rows of sub-chunk a and columns of sub-chunk b ≤ a. Below the diagonal the tile is one
+    tl.dot after normalising at the first row n of sub-chunk a: k_r e^{G_r − G_n} and k_i e^{G_n − G_i} both
+    have exponents ≤ 0 because G decreases along time. On the diagonal each column is a masked row-sum, so
+    the exponent G_r − G_i is only ever taken for i ≤ r.
+    """
+    chunk, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    NC: tl.constexpr = BT // BC
+    t0 = chunk * BT
+    cols = tl.arange(0, BK)
+    local = tl.arange(0, BC)
+    for a in tl.static_range(NC):
+        rows_a = t0 + a * BC + local  # [BC]
+        mask_a = (rows_a[:, None] < T) & (cols[None, :] < K)
+        offs_a = ((b * T + rows_a[:, None]) * H + h) * K + cols[None, :]
+        q_a = tl.load(q_ptr + offs_a, mask=mask_a, other=0.0).to(tl.float32)
+        k_a = tl.load(k_ptr + offs_a, mask=mask_a, other=0.0).to(tl.float32)
+        g_a = tl.load(gc_ptr + offs_a, mask=mask_a, other=0.0)
+        beta_a = tl.load(beta_ptr + (b * T + rows_a) * H + h, mask=rows_a < T, other=0.0).to(tl.float32)
+        ref_row = t0 + a * BC
+        g_ref = tl.load(gc_ptr + ((b * T + ref_row) * H + h) * K + cols, mask=(cols < K) & (ref_row < T), other=0.0)
+        decay_a = tl.exp(tl.where(mask_a, g_a - g_ref[None, :], float("-inf")))  # [BC, BK], entries ≤ 1
+        for c in tl.static_range(a):
+            rows_c = t0 + c * BC + local
+            mask_c = (rows_c[:, None] < T) & (cols[None, :] < K)
+            offs_c = ((b * T + rows_c[:, None]) * H + h) * K + cols[None, :]
+            k_c = tl.load(k_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+            g_c = tl.load(gc_ptr + offs_c, mask=mask_c, other=0.0)
+            exponent = tl.where(mask_c & (ref_row < T), g_ref[None, :] - g_c, float("-inf"))  # ≤ 0
+            k_c_decayed = k_c * tl.exp(exponent)
+            akk = tl.dot(k_a * decay_a, tl.trans(k_c_decayed), input_precision="ieee") * beta_a[:, None]
+            aqk = tl.dot(q_a * decay_a, tl.trans(k_c_decayed), input_precision="ieee") * scale
+            _store_tile(akk_ptr, akk, b, h, T, H, rows_a, c * BC + local, BT)
+            _store_tile(aqk_ptr, aqk, b, h, T, H, rows_a, c * BC + local, BT)
+        akk = tl.zeros([BC, BC], dtype=tl.float32)
+        aqk = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in tl.static_range(BC):
+            row_j = t0 + a * BC + j
+            mask_j = (cols < K) & (row_j < T)
+            k_j = tl.load(k_ptr + ((b * T + row_j) * H + h) * K + cols, mask=mask_j, other=0.0).to(tl.float32)
+            g_j = tl.load(gc_ptr + ((b * T + row_j) * H + h) * K + cols, mask=mask_j, other=0.0)
+            at_or_below = local[:, None] >= j  # [BC, 1]: rows r ≥ j, where G_r − G_j ≤ 0
+            decay = tl.exp(tl.where(at_or_below & mask_a, g_a - g_j[None, :], float("-inf")))  # [BC, BK]
+            kk_col = tl.sum(k_a * k_j[None, :] * decay, axis=1)  # [BC]
+            qk_col = tl.sum(q_a * k_j[None, :] * decay, axis=1)
+            is_col = local[None, :] == j
+            akk = tl.where(is_col & (local[:, None] > j), kk_col[:, None], akk)
+            aqk = tl.where(is_col, qk_col[:, None], aqk)
+        _store_tile(akk_ptr, akk * beta_a[:, None], b, h, T, H, rows_a, a * BC + local, BT)
+        _store_tile(aqk_ptr, aqk * scale, b, h, T, H, rows_a, a * BC + local, BT)
+
+
+@triton.jit
+def _store_tile(ptr, tile, b, h, T, H, rows, cols, BT: tl.constexpr):
+    """Store a tile of a [B, T, H, BT] matrix: row = time index, column = position inside the chunk."""
+    offsets = ((b * T + rows[:, None]) * H + h) * BT + cols[None, :]
+    tl.store(ptr + offsets, tile, mask=rows[:, None] < T)
+
+
+@triton.jit
+def _wy_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, T, H, K, V,
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LOW_PRECISION: tl.constexpr):
+    """One program per (chunk, batch·head): X = (I + A_kk)^-1, W = X (β e^G ⊙ K), U = X (β V).
+
+    Forward substitution, row by row: X = I − A X and A is strictly lower triangular, so row r of X needs only
+    rows < r: X_r = e_r − Σ_{i<r} A_ri X_i.
+    """
+    chunk, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = chunk * BT + tl.arange(0, BT)
+    local = tl.arange(0, BT)
+    row_ok = rows < T
+    a_offsets = ((b * T + rows[:, None]) * H + h) * BT + local[None, :]
+    akk = tl.load(akk_ptr + a_offsets, mask=row_ok[:, None], other=0.0)  # [BT, BT]
+    inverse = (local[:, None] == local[None, :]).to(tl.float32)  # starts as I; row r is replaced at step r
+    for r in range(1, BT):
+        a_r = tl.sum(tl.where(local[:, None] == r, akk, 0.0), axis=0)  # [BT] row r of A (zero from column r on)
+        x_r = tl.where(local == r, 1.0, 0.0) - tl.sum(a_r[:, None] * inverse, axis=0)
+        inverse = tl.where(local[:, None] == r, x_r[None, :], inverse)
+    beta = tl.load(beta_ptr + (b * T + rows) * H + h, mask=row_ok, other=0.0).to(tl.float32)
+    cols = tl.arange(0, BK)
+    mask_k = row_ok[:, None] & (cols[None, :] < K)
+    k_offsets = ((b * T + rows[:, None]) * H + h) * K + cols[None, :]
+    k = tl.load(k_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
+    gc = tl.load(gc_ptr + k_offsets, mask=mask_k, other=0.0)
+    w = _dot(inverse, k * tl.exp(gc) * beta[:, None], LOW_PRECISION)
+    tl.store(w_ptr + k_offsets, w, mask=mask_k)
+    for v0 in range(0, V, BV):
+        cols_v = v0 + tl.arange(0, BV)
+        mask_v = row_ok[:, None] & (cols_v[None, :] < V)
+        v_offsets = ((b * T + rows[:, None]) * H + h) * V + cols_v[None, :]
+        v = tl.load(v_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
+        tl.store(u_ptr + v_offsets, _dot(inverse, v * beta[:, None], LOW_PRECISION), mask=mask_v)
+
+
+@triton.jit
+def _state_kernel(k_ptr, gc_ptr, w_ptr, u_ptr, h_ptr, vnew_ptr, h0_ptr, ht_ptr, T, H, K, V, NT,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, LOW_PRECISION: tl.constexpr):
+    """One program per (value block, batch·head), walking the chunks in order (the sequential part).
+
+    For chunk c with entering state S [K, BV]: store S in h[b, c, h], then Ṽ = U − W S (stored), then
+    S ← Diag(e^{G_last}) S + (K ⊙ e^{G_last − G})ᵀ Ṽ, with G_last the cumulative decay at the chunk's last row.
+    """
+    v_block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    cols_k = tl.arange(0, BK)
+    cols_v = v_block * BV + tl.arange(0, BV)
+    state_offsets = cols_k[:, None] * V + cols_v[None, :]  # [BK, BV] inside one [K, V] state
+    state_mask = (cols_k[:, None] < K) & (cols_v[None, :] < V)
+    state = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        state += tl.load(h0_ptr + bh * K * V + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
+    for chunk in range(NT):
+        tl.store(h_ptr + ((b * NT + chunk) * H + h) * K * V + state_offsets, state, mask=state_mask)
+        rows = chunk * BT + tl.arange(0, BT)
+        mask_k = (rows[:, None] < T) & (cols_k[None, :] < K)
+        mask_v = (rows[:, None] < T) & (cols_v[None, :] < V)
+        k_offsets = ((b * T + rows[:, None]) * H + h) * K + cols_k[None, :]
+        v_offsets = ((b * T + rows[:, None]) * H + h) * V + cols_v[None, :]
+        w = tl.load(w_ptr + k_offsets, mask=mask_k, other=0.0)
+        v_new = tl.load(u_ptr + v_offsets, mask=mask_v, other=0.0) - _dot(w, state, LOW_PRECISION)  # [BT, BV]
+        tl.store(vnew_ptr + v_offsets, v_new, mask=mask_v)
+        last = tl.minimum(chunk * BT + BT, T) - 1
+        g_last = tl.load(gc_ptr + ((b * T + last) * H + h) * K + cols_k, mask=cols_k < K, other=0.0)  # [BK]
+        k = tl.load(k_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
+        gc = tl.load(gc_ptr + k_offsets, mask=mask_k, other=0.0)
+        k_decayed = k * tl.exp(tl.where(mask_k, g_last[None, :] - gc, float("-inf")))  # [BT, BK], exponents ≤ 0
+        state = state * tl.exp(g_last)[:, None] + _dot(tl.trans(k_decayed), v_new, LOW_PRECISION)
+    if STORE_FINAL_STATE:
+        tl.store(ht_ptr + bh * K * V + state_offsets, state, mask=state_mask)
+
+
+@triton.jit
+def _output_kernel(q_ptr, gc_ptr, h_ptr, vnew_ptr, aqk_ptr, o_ptr, scale, T, H, K, V, NT,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LOW_PRECISION: tl.constexpr):
+    """One program per (value block, chunk, batch·head): O = (scale e^G ⊙ Q) S + A_qk Ṽ."""
+    v_block, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    rows = chunk * BT + tl.arange(0, BT)
+    cols_k = tl.arange(0, BK)
+    cols_v = v_block * BV + tl.arange(0, BV)
+    mask_k = (rows[:, None] < T) & (cols_k[None, :] < K)
+    mask_v = (rows[:, None] < T) & (cols_v[None, :] < V)
+    k_offsets = ((b * T + rows[:, None]) * H + h) * K + cols_k[None, :]
+    v_offsets = ((b * T + rows[:, None]) * H + h) * V + cols_v[None, :]
+    q = tl.load(q_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
+    gc = tl.load(gc_ptr + k_offsets, mask=mask_k, other=0.0)
+    state_offsets = ((b * NT + chunk) * H + h) * K * V + cols_k[:, None] * V + cols_v[None, :]
+    state = tl.load(h_ptr + state_offsets, mask=(cols_k[:, None] < K) & (cols_v[None, :] < V), other=0.0)
+    local = tl.arange(0, BT)
+    aqk = tl.load(aqk_ptr + ((b * T + rows[:, None]) * H + h) * BT + local[None, :], mask=rows[:, None] < T,
+                  other=0.0)
+    v_new = tl.load(vnew_ptr + v_offsets, mask=mask_v, other=0.0)
+    out = _dot(q * tl.exp(gc) * scale, state, LOW_PRECISION) + _dot(aqk, v_new, LOW_PRECISION)
+    tl.store(o_ptr + v_offsets, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+
+def _block(n: int) -> int:
+    """The tile width covering n channels: a power of two, at least 16 (the smallest tl.dot)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+
+
+def _check_inputs(q, k, v, g, beta, initial_state) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    for name, x in (("k", k), ("g", g)):
+        if tuple(x.shape) != (B, T, H, K):
+            raise ValueError(f"{name} must have the shape of q {(B, T, H, K)}, got {tuple(x.shape)}")
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got shape {tuple(v.shape)}")
+    if tuple(beta.shape) != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H] = {(B, T, H)}, got shape {tuple(beta.shape)}")
+    if K > 256:
+        raise ValueError(f"q: head dim K must be ≤ 256 for these kernels, got {K}")
+    if initial_state is not None and tuple(initial_state.shape) != (B, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}, "
+                         f"got shape {tuple(initial_state.shape)}")
+    devices = {x.device for x in (q, k, v, g, beta)}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v, g, beta must be on one device, got {sorted(map(str, devices))}")
+    if TRITON_MODE == "interpreter" and q.dtype != torch.float32:
+        raise TypeError(f"q: the Triton interpreter needs fp32 inputs (bf16 is wrong there), got {q.dtype}")
+    if (g > 0).any():
+        raise ValueError("g must be a log-decay (≤ 0 everywhere); got positive entries")
+
+
+def kda_chunk_forward(q, k, v, g, beta, scale: float, initial_state=None, output_final_state=False,
+                      chunk_size: int = 64):
+    """The five forward kernels, no autograd. Same contract as :func:`kda_chunk_triton`."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BT, BK, BV = chunk_size, _block(K), min(64, _block(V))
+    NT = triton.cdiv(T, BT)
+    low_precision = q.dtype in (torch.bfloat16, torch.float16)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    gc = chunk_local_cumsum(g, BT)  # step 1
+    akk = torch.zeros(B, T, H, BT, **f32)
+    aqk = torch.zeros(B, T, H, BT, **f32)
+    _intra_chunk_kernel[(NT, B * H)](q, k, gc, beta, akk, aqk, scale, T, H, K, BT=BT, BC=min(SUB_CHUNK, BT),
+                                     BK=BK)  # step 2 and step 6
+    w, u = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, V, **f32)
+    _wy_kernel[(NT, B * H)](k, v, gc, beta, akk, w, u, T, H, K, V, BT=BT, BK=BK, BV=BV,
+                            LOW_PRECISION=low_precision)  # steps 3 and 4
+    states = torch.empty(B, NT, H, K, V, **f32)
+    v_new = torch.empty(B, T, H, V, **f32)
+    final_state = torch.empty(B, H, K, V, **f32) if output_final_state else None
+    h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
+    _state_kernel[(triton.cdiv(V, BV), B * H)](
+        k, gc, w, u, states, v_new, h0, final_state, T, H, K, V, NT, BT=BT, BK=BK, BV=BV,
+        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state,
+        LOW_PRECISION=low_precision)  # steps 5 and 8
+    o = torch.empty_like(v)
+    _output_kernel[(triton.cdiv(V, BV), NT, B * H)](q, gc, states, v_new, aqk, o, scale, T, H, K, V, NT, BT=BT,
+                                                    BK=BK, BV=BV, LOW_PRECISION=low_precision)  # step 7
+    return o, final_state
+
+
+class _KDAChunkFunction(torch.autograd.Function):
+    """Forward: the Triton kernels. Backward: recompute through the torch chunked path and differentiate it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        o, final_state = kda_chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_final_state):
+        from k3course.attention import kda_chunk
+
+        saved = ctx.saved_tensors
+        inputs = [x.detach().requires_grad_(x is not None and x.is_floating_point()) if x is not None else None
+                  for x in saved]
+        with torch.enable_grad():
+            o, final_state = kda_chunk(*inputs[:5], scale=ctx.scale, initial_state=inputs[5],
+                                       output_final_state=grad_final_state is not None, chunk_size=ctx.chunk_size)
+            outputs, grads_out = [o], [grad_o]
+            if grad_final_state is not None:
+                outputs.append(final_state)
+                grads_out.append(grad_final_state)
+            wanted = [x for x in inputs if x is not None]
+            grads = iter(torch.autograd.grad(outputs, wanted, grads_out, allow_unused=True))
+        dq, dk, dv, dg, dbeta = (next(grads) for _ in range(5))
+        dh0 = next(grads) if inputs[5] is not None else None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+
+
+def kda_chunk_triton(q, k, v, g, beta, scale: float | None = None, initial_state: torch.Tensor | None = None,
+                     output_final_state: bool = False, chunk_size: int = 64):
+    """Chunkwise KDA with Triton kernels: the recurrence S_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k_t v_tᵀ,
+    o_t = scale · S_tᵀ q_t, computed chunk by chunk (DESIGN §6).
+
+    q, k: [B, T, H, K] (K ≤ 256); v: [B, T, H, V]; g: [B, T, H, K] log-decay ≤ 0; beta: [B, T, H];
+    initial_state: [B, H, K, V] or None; scale defaults to K^-1/2; chunk_size ∈ {16, 32, 64}; any T ≥ 1.
+    Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
+
+    Forward: five Triton kernels (see the module docstring). Backward: an autograd function that recomputes the
+    forward through the torch chunked path ``k3course.attention.kda_chunk`` and differentiates it (no backward
+    kernels). On a GPU the kernels run natively; on a CPU under the Triton interpreter in fp32.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state)
+    _check_chunk_size(chunk_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _KDAChunkFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)

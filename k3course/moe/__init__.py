@@ -1,0 +1,24 @@
+"""The MoE track (chapters 01–03): routing, balancing, sort-based dispatch, experts, MoE and LatentMoE."""
+
+from k3course.moe.balancing import (
+                                    bias_from_histogram,
+                                    expert_load,
+                                    margin_histogram,
+                                    quantile_balance_bias,
+                                    quantile_balance_bias_from_histograms,
+                                    router_z_loss,
+                                    sign_rule_update,
+                                    switch_aux_loss,
+                                    token_cutoffs,
+)
+from k3course.moe.dispatch import grouped_mm, sort_by_expert, unsort
+from k3course.moe.experts import GLUFFN, RoutedExperts, situ_glu, swiglu
+from k3course.moe.layers import LatentMoE, MoE
+from k3course.moe.routing import router_scores, topk_route
+from k3course.moe.stats import load_entropy, max_violation, routing_stats
+
+__all__ = ["GLUFFN", "LatentMoE", "MoE", "RoutedExperts", "bias_from_histogram", "expert_load", "grouped_mm",
+           "load_entropy", "margin_histogram", "max_violation", "quantile_balance_bias",
+           "quantile_balance_bias_from_histograms", "router_scores", "router_z_loss", "routing_stats",
+           "sign_rule_update", "situ_glu", "sort_by_expert", "swiglu", "switch_aux_loss", "token_cutoffs",
+           "topk_route", "unsort"]

@@ -1,0 +1,150 @@
+"""Load balancing: the Switch aux loss and router z-loss, DeepSeek-V3's sign rule, K3's quantile balancing.
+
+The sign rule and quantile balancing move a per-expert bias b that steers top-k selection only
+(:func:`k3course.moe.routing.topk_route`); they run under ``no_grad`` after each step, and the new bias is
+used from the next step on. See DESIGN §6 and notebook 03 for the LP-dual derivation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3course.moe.routing import _check_bias, _check_k, _check_scores, topk_indices
+
+
+def expert_load(expert_idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Token-slots per expert: load_j = #{(t, slot): expert_idx[t, slot] = j}. [m, k] -> [n] int64."""
+    if expert_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"expert_idx must be an integer tensor, got dtype {expert_idx.dtype}")
+    return torch.bincount(expert_idx.reshape(-1), minlength=n)
+
+
+def switch_aux_loss(probs: torch.Tensor, expert_idx: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """Switch load-balancing loss α · n · Σ_j f_j P_j (= α when perfectly balanced).
+
+    f_j = load_j / (m k): the fraction of token-slots sent to expert j (no gradient: counts);
+    P_j = mean_t probs[t, j]: the mean router probability (carries the gradient).
+    probs [m, n] with rows summing to 1 (for a sigmoid router pass s / Σ_j s); expert_idx [m, k] -> scalar.
+    """
+    _check_scores(probs, "probs")
+    m, n = probs.shape
+    fraction = expert_load(expert_idx, n).to(probs.dtype) / expert_idx.numel()
+    return alpha * n * (fraction * probs.mean(dim=0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Router z-loss (ST-MoE): mean_t (logsumexp_j logit_tj)², keeps router logits small. [m, n] -> scalar."""
+    _check_scores(logits, "logits")
+    return torch.logsumexp(logits.float(), dim=-1).square().mean().to(logits.dtype)
+
+
+def sign_rule_update(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> torch.Tensor:
+    """DeepSeek-V3 loss-free balancing, one step: b_j ← b_j − γ · sign(load_j − mean load).
+
+    bias [n], load [n] (counts) -> new bias [n]. SignSGD on the dual of the balanced-assignment LP.
+    """
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 1:
+        raise ValueError(f"bias must be a 1-D tensor [n experts], got {getattr(bias, 'shape', type(bias).__name__)}")
+    if tuple(load.shape) != tuple(bias.shape):
+        raise ValueError(f"load must have the shape of bias {tuple(bias.shape)}, got {tuple(load.shape)}")
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    load = load.to(torch.float64)
+    return bias - gamma * torch.sign(load - load.mean()).to(bias.dtype)
+
+
+def token_cutoffs(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    """α_t = the (k+1)-th largest biased score s_t + b of each token. [m, n], [n] -> [m]."""
+    biased = scores + bias
+    return biased.gather(1, topk_indices(biased, k + 1)[:, k:]).squeeze(1)
+
+
+def _check_balance_inputs(scores: torch.Tensor, bias: torch.Tensor, k: int) -> None:
+    _check_scores(scores)
+    n = scores.shape[1]
+    _check_k(k, n)
+    _check_bias(bias, n)
+
+
+def quantile_balance_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    """K3's quantile balancing: a coordinate step on the dual of the balanced-assignment LP.
+
+    α_t = (k+1)-th largest of s_t + b;  q = ⌊m k / n⌋;
+    b̂_j = −(the (q+1)-th largest over tokens t of the margin s_tj − α_t);  return b̂ − mean(b̂).
+    With b̂, expert j beats token t's cutoff for exactly its q best-margin tokens: each expert is filled to
+    its target load in one step (up to how the cutoffs move). Order statistics are values, so ties in the
+    scores give the same bias whatever order they are visited in.
+    scores [m, n] (detached), bias [n] -> new bias [n], computed in fp64, returned in bias.dtype.
+    """
+    _check_balance_inputs(scores, bias, k)
+    m, n = scores.shape
+    target = (m * k) // n
+    scores64, bias64 = scores.detach().double(), bias.detach().double()
+    margins = scores64 - token_cutoffs(scores64, bias64, k)[:, None]  # [m, n]
+    kth = torch.sort(margins, dim=0, descending=True).values[target]  # [n]: (q+1)-th largest per expert
+    new_bias = -kth
+    return (new_bias - new_bias.mean()).to(bias.dtype)
+
+
+def margin_range(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[float, float]:
+    """(min, max) of the margins s_tj − α_t on one rank; ranks all-reduce these (min / max) to agree on bins."""
+    _check_balance_inputs(scores, bias, k)
+    scores64 = scores.detach().double()
+    margins = scores64 - token_cutoffs(scores64, bias.detach().double(), k)[:, None]
+    return float(margins.min()), float(margins.max())
+
+
+def margin_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, edges: torch.Tensor) -> torch.Tensor:
+    """Per-expert histogram of the margins s_tj − α_t on one rank's tokens.
+
+    edges [bins + 1] increasing (shared by all ranks) -> counts [n, bins] int64. Margins on the last edge go
+    in the last bin. Summing these over ranks (an all-reduce) gives the histogram of all tokens.
+    """
+    _check_balance_inputs(scores, bias, k)
+    scores64 = scores.detach().double()
+    margins = scores64 - token_cutoffs(scores64, bias.detach().double(), k)[:, None]  # [m, n]
+    bins = edges.numel() - 1
+    which = torch.bucketize(margins, edges.double(), right=True) - 1  # bin of each margin
+    which = which.clamp(0, bins - 1)
+    n = scores.shape[1]
+    flat = which.T + bins * torch.arange(n)[:, None]  # [n, m]: expert j's bins offset by j·bins
+    return torch.bincount(flat.reshape(-1), minlength=n * bins).reshape(n, bins)
+
+
+def bias_from_histogram(counts: torch.Tensor, edges: torch.Tensor, target: int) -> torch.Tensor:
+    """Read b̂_j = −(the (q+1)-th largest margin of expert j) off a histogram, then mean-centre.
+
+    Counting down from the top bin, the (q+1)-th largest margin lies in the first bin where the count from
+    the top reaches q + 1; the estimate is that bin's midpoint (within half a bin of the exact value).
+    counts [n, bins], edges [bins + 1], target q -> bias [n] float64.
+    """
+    from_top = counts.flip(1).cumsum(1)  # [n, bins]: counts in bins ≥ this one, top bin first
+    bins = counts.shape[1]
+    if (from_top[:, -1] <= target).any():
+        raise ValueError(f"target must be < the tokens counted per expert ({int(from_top[:, -1].min())}), "
+                         f"got {target}")
+    top_bin = bins - 1 - (from_top > target).to(torch.int64).argmax(1)  # [n]
+    midpoints = (edges[:-1] + edges[1:]).double() / 2
+    new_bias = -midpoints[top_bin]
+    return new_bias - new_bias.mean()
+
+
+def quantile_balance_bias_from_histograms(score_shards: list[torch.Tensor], bias: torch.Tensor, k: int,
+                                          bins: int = 256) -> torch.Tensor:
+    """Quantile balancing when the m tokens are spread over ranks (one [m_r, n] score shard per rank).
+
+    Each rank reports its margin range and a per-expert histogram over shared edges; the histograms are summed
+    (the all-reduce) and the quantile read from the pooled histogram. Agrees with
+    :func:`quantile_balance_bias` on the concatenated scores within one bin width.
+    -> new bias [n] in bias.dtype.
+    """
+    if not score_shards:
+        raise ValueError("score_shards must hold at least one [m_r, n] tensor")
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"bins must be a positive int, got {bins!r}")
+    ranges = [margin_range(shard, bias, k) for shard in score_shards]
+    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)  # all-reduce of min and max
+    edges = torch.linspace(low, high, bins + 1, dtype=torch.float64)
+    counts = sum(margin_histogram(shard, bias, k, edges) for shard in score_shards)  # all-reduce of sums
+    m, n = sum(shard.shape[0] for shard in score_shards), score_shards[0].shape[1]
+    return bias_from_histogram(counts, edges, (m * k) // n).to(bias.dtype)

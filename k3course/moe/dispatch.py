@@ -1,0 +1,82 @@
+"""Sort-based dispatch: group token-slots by expert, run each expert's GEMM on a contiguous block, unsort.
+
+For m tokens with k experts each there are m·k token-slots; slot s = t·k + i holds token t's i-th expert.
+``sort_by_expert`` gives the permutation that sorts slots by expert (stable, so tokens stay in order within
+an expert) and each expert's block end; ``grouped_mm`` multiplies every block by its expert's weight;
+``unsort`` applies the inverse permutation. ``grouped_mm`` is the single call site for the expert GEMM: a
+Triton kernel can take its place behind the ``backend`` switch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sort_by_expert(expert_idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots sorted by expert: order[r] = the slot at sorted row r; group_offsets[j] = end of expert j's rows.
+
+    expert_idx [m, k] int -> (order [m k] int64, group_offsets [n_experts] int32, cumulative ends).
+    The token of sorted row r is order[r] // k.
+    """
+    if expert_idx.dim() != 2 or expert_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert_idx must be an int tensor of shape [m, k], got {expert_idx.dtype} "
+                         f"{tuple(expert_idx.shape)}")
+    flat = expert_idx.reshape(-1)
+    if flat.numel() and (flat.min() < 0 or flat.max() >= n_experts):
+        raise ValueError(f"expert_idx entries must lie in [0, n_experts = {n_experts})")
+    order = torch.sort(flat, stable=True).indices  # [m k]
+    group_offsets = torch.bincount(flat, minlength=n_experts).cumsum(0).to(torch.int32)  # [n]
+    return order, group_offsets
+
+
+def unsort(rows_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Undo the sort: out[order[r]] = rows_sorted[r]. rows_sorted [m k, ...] -> [m k, ...] in slot order."""
+    if rows_sorted.shape[0] != order.shape[0]:
+        raise ValueError(f"rows_sorted has {rows_sorted.shape[0]} rows but order has {order.shape[0]} entries")
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return rows_sorted[inverse]
+
+
+def _grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._grouped_mm runs here: it exists, and the inputs are CUDA bf16/fp32 with 16-byte-aligned rows."""
+    if not hasattr(torch, "_grouped_mm") or not x.is_cuda:
+        return False
+    aligned = (x.shape[1] * x.element_size()) % 16 == 0 and (weight.shape[2] * weight.element_size()) % 16 == 0
+    return x.dtype in (torch.bfloat16, torch.float32) and aligned
+
+
+def _grouped_mm_loop(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+    """The fallback: one GEMM per expert on its contiguous block of rows."""
+    out = x_sorted.new_empty(x_sorted.shape[0], weight.shape[2])
+    ends = group_offsets.tolist()
+    start = 0
+    for expert, end in enumerate(ends):
+        if end > start:
+            out[start:end] = x_sorted[start:end] @ weight[expert]
+        start = end
+    return out
+
+
+def grouped_mm(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor,
+               backend: str = "auto") -> torch.Tensor:
+    """out[r] = x_sorted[r] @ weight[e(r)], where e(r) is the expert whose block holds row r.
+
+    x_sorted [M, d_in] (rows grouped by expert), weight [E, d_in, d_out], group_offsets [E] int32 cumulative
+    block ends (the last equals M) -> [M, d_out].
+    backend: "loop" (one matmul per expert), "torch" (``torch._grouped_mm``), or "auto": torch's grouped GEMM
+    on CUDA where it supports the dtype, else the loop. On CPU (torch 2.13) ``torch._grouped_mm`` does run in
+    fp32 but is ~4× slower than the loop and its backward rejects non-contiguous gradients, so the loop is
+    the CPU path.
+    """
+    if x_sorted.dim() != 2 or weight.dim() != 3 or x_sorted.shape[1] != weight.shape[1]:
+        raise ValueError(f"x_sorted [M, d_in] and weight [E, d_in, d_out] must agree on d_in, got "
+                         f"{tuple(x_sorted.shape)} and {tuple(weight.shape)}")
+    if group_offsets.shape != (weight.shape[0],):
+        raise ValueError(f"group_offsets must have shape [E] = ({weight.shape[0]},), got {tuple(group_offsets.shape)}")
+    if backend not in ("auto", "loop", "torch"):
+        raise ValueError(f"backend must be 'auto', 'loop' or 'torch', got {backend!r}")
+    use_torch = backend == "torch" or (backend == "auto" and _grouped_mm_available(x_sorted, weight))
+    if use_torch:
+        return torch._grouped_mm(x_sorted, weight, offs=group_offsets.to(torch.int32))
+    return _grouped_mm_loop(x_sorted, weight, group_offsets)

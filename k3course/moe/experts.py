@@ -1,0 +1,78 @@
+"""Expert FFNs: the gated activations (SwiGLU, K3's SiTU-GLU), a dense GLU FFN, and a bank of routed experts."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from k3course.moe.dispatch import grouped_mm
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's elementwise part: SiLU(gate) ⊙ up."""
+    return F.silu(gate) * up
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """K3's SiTU-GLU: [β₁ tanh(gate/β₁) ⊙ σ(gate)] ⊙ [β₂ tanh(up/β₂)].
+
+    A SwiGLU whose gate and up branches are soft-capped by tanh (|gate branch| < β₁, |up branch| < β₂), which
+    bounds the activations that reach the down projection. Near 0 it equals SwiGLU.
+    """
+    return beta1 * torch.tanh(gate / beta1) * torch.sigmoid(gate) * (beta2 * torch.tanh(up / beta2))
+
+
+ACTIVATIONS = {"swiglu": swiglu, "situ_glu": situ_glu}
+
+
+def activation_fn(name: str):
+    """The gated activation called ``name`` ('swiglu' or 'situ_glu')."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+    return ACTIVATIONS[name]
+
+
+def _init(shape: tuple[int, ...], fan_in: int, generator: torch.Generator | None) -> nn.Parameter:
+    return nn.Parameter(torch.randn(shape, generator=generator) / math.sqrt(fan_in))
+
+
+class GLUFFN(nn.Module):
+    """A dense gated FFN: y = act(x W_g, x W_u) W_d. Used for shared experts (fused into one wide MLP).
+
+    x [..., d] -> [..., d]; weights gate, up [d, h], down [h, d].
+    """
+
+    def __init__(self, d: int, hidden: int, activation: str = "swiglu", generator: torch.Generator | None = None):
+        super().__init__()
+        self.act = activation_fn(activation)
+        self.gate = _init((d, hidden), d, generator)
+        self.up = _init((d, hidden), d, generator)
+        self.down = _init((hidden, d), hidden, generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x @ self.gate, x @ self.up) @ self.down
+
+
+class RoutedExperts(nn.Module):
+    """n gated FFN experts that act on rows already grouped by expert.
+
+    For the rows r of expert j: out[r] = act(x[r] W_g[j], x[r] W_u[j]) W_d[j].
+    Weights gate, up [n, d_in, h], down [n, h, d_in]. forward(x_sorted [M, d_in], group_offsets [n]) -> [M, d_in].
+    """
+
+    def __init__(self, n: int, d_in: int, hidden: int, activation: str = "swiglu",
+                 generator: torch.Generator | None = None, backend: str = "auto"):
+        super().__init__()
+        self.act = activation_fn(activation)
+        self.backend = backend
+        self.gate = _init((n, d_in, hidden), d_in, generator)
+        self.up = _init((n, d_in, hidden), d_in, generator)
+        self.down = _init((n, hidden, d_in), hidden, generator)
+
+    def forward(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+        gate = grouped_mm(x_sorted, self.gate, group_offsets, self.backend)  # [M, h]
+        up = grouped_mm(x_sorted, self.up, group_offsets, self.backend)  # [M, h]
+        return grouped_mm(self.act(gate, up), self.down, group_offsets, self.backend)  # [M, d_in]

@@ -1,0 +1,73 @@
+"""Routing: scores from router logits, and top-k selection with a bias that steers selection only."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_scores(scores: torch.Tensor, name: str = "scores") -> None:
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(scores).__name__}")
+    if scores.dim() != 2:
+        raise ValueError(f"{name} must have shape [m tokens, n experts], got shape {tuple(scores.shape)}")
+    if not scores.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {scores.dtype}")
+    if torch.isnan(scores).any():
+        raise ValueError(f"{name} contains NaN")
+
+
+def _check_k(k: int, n: int, name: str = "k") -> None:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{name} must be an int, got {type(k).__name__}")
+    if not 1 <= k < n:
+        raise ValueError(f"{name} must satisfy 1 <= {name} < n experts = {n}, got {name} = {k}")
+
+
+def _check_bias(bias: torch.Tensor, n: int) -> None:
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias must be a tensor of shape [n experts] = ({n},), got {shape}")
+    if torch.isnan(bias).any():
+        raise ValueError("bias contains NaN")
+
+
+def router_scores(logits: torch.Tensor, score_fn: str = "sigmoid") -> torch.Tensor:
+    """s = σ(logits) (K3, DeepSeek-V3) or softmax(logits) over experts (Switch, Mixtral). [m, n] -> [m, n]."""
+    if score_fn == "sigmoid":
+        return torch.sigmoid(logits)
+    if score_fn == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise ValueError(f"score_fn must be 'sigmoid' or 'softmax', got {score_fn!r}")
+
+
+def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest entries of each row, largest first; ties go to the lower expert index.
+
+    A stable descending sort gives this tie-breaking deterministically (``torch.topk`` does not promise it).
+    values [m, n] -> [m, k] int64.
+    """
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def topk_route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
+               renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose k experts per token on s + b; weight them with the unbiased scores.
+
+    idx_t = TopK_j(s_tj + b_j)   (ties: lower index first)
+    p_tj = s_tj / Σ_{i ∈ idx_t} s_ti   (renormalize=True)   or   p_tj = s_tj   (renormalize=False)
+
+    The bias never enters the weights, so it gets no gradient; the router learns through p only.
+    scores [m, n] float, bias [n] or None -> (expert_idx [m, k] int64, weights [m, k] scores.dtype).
+    """
+    _check_scores(scores)
+    n = scores.shape[1]
+    _check_k(k, n)
+    biased = scores.detach()
+    if bias is not None:
+        _check_bias(bias, n)
+        biased = biased + bias.detach().to(scores.dtype)
+    expert_idx = topk_indices(biased, k)  # [m, k]
+    weights = scores.gather(1, expert_idx)  # [m, k], from the UNBIASED scores
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return expert_idx, weights

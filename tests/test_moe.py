@@ -1,0 +1,236 @@
+"""The MoE torch rung and layers agree with the NumPy reference (fp64 vs fp32, ≤ 1e-5 relative)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from k3course.moe import LatentMoE, MoE, grouped_mm, router_scores, sort_by_expert, topk_route, unsort
+from k3course.moe.experts import situ_glu, swiglu
+from k3course.reference import moe as ref
+
+RTOL = 1e-5
+
+
+def assert_close(got: torch.Tensor, want: np.ndarray, rtol: float = RTOL) -> None:
+    got = got.detach().double().numpy()
+    scale = max(np.abs(want).max(), 1e-12)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= rtol * scale, f"max err {np.abs(got - want).max():.3g} vs scale {scale:.3g}"
+
+
+def seeded_scores(m: int, n: int, seed: int, score_fn: str = "sigmoid") -> torch.Tensor:
+    logits = torch.randn(m, n, generator=torch.Generator().manual_seed(seed))
+    return router_scores(logits, score_fn)
+
+
+ROUTE_CASES = {
+    "k=1": dict(m=37, n=8, k=1),
+    "k=n-1": dict(m=37, n=8, k=7),
+    "m=1": dict(m=1, n=5, k=2),
+    "softmax, no renormalize": dict(m=33, n=16, k=4, score_fn="softmax", renormalize=False),
+    "with bias": dict(m=41, n=16, k=3, bias=True),
+}
+
+
+@pytest.mark.parametrize("name", ROUTE_CASES)
+def test_topk_route_matches_reference(name):
+    case = dict(ROUTE_CASES[name])
+    m, n, k = case.pop("m"), case.pop("n"), case.pop("k")
+    scores = seeded_scores(m, n, seed=1, score_fn=case.pop("score_fn", "sigmoid"))
+    bias = 0.3 * torch.randn(n, generator=torch.Generator().manual_seed(2)) if case.pop("bias", False) else None
+    renormalize = case.pop("renormalize", True)
+    idx, weights = topk_route(scores, k, bias, renormalize)
+    ref_idx, ref_weights = ref.topk_route(scores.double().numpy(), k, None if bias is None else bias.double().numpy(),
+                                          renormalize)
+    assert idx.dtype == torch.int64 and (idx.numpy() == ref_idx).all()
+    assert_close(weights, ref_weights)
+
+
+def test_ties_go_to_the_lower_index():
+    scores = torch.tensor([[0.5, 0.5, 0.5, 0.5], [0.2, 0.7, 0.7, 0.1]])
+    idx, weights = topk_route(scores, 2)
+    assert idx.tolist() == [[0, 1], [1, 2]]
+    assert (ref.topk_route(scores.double().numpy(), 2)[0] == idx.numpy()).all()
+    assert torch.allclose(weights, torch.full((2, 2), 0.5))
+
+
+def test_bias_steers_selection_but_not_weights():
+    scores = seeded_scores(50, 8, seed=3)
+    bias = torch.zeros(8)
+    bias[5] = 10.0  # expert 5 is always chosen
+    idx, weights = topk_route(scores, 2, bias)
+    assert (idx[:, 0] == 5).all()
+    chosen = scores.gather(1, idx)
+    assert torch.allclose(weights, chosen / chosen.sum(1, keepdim=True))
+
+
+def test_gradient_reaches_scores_through_chosen_weights_only_and_never_the_bias():
+    scores = seeded_scores(20, 6, seed=4).requires_grad_()
+    bias = (0.5 * torch.randn(6, generator=torch.Generator().manual_seed(5))).requires_grad_()
+    idx, weights = topk_route(scores, 2, bias)
+    loss = (weights * torch.arange(1.0, 3.0)).sum()
+    grad_scores, grad_bias = torch.autograd.grad(loss, (scores, bias), allow_unused=True)
+    assert grad_bias is None
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
+    assert (grad_scores[~chosen] == 0).all() and (grad_scores[chosen] != 0).all()
+
+
+# --- dispatch --------------------------------------------------------------------------------------------
+
+def test_sort_by_expert_groups_slots_and_unsort_inverts():
+    idx = torch.tensor([[2, 0], [2, 1], [0, 2], [3, 2]])
+    order, offsets = sort_by_expert(idx, 5)
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [2, 3, 7, 8, 8]
+    assert idx.reshape(-1)[order].tolist() == [0, 0, 1, 2, 2, 2, 2, 3]
+    assert order.tolist() == [1, 4, 3, 0, 2, 5, 7, 6]  # stable: slots stay in token order within an expert
+    rows = torch.arange(8.0)[:, None]
+    assert torch.equal(unsort(rows[order], order), rows)
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch", "auto"])
+def test_grouped_mm_matches_per_row_products(backend):
+    if backend == "torch" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    generator = torch.Generator().manual_seed(6)
+    x, weight = torch.randn(13, 8, generator=generator), torch.randn(4, 8, 4, generator=generator)
+    offsets = torch.tensor([3, 3, 10, 13], dtype=torch.int32)  # expert 1 is empty
+    owner = torch.repeat_interleave(torch.arange(4), torch.diff(offsets, prepend=torch.zeros(1, dtype=torch.int32)))
+    want = torch.einsum("md,mde->me", x, weight[owner])
+    assert torch.allclose(grouped_mm(x, weight, offsets, backend), want, atol=1e-5)
+
+
+# --- the layers against the reference loop ------------------------------------------------------------------
+
+def numpy_params(layer: MoE) -> dict:
+    """The layer's parameters under the reference's names, as fp64 arrays."""
+    as_np = lambda t: t.detach().double().numpy()
+    params = {"router": as_np(layer.router), "bias": as_np(layer.bias), "w_gate": as_np(layer.experts.gate),
+              "w_up": as_np(layer.experts.up), "w_down": as_np(layer.experts.down)}
+    if layer.shared is not None:
+        params |= {"shared_gate": as_np(layer.shared.gate), "shared_up": as_np(layer.shared.up),
+                   "shared_down": as_np(layer.shared.down)}
+    if layer.d_latent is not None:
+        params |= {"w_down_proj": as_np(layer.down_proj), "w_up_proj": as_np(layer.up_proj),
+                   "latent_norm": as_np(layer.latent_norm)}
+    return params
+
+
+LAYER_CASES = {
+    "latent, sigmoid, situ_glu, 2 shared": dict(latent=True, k=2, n_shared=2, activation="situ_glu"),
+    "latent, k=1": dict(latent=True, k=1),
+    "latent, k=n-1": dict(latent=True, k=7),
+    "plain, softmax, swiglu, 1 shared": dict(latent=False, k=3, n_shared=1, score_fn="softmax"),
+    "plain, k=n-1, route_scale 2.5": dict(latent=False, k=7, route_scale=2.5),
+    "one expert takes every token": dict(latent=True, k=1, hot_expert=3),
+    "ties: zero router, all scores 0.5": dict(latent=True, k=3, zero_router=True),
+}
+
+
+@pytest.mark.parametrize("name", LAYER_CASES)
+def test_layer_matches_reference_loop(name):
+    case = dict(LAYER_CASES[name])
+    latent, k = case.pop("latent"), case.pop("k")
+    hot_expert, zero_router = case.pop("hot_expert", None), case.pop("zero_router", False)
+    generator = torch.Generator().manual_seed(7)
+    layer = MoE(32, 8, k, d_expert=16, d_latent=16 if latent else None, generator=generator, **case)
+    with torch.no_grad():
+        layer.latent_norm.copy_(1 + 0.1 * torch.randn(16, generator=generator)) if latent else None
+        if hot_expert is not None:
+            layer.bias[hot_expert] = 100.0
+        if zero_router:
+            layer.router.zero_()
+    x = torch.randn(37, 32, generator=generator)  # 37: divisible by nothing here
+    y = layer(x)
+    want = ref.moe_forward(x.double().numpy(), numpy_params(layer), k, layer.score_fn, case.get("activation", "swiglu"),
+                           layer.route_scale)
+    assert_close(y, want)
+    if hot_expert is not None:
+        assert layer.routing_stats()["load"][hot_expert] == 37
+
+
+def test_latent_moe_defaults_to_half_width_and_keeps_input_shape():
+    layer = LatentMoE(64, 8, 2, n_shared=1, generator=torch.Generator().manual_seed(8))
+    assert layer.d_latent == 32 and layer.down_proj.shape == (64, 32)
+    x = torch.randn(2, 5, 64)
+    assert layer(x).shape == (2, 5, 64)
+
+
+def test_activations_match_reference():
+    generator = torch.Generator().manual_seed(9)
+    gate, up = 20 * torch.randn(100, generator=generator), 60 * torch.randn(100, generator=generator)
+    assert_close(swiglu(gate, up), ref.swiglu(gate.double().numpy(), up.double().numpy()))
+    assert_close(situ_glu(gate, up), ref.situ_glu(gate.double().numpy(), up.double().numpy()))
+    assert situ_glu(gate, up).abs().max() < 4 * 25  # the caps hold
+
+
+def test_router_learns_through_weights_and_bias_gets_no_gradient():
+    layer = LatentMoE(32, 8, 2, n_shared=1, d_expert=16, generator=torch.Generator().manual_seed(10))
+    layer(torch.randn(40, 32, generator=torch.Generator().manual_seed(11))).square().sum().backward()
+    assert "bias" not in dict(layer.named_parameters()) and not layer.bias.requires_grad and layer.bias.grad is None
+    assert layer.router.grad is not None and layer.router.grad.abs().sum() > 0
+    assert all(p.grad is not None for p in layer.parameters())
+
+
+def test_renormalised_sigmoid_weights_with_k_equal_one_leave_the_router_without_gradient():
+    # p = s / s = 1: the router has nothing to learn from when k = 1 and weights are renormalised
+    layer = MoE(16, 4, 1, generator=torch.Generator().manual_seed(12))
+    layer(torch.randn(10, 16)).sum().backward()
+    assert layer.router.grad.abs().max() < 1e-6
+
+
+def test_bias_updates_in_training_and_is_frozen_in_eval():
+    generator = torch.Generator().manual_seed(13)
+    layer = LatentMoE(32, 8, 2, generator=generator, balancing="quantile")
+    x = torch.randn(64, 32, generator=generator)
+    layer.eval()
+    layer(x)
+    assert layer.update_bias() is False and torch.equal(layer.bias, torch.zeros(8))
+    layer.train()
+    layer(x)
+    assert layer.update_bias() is True and layer.bias.abs().sum() > 0
+    assert abs(float(layer.bias.mean())) < 1e-6
+    frozen = layer.bias.clone()
+    layer.eval()
+    layer(x)
+    assert layer.update_bias() is False and torch.equal(layer.bias, frozen)
+
+
+@pytest.mark.parametrize("balancing", ["sign", "aux", None])
+def test_other_balancing_modes(balancing):
+    generator = torch.Generator().manual_seed(14)
+    layer = MoE(16, 4, 2, generator=generator, balancing=balancing, gamma=0.01)
+    layer(torch.randn(30, 16, generator=generator))
+    changed = layer.update_bias()
+    assert changed is (balancing == "sign")
+    if balancing == "sign":
+        assert set(layer.bias.abs().tolist()) <= {0.0, float(torch.tensor(0.01))}
+    if balancing == "aux":
+        assert layer.aux_loss.requires_grad and float(layer.aux_loss.detach()) > 0
+
+
+def test_bad_input_names_the_argument():
+    scores = seeded_scores(4, 6, seed=15)
+    with pytest.raises(ValueError, match="k must satisfy 1 <= k < n experts = 6, got k = 6"):
+        topk_route(scores, 6)
+    with pytest.raises(ValueError, match="got k = 0"):
+        topk_route(scores, 0)
+    with pytest.raises(ValueError, match="scores contains NaN"):
+        topk_route(scores.clone().index_fill_(0, torch.tensor([1]), float("nan")), 2)
+    with pytest.raises(ValueError, match=r"scores must have shape \[m tokens, n experts\]"):
+        topk_route(scores[0], 2)
+    with pytest.raises(ValueError, match=r"bias must be a tensor of shape \[n experts\] = \(6,\)"):
+        topk_route(scores, 2, torch.zeros(5))
+    with pytest.raises(TypeError, match="k must be an int"):
+        topk_route(scores, 2.0)
+    with pytest.raises(ValueError, match="top_k must satisfy"):
+        MoE(8, 4, 4)
+    with pytest.raises(ValueError, match="x must have last dimension d_model = 8"):
+        MoE(8, 4, 2)(torch.zeros(3, 7))
+    with pytest.raises(ValueError, match="score_fn must be"):
+        MoE(8, 4, 2, score_fn="relu")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        MoE(8, 4, 2, activation="gelu")
+    with pytest.raises(ValueError, match="expert_idx entries must lie in"):
+        sort_by_expert(torch.tensor([[0, 4]]), 4)

@@ -1,0 +1,229 @@
+"""Residual schemes for a decoder stack: standard PreNorm, Full and Block Attention Residuals (DESIGN §6).
+
+A stack of L sub-layers (a decoder layer is two: attention, then MLP) uses any scheme the same way::
+
+    stream = scheme.begin(embedding)          # embedding: [B, T, D]
+    for sublayer, norm in zip(sublayers, norms):
+        stream.write(sublayer(norm(stream.read())))
+    h = stream.final()                        # what the output norm reads
+
+standard      read() = v_0 + v_1 + … + v_{l-1}: each earlier output has weight 1, so the stream grows O(L)
+              and a late layer's contribution is diluted.
+FullAttnRes   read() = Σ_{i<l} softmax_i(w_lᵀ RMSNorm(v_i)) v_i over the embedding and every earlier output.
+BlockAttnRes  outputs are grouped into blocks of ``block_size`` sub-layers, each represented by its sum;
+              read() attends over [v_0, completed block sums, the current block's partial sum].
+              block_size 1 is FullAttnRes; one block covering the stack mixes just v_0 and Σ v_i.
+
+Pseudo-queries w (one per sub-layer plus one final aggregation: K3 has two per decoder layer and one before
+the output norm) start at zero, so every read starts as a uniform average over its sources. Keys are a
+parameter-free RMSNorm of the sources (a learned norm weight would only rescale w); no 1/√d.
+With ``record=True`` a stream keeps the depth-attention weights of each read, for plotting.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def depth_attention(query: torch.Tensor, sources: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = Σ_i softmax_i(queryᵀ RMSNorm(v_i)) v_i, per token; the softmax runs over depth (the sources).
+
+    query: [D]; sources: [N, B, T, D] -> (h [B, T, D], weights [N, B, T]). Computed in fp32 or wider.
+    """
+    wide = torch.promote_types(sources.dtype, torch.float32)
+    values = sources.to(wide)
+    keys = F.rms_norm(values, (values.shape[-1],), eps=eps)                  # [N, B, T, D]
+    weights = torch.softmax(keys @ query.to(wide), dim=0)                    # [N, B, T]
+    h = torch.einsum("nbt,nbtd->btd", weights, values)
+    return h.to(sources.dtype), weights
+
+
+def _check_sizes(n_sublayers: int, d_model: int) -> None:
+    for name, value in (("n_sublayers", n_sublayers), ("d_model", d_model)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_embedding(embedding: torch.Tensor, d_model: int) -> None:
+    if not isinstance(embedding, torch.Tensor) or embedding.dim() != 3 or embedding.shape[-1] != d_model:
+        shape = tuple(embedding.shape) if isinstance(embedding, torch.Tensor) else type(embedding).__name__
+        raise ValueError(f"embedding must be [B, T, d_model={d_model}], got {shape}")
+
+
+class _Stream:
+    """One forward pass through a stack: counts reads and writes so every sub-layer uses its own query."""
+
+    def __init__(self, n_sublayers: int, record: bool):
+        self.n_sublayers, self.record = n_sublayers, record
+        self.written = 0
+        self.weights: list[torch.Tensor] = []   # per read: [N_sources, B, T] (attention schemes, when recording)
+
+    def _next_read(self, final: bool) -> int:
+        if final and self.written != self.n_sublayers:
+            raise RuntimeError(f"final() after {self.written} of {self.n_sublayers} sub-layers: write them all first")
+        if not final and self.written >= self.n_sublayers:
+            raise RuntimeError(f"read(): all {self.n_sublayers} sub-layers are written; call final()")
+        return self.written
+
+    def _check_output(self, output: torch.Tensor, like: torch.Tensor) -> None:
+        if not isinstance(output, torch.Tensor) or output.shape != like.shape:
+            shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+            raise ValueError(f"output must have the embedding's shape {tuple(like.shape)}, got {shape}")
+        if self.written >= self.n_sublayers:
+            raise RuntimeError(f"write(): the stack has only {self.n_sublayers} sub-layers")
+
+
+class StandardResidual(nn.Module):
+    """PreNorm residual: h_l = h_{l-1} + f_l(norm(h_{l-1})), i.e. read() = v_0 + Σ_{i<l} v_i. No parameters."""
+
+    def __init__(self, n_sublayers: int, d_model: int):
+        super().__init__()
+        _check_sizes(n_sublayers, d_model)
+        self.n_sublayers, self.d_model = n_sublayers, d_model
+
+    def begin(self, embedding: torch.Tensor, record: bool = False) -> _StandardStream:
+        _check_embedding(embedding, self.d_model)
+        return _StandardStream(embedding, self.n_sublayers, record)
+
+
+class _StandardStream(_Stream):
+    def __init__(self, embedding: torch.Tensor, n_sublayers: int, record: bool):
+        super().__init__(n_sublayers, record)
+        self.hidden = embedding
+
+    def read(self) -> torch.Tensor:
+        self._next_read(final=False)
+        return self.hidden
+
+    def write(self, output: torch.Tensor) -> None:
+        self._check_output(output, self.hidden)
+        self.hidden = self.hidden + output
+        self.written += 1
+
+    def final(self) -> torch.Tensor:
+        self._next_read(final=True)
+        return self.hidden
+
+
+class FullAttnRes(nn.Module):
+    """Full Attention Residuals: each read attends over the embedding and every earlier sub-layer output.
+
+    queries: [n_sublayers + 1, d_model], zero at init (row n_sublayers is the final aggregation).
+    """
+
+    def __init__(self, n_sublayers: int, d_model: int, eps: float = 1e-6):
+        super().__init__()
+        _check_sizes(n_sublayers, d_model)
+        self.n_sublayers, self.d_model, self.eps = n_sublayers, d_model, eps
+        self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
+
+    def begin(self, embedding: torch.Tensor, record: bool = False) -> _FullStream:
+        _check_embedding(embedding, self.d_model)
+        return _FullStream(self, embedding, record)
+
+
+class _FullStream(_Stream):
+    def __init__(self, scheme: FullAttnRes, embedding: torch.Tensor, record: bool):
+        super().__init__(scheme.n_sublayers, record)
+        self.scheme = scheme
+        self.values = [embedding]                                      # v_0, v_1, ...
+
+    def _attend(self, index: int) -> torch.Tensor:
+        h, weights = depth_attention(self.scheme.queries[index], torch.stack(self.values), self.scheme.eps)
+        if self.record:
+            self.weights.append(weights.detach())
+        return h
+
+    def read(self) -> torch.Tensor:
+        return self._attend(self._next_read(final=False))
+
+    def write(self, output: torch.Tensor) -> None:
+        self._check_output(output, self.values[0])
+        self.values.append(output)
+        self.written += 1
+
+    def final(self) -> torch.Tensor:
+        return self._attend(self._next_read(final=True))
+
+
+class BlockAttnRes(nn.Module):
+    """Block Attention Residuals: reads attend over [v_0, completed block sums, current partial sum].
+
+    block_size counts sub-layers (K3: 12 decoder layers = 24 sub-layers). The partial sum joins the sources
+    only once its block has an output, so block_size 1 equals :class:`FullAttnRes`.
+    queries: [n_sublayers + 1, d_model], zero at init.
+    """
+
+    def __init__(self, n_sublayers: int, d_model: int, block_size: int, eps: float = 1e-6):
+        super().__init__()
+        _check_sizes(n_sublayers, d_model)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int (sub-layers per block), got {block_size!r}")
+        self.n_sublayers, self.d_model, self.block_size, self.eps = n_sublayers, d_model, block_size, eps
+        self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
+
+    def begin(self, embedding: torch.Tensor, record: bool = False) -> _BlockStream:
+        _check_embedding(embedding, self.d_model)
+        return _BlockStream(self, embedding, record)
+
+
+class _BlockStream(_Stream):
+    def __init__(self, scheme: BlockAttnRes, embedding: torch.Tensor, record: bool):
+        super().__init__(scheme.n_sublayers, record)
+        self.scheme = scheme
+        self.embedding = embedding
+        self.completed: list[torch.Tensor] = []                        # sums of finished blocks
+        self.partial: torch.Tensor | None = None                       # sum of the current block so far
+
+    def sources(self) -> torch.Tensor:
+        """[N, B, T, D]: the embedding, completed block sums, and the partial sum if the block has begun."""
+        partial = [] if self.partial is None else [self.partial]
+        return torch.stack([self.embedding, *self.completed, *partial])
+
+    def _attend(self, index: int) -> torch.Tensor:
+        h, weights = depth_attention(self.scheme.queries[index], self.sources(), self.scheme.eps)
+        if self.record:
+            self.weights.append(weights.detach())
+        return h
+
+    def read(self) -> torch.Tensor:
+        return self._attend(self._next_read(final=False))
+
+    def write(self, output: torch.Tensor) -> None:
+        self._check_output(output, self.embedding)
+        self.partial = output if self.partial is None else self.partial + output
+        self.written += 1
+        if self.written % self.scheme.block_size == 0:                 # the block is complete
+            self.completed.append(self.partial)
+            self.partial = None
+
+    def final(self) -> torch.Tensor:
+        return self._attend(self._next_read(final=True))
+
+
+def make_residual(kind: str, n_sublayers: int, d_model: int, block_size: int | None = None) -> nn.Module:
+    """'standard', 'full' or 'block' (needs block_size) -> the residual scheme module."""
+    if kind == "standard":
+        return StandardResidual(n_sublayers, d_model)
+    if kind == "full":
+        return FullAttnRes(n_sublayers, d_model)
+    if kind == "block":
+        if block_size is None:
+            raise ValueError("block_size is needed for kind='block'")
+        return BlockAttnRes(n_sublayers, d_model, block_size)
+    raise ValueError(f"kind must be 'standard', 'full' or 'block', got {kind!r}")
+
+
+def depth_weight_matrix(weights: list[torch.Tensor], n_sublayers: int, block_size: int | None = None) -> torch.Tensor:
+    """Average recorded weights over batch and tokens into a [reads, sources] matrix for a heatmap.
+
+    Column 0 is the embedding; for Full AttnRes column i is v_i, for Block AttnRes column j is block j (its
+    completed sum or partial sum). Sources a read could not see are NaN.
+    """
+    n_columns = 1 + (n_sublayers if block_size is None else -(-n_sublayers // block_size))
+    matrix = torch.full((len(weights), n_columns), float("nan"))
+    for row, w in enumerate(weights):
+        matrix[row, : w.shape[0]] = w.float().mean(dim=(1, 2)).cpu()
+    return matrix

@@ -209,3 +209,21 @@ def test_bad_x_shape():
 
 def test_mlacache_type_is_exported():
     assert MLACache.__dataclass_fields__.keys() == {"latent", "rope_key"}
+
+
+def test_full_rank_query_matches_reference():
+    module = make(q_lora_rank=None)
+    assert module.q_down is None
+    x = seeded_x()
+    y_ref, _ = ref.gated_mla(x[0].numpy(), numpy_weights(module), 3, 4, 6)
+    np.testing.assert_allclose(module(x)[0][0].detach().numpy(), y_ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_from_config_has_the_parameters_config_counts(preset):
+    from k3course.config import K3Config, mla_layer_params
+
+    cfg = K3Config.preset(preset)
+    for config in (cfg, cfg.replace(q_lora_rank=None, mla_gated=False)):
+        module = GatedMLA.from_config(config, device="meta")
+        assert sum(p.numel() for p in module.parameters()) == mla_layer_params(config)

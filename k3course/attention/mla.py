@@ -75,13 +75,13 @@ class GatedMLA(nn.Module):
     sees every cached token and the new tokens up to t. ``max_cache_len`` (optional) bounds the cache length.
     """
 
-    def __init__(self, d_model: int, n_heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
+    def __init__(self, d_model: int, n_heads: int, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, gated: bool = True, use_rope: bool = False,
                  rope_theta: float = 10000.0, max_cache_len: int | None = None, eps: float = 1e-6,
                  device=None, dtype=None):
         super().__init__()
-        sizes = dict(d_model=d_model, n_heads=n_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
-                     qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim)
+        sizes = dict(d_model=d_model, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+                     v_head_dim=v_head_dim, q_lora_rank=1 if q_lora_rank is None else q_lora_rank)
         for name, value in sizes.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -96,9 +96,15 @@ class GatedMLA(nn.Module):
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.gated, self.use_rope, self.rope_theta, self.max_cache_len = gated, use_rope, rope_theta, max_cache_len
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
-        self.q_down = nn.Linear(d_model, q_lora_rank, bias=False, **factory)
-        self.q_norm = nn.RMSNorm(q_lora_rank, eps=eps, **factory)
-        self.q_up = nn.Linear(q_lora_rank, n_heads * (qk_nope_head_dim + qk_rope_head_dim), bias=False, **factory)
+        self.d_model = d_model
+        q_width = n_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        if q_lora_rank is None:                                          # full-rank query (no compression)
+            self.q_down, self.q_norm = None, None
+            self.q_up = nn.Linear(d_model, q_width, bias=False, **factory)
+        else:
+            self.q_down = nn.Linear(d_model, q_lora_rank, bias=False, **factory)
+            self.q_norm = nn.RMSNorm(q_lora_rank, eps=eps, **factory)
+            self.q_up = nn.Linear(q_lora_rank, q_width, bias=False, **factory)
         self.kv_down = nn.Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=False, **factory)
         self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=eps, **factory)
         self.k_up = nn.Parameter(torch.empty(n_heads, qk_nope_head_dim, kv_lora_rank, **factory))
@@ -107,6 +113,14 @@ class GatedMLA(nn.Module):
         self.out = nn.Linear(n_heads * v_head_dim, d_model, bias=False, **factory)
         nn.init.normal_(self.k_up, std=kv_lora_rank ** -0.5)
         nn.init.normal_(self.v_up, std=kv_lora_rank ** -0.5)
+
+    @classmethod
+    def from_config(cls, cfg, **overrides) -> GatedMLA:
+        """The MLA layer of a :class:`k3course.config.K3Config` (its mla_* and *_rank fields)."""
+        sizes = dict(d_model=cfg.d_model, n_heads=cfg.mla_n_heads, q_lora_rank=cfg.q_lora_rank,
+                     kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                     qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, gated=cfg.mla_gated)
+        return cls(**{**sizes, **overrides})
 
     # --- the pieces ---------------------------------------------------------------------------------------
 
@@ -121,7 +135,7 @@ class GatedMLA(nn.Module):
 
     def queries(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q through the low-rank path. x: [B, T, d] -> q_nope [B, T, H, nope], q_rope [B, T, H, rope]."""
-        q = self.q_up(self.q_norm(self.q_down(x)))
+        q = self.q_up(x if self.q_down is None else self.q_norm(self.q_down(x)))
         q = q.view(*x.shape[:2], self.n_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         if self.use_rope:
@@ -157,9 +171,9 @@ class GatedMLA(nn.Module):
 
     def _check_inputs(self, x: torch.Tensor, cache: MLACache | None) -> int:
         """Validate x and the cache; return the number of cached tokens."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.q_down.in_features:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be [B, T, d_model={self.q_down.in_features}], got {shape}")
+            raise ValueError(f"x must be [B, T, d_model={self.d_model}], got {shape}")
         if cache is None:
             start = 0
         elif not isinstance(cache, MLACache):

@@ -15,7 +15,8 @@ absolute position (half-split RoPE), to show what NoPE leaves out.
 
 ``weights`` is a dict of float arrays with the same names and shapes as the torch module
 :class:`k3course.attention.mla.GatedMLA`'s ``state_dict()`` (Linear weights are ``[out, in]``):
-``q_down.weight [q_rank, d]``, ``q_norm.weight [q_rank]``, ``q_up.weight [H·(nope+rope), q_rank]``,
+``q_down.weight [q_rank, d]``, ``q_norm.weight [q_rank]``, ``q_up.weight [H·(nope+rope), q_rank]`` (without
+q_down / q_norm, ``q_up.weight [H·(nope+rope), d]``: a full-rank query),
 ``kv_down.weight [kv_rank + rope, d]``, ``kv_norm.weight [kv_rank]``, ``k_up [H, nope, kv_rank]``,
 ``v_up [H, v, kv_rank]``, ``gate.weight [H·v, d]`` (gated only), ``out.weight [d, H·v]``.
 """
@@ -71,7 +72,10 @@ def queries(x: np.ndarray, weights: dict, n_heads: int, qk_nope_head_dim: int, e
     q_up = _split_heads(weights["q_up.weight"], n_heads, "q_up.weight")    # [H, nope + rope, q_rank]
     q_nope, q_rope = [], []
     for t in range(x.shape[0]):
-        c_q = rms_norm(weights["q_down.weight"] @ x[t], weights["q_norm.weight"], eps)
+        if "q_down.weight" in weights:                                      # low-rank query path
+            c_q = rms_norm(weights["q_down.weight"] @ x[t], weights["q_norm.weight"], eps)
+        else:                                                               # full-rank query
+            c_q = x[t]
         q = q_up @ c_q                                                      # [H, nope + rope]
         rope = q[:, qk_nope_head_dim:]
         if use_rope:

@@ -1,0 +1,180 @@
+"""Triton kernels (chapter 08) against plain per-token / per-expert loops written here, in fp64.
+
+On a CPU they run under the Triton interpreter (fp32, small shapes); the same tests run natively on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3course.kernels import TRITON_MODE, use_triton
+from k3course.kernels.grouped_gemm import moe_grouped_gemm
+from k3course.kernels.kda_chunk import chunk_local_cumsum, kda_chunk_triton
+from k3course.kernels.kda_decode import kda_decode_triton
+
+DEVICE = torch.device("cuda" if TRITON_MODE == "native" else "cpu")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+def kda_inputs(B, T, H, K, V, seed, decay="random", dtype=torch.float32):
+    """Seeded KDA inputs in the fla layout; k is L2-normalised, g ≤ 0 with K3's lower bound −5."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = torch.full((B, T, H, K), -5.0) if decay == "strong" else -5 * torch.rand(B, T, H, K, generator=gen) ** 3
+    beta = torch.rand(B, T, H, generator=gen)
+    h0 = torch.randn(B, H, K, V, generator=gen)
+    return [x.to(DEVICE, dtype) for x in (q, k, v, g, beta)] + [h0.to(DEVICE)]
+
+
+def kda_per_token(q, k, v, g, beta, scale, initial_state):
+    """S ← Diag(e^g) S; S ← S + β k (v − Sᵀk)ᵀ; o = scale Sᵀq, token by token in fp64 (DESIGN §6)."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    state = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64, device=q.device)
+    if initial_state is not None:
+        state = state + initial_state.double()
+    outputs = []
+    for t in range(T):
+        state = state * g[:, t].exp()[..., None]
+        prediction = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
+        state = state + torch.einsum("bhk,bhv->bhkv", k[:, t] * beta[:, t, :, None], v[:, t] - prediction)
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, state))
+    return torch.stack(outputs, dim=1), state
+
+
+@pytest.mark.parametrize("T", [1, 64, 100, 256])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_kda_chunk_triton_matches_per_token_recurrence(T, with_state):
+    q, k, v, g, beta, h0 = kda_inputs(1, T, 2, 16, 16, seed=T)
+    initial_state = h0 if with_state else None
+    o, final = kda_chunk_triton(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+    want_o, want_state = kda_per_token(q, k, v, g, beta, 16 ** -0.5, initial_state)
+    assert o.dtype == v.dtype and final.dtype == torch.float32
+    assert relative_error(o, want_o) <= 1e-4
+    assert relative_error(final, want_state) <= 1e-4
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_kda_chunk_triton_strong_decay_at_the_lower_bound(chunk_size):
+    """g = −5 everywhere: e^{−G} over a chunk would overflow fp32; the kernels only take exponents ≤ 0."""
+    q, k, v, g, beta, h0 = kda_inputs(2, 50, 1, 24, 20, seed=3, decay="strong")
+    o, final = kda_chunk_triton(q, k, v, g, beta, scale=0.3, initial_state=h0, output_final_state=True,
+                                chunk_size=chunk_size)
+    want_o, want_state = kda_per_token(q, k, v, g, beta, 0.3, h0)
+    assert torch.isfinite(o).all()
+    assert relative_error(o, want_o) <= 1e-4
+    assert relative_error(final, want_state) <= 1e-4
+
+
+def test_kda_chunk_triton_no_final_state_unless_asked():
+    q, k, v, g, beta, _ = kda_inputs(1, 5, 1, 16, 16, seed=1)
+    assert kda_chunk_triton(q, k, v, g, beta)[1] is None
+
+
+def test_chunk_local_cumsum_restarts_every_chunk():
+    g = kda_inputs(2, 37, 3, 16, 16, seed=5)[3]
+    want = torch.cat([part.cumsum(1) for part in g.split(16, dim=1)], dim=1)
+    assert relative_error(chunk_local_cumsum(g, 16), want) <= 1e-6
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_kda_decode_matches_recurrent_steps_and_updates_state_in_place(T):
+    q, k, v, g, beta, h0 = kda_inputs(2, T, 2, 16, 20, seed=7)
+    state = h0.clone()
+    o, returned = kda_decode_triton(q, k, v, g, beta, state)
+    want_o, want_state = kda_per_token(q, k, v, g, beta, 16 ** -0.5, h0)
+    assert returned is state
+    assert relative_error(o, want_o) <= 1e-5
+    assert relative_error(state, want_state) <= 1e-5
+
+
+def test_decode_continues_a_chunked_prefill():
+    """Prefill 40 tokens with the chunk kernel, decode 2 more: same as the chunk kernel over all 42."""
+    q, k, v, g, beta, _ = kda_inputs(1, 42, 2, 16, 16, seed=11)
+    _, state = kda_chunk_triton(*(x[:, :40] for x in (q, k, v, g, beta)), output_final_state=True)
+    o_decode, _ = kda_decode_triton(*(x[:, 40:] for x in (q, k, v, g, beta)), state)
+    o_all, _ = kda_chunk_triton(q, k, v, g, beta)
+    assert relative_error(o_decode, o_all[:, 40:]) <= 1e-5
+
+
+def test_kda_kernels_reject_bad_input():
+    q, k, v, g, beta, h0 = kda_inputs(1, 8, 1, 16, 16, seed=0)
+    with pytest.raises(ValueError, match="g must be a log-decay"):
+        kda_chunk_triton(q, k, v, -g, beta)
+    with pytest.raises(ValueError, match="beta must be"):
+        kda_chunk_triton(q, k, v, g, beta[..., None])
+    with pytest.raises(ValueError, match="chunk_size"):
+        kda_chunk_triton(q, k, v, g, beta, chunk_size=48)
+    with pytest.raises(ValueError, match="initial_state"):
+        kda_chunk_triton(q, k, v, g, beta, initial_state=h0[:, :, :8])
+    with pytest.raises(TypeError, match="state must be a contiguous fp32"):
+        kda_decode_triton(q, k, v, g, beta, h0.double())
+
+
+def per_expert_loop(x, weights, ends):
+    """The reference: one fp64 matmul per expert on its block of rows."""
+    out, start = [], 0
+    for expert, end in enumerate(ends.tolist()):
+        out.append(x[start:end].double() @ weights[expert].double())
+        start = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 17, 1, 0, 40, 3], [0, 0, 9, 0], [33], [0, 4, 0]])
+def test_grouped_gemm_matches_per_expert_loop_with_empty_experts(counts):
+    gen = torch.Generator().manual_seed(len(counts))
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEVICE)
+    x = torch.randn(sum(counts), 24, generator=gen).to(DEVICE).requires_grad_()
+    weights = torch.randn(len(counts), 24, 40, generator=gen).to(DEVICE).requires_grad_()
+    out = moe_grouped_gemm(x, weights, ends)
+    want = per_expert_loop(x, weights, ends)
+    assert out.shape == (sum(counts), 40) and out.dtype == x.dtype
+    assert relative_error(out, want) <= 1e-5
+    grad_out = torch.randn(out.shape, generator=gen).to(DEVICE)
+    grad_x, grad_w = torch.autograd.grad(out, (x, weights), grad_out)
+    want_x, want_w = torch.autograd.grad(want, (x, weights), grad_out.double())
+    assert relative_error(grad_x, want_x) <= 1e-5
+    assert relative_error(grad_w, want_w) <= 1e-5
+
+
+def test_grouped_gemm_reads_strided_weights():
+    gen = torch.Generator().manual_seed(2)
+    ends = torch.tensor([3, 3, 20], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(20, 16, generator=gen).to(DEVICE)
+    stored = torch.randn(3, 48, 16, generator=gen).to(DEVICE)  # [E, N, K]: used through its transpose
+    out = moe_grouped_gemm(x, stored.transpose(1, 2), ends)
+    assert relative_error(out, per_expert_loop(x, stored.transpose(1, 2), ends)) <= 1e-5
+
+
+def test_grouped_gemm_rejects_bad_input():
+    x, weights = torch.zeros(6, 8, device=DEVICE), torch.zeros(2, 8, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="group_offsets must be"):
+        moe_grouped_gemm(x, weights, torch.tensor([6], device=DEVICE))
+    with pytest.raises(ValueError, match="expert_weights must be"):
+        moe_grouped_gemm(x, weights[:, :4], torch.tensor([2, 6], device=DEVICE))
+    with pytest.raises(TypeError, match="integer"):
+        moe_grouped_gemm(x, weights, torch.tensor([2.0, 6.0], device=DEVICE))
+
+
+def test_use_triton_auto_follows_the_device(monkeypatch):
+    monkeypatch.delenv("K3COURSE_KERNELS", raising=False)
+    assert use_triton("cpu") is False
+    assert use_triton("cuda") is (TRITON_MODE == "native")
+
+
+def test_use_triton_switch_forces_either_path(monkeypatch):
+    monkeypatch.setenv("K3COURSE_KERNELS", "triton")
+    assert use_triton("cpu") is True
+    assert use_triton("cpu", backend="torch") is False  # the argument overrides the environment
+    monkeypatch.setenv("K3COURSE_KERNELS", "torch")
+    assert use_triton("cuda") is False
+    assert use_triton("cpu", backend="triton") is True
+    monkeypatch.setenv("K3COURSE_KERNELS", "fast")
+    with pytest.raises(ValueError, match="K3COURSE_KERNELS"):
+        use_triton("cpu")

@@ -1,0 +1,77 @@
+"""One input validator for every linear-attention op (recurrent and chunked, GDN and KDA).
+
+Layouts (fla, DESIGN §5): q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; log-decay g ``[B, T, H]`` (scalar gate)
+or ``[B, T, H, K]`` (channel gate), already activated, so g ≤ 0; beta ``[B, T, H]`` after the sigmoid, in
+[0, 1] (or [0, 2] with negative eigenvalues allowed); initial state ``[B, H, K, V]``.
+
+Documented handling: non-contiguous tensors are accepted (the ops only reshape copies); every tensor must
+share one floating dtype and one device, otherwise a ``TypeError`` / ``ValueError`` names the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _require_tensor(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _require_finite(name: str, x: torch.Tensor) -> None:
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def _check_shapes(q, k, v, g, beta, gate: str, initial_state) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K] (4 dims), got shape {tuple(q.shape)}")
+    batch, time, heads, key_dim = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)} ([B, T, H, K]), got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] = [{batch}, {time}, {heads}, V], got {tuple(v.shape)}")
+    if g is not None:
+        want = (batch, time, heads) if gate == "scalar" else (batch, time, heads, key_dim)
+        layout = "[B, T, H]" if gate == "scalar" else "[B, T, H, K]"
+        if tuple(g.shape) != want:
+            raise ValueError(f"g must be {layout} = {list(want)} for a {gate} gate, got {tuple(g.shape)}")
+    if beta is not None and tuple(beta.shape) != (batch, time, heads):
+        raise ValueError(f"beta must be [B, T, H] = {[batch, time, heads]}, got {tuple(beta.shape)}")
+    if initial_state is not None and tuple(initial_state.shape) != (batch, heads, key_dim, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, K, V] = {[batch, heads, key_dim, v.shape[-1]]}, "
+                         f"got {tuple(initial_state.shape)}")
+
+
+def validate(q, k, v, g=None, beta=None, *, gate: str = "channel", scale=None, initial_state=None,
+             allow_neg_eigval: bool = False) -> float:
+    """Check the inputs of a linear-attention op and return the scale to use (default ``K ** -0.5``).
+
+    gate: ``"channel"`` (g ``[B, T, H, K]``, KDA/GLA) or ``"scalar"`` (g ``[B, T, H]``, GDN).
+    Raises ``TypeError`` (not a tensor, not floating, mixed dtypes) or ``ValueError`` (shapes, device, NaN,
+    g > 0, beta out of range, scale ≤ 0), naming the argument and what was expected.
+    """
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
+    named = {name: x for name, x in named.items() if x is not None}
+    for name, x in named.items():
+        _require_tensor(name, x)
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating tensor, got dtype {q.dtype}")
+    for name, x in named.items():
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}: pass one floating dtype for all")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}: put all inputs on one device")
+    _check_shapes(q, k, v, g, beta, gate, initial_state)
+    for name, x in named.items():
+        _require_finite(name, x)
+    if g is not None and (g > 0).any():
+        raise ValueError("g is the log-decay log(α) and must be ≤ 0 everywhere (got a positive entry)")
+    upper = 2.0 if allow_neg_eigval else 1.0
+    if beta is not None and ((beta < 0).any() or (beta > upper).any()):
+        raise ValueError(f"beta must lie in [0, {upper:g}] (after the sigmoid"
+                         f"{', ×2 with negative eigenvalues' if allow_neg_eigval else ''})")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if not isinstance(scale, int | float) or not scale > 0:
+        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    return float(scale)

@@ -1,0 +1,193 @@
+"""Rung 2: the chunkwise-parallel KDA / GDN / GLA, following DESIGN §6 step by step, in log space.
+
+Per chunk of C tokens with state S entering it (one head; G is the in-chunk inclusive cumsum of g, Γ = e^G):
+
+1. G = cumsum(g) within the chunk.
+2. A_kk[r, i] = β_r Σ_d k_rd k_id e^{G_rd − G_id}, i < r.
+3. UT transform: M = (I + A_kk)^{-1} Diag(β), by forward substitution.
+4. W = M (Γ ⊙ K), U = M V  (the WY representation of the chunk's product of transitions).
+5. Ṽ = U − W S.
+6. A_qk[r, i] = Σ_d q_rd k_id e^{G_rd − G_id}, i ≤ r.
+7. O = (Γ ⊙ Q) S + A_qk Ṽ.
+8. S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
+
+Everything but the state passing (5 and 8) is batched over all chunks at once. Every exponent is a
+difference G_r − G_i ≤ 0 (or G ≤ 0 itself), so nothing overflows: e^{−G} alone is never formed.
+GDN is KDA with a gate constant over channels; GLA skips the delta steps (Ṽ = V).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3course.attention.checks import validate
+
+SUB_CHUNK = 8  # pairwise decays are formed only inside 8-token sub-chunks (fla uses 16)
+
+
+def _pairwise_block(a, b, G, strict: bool) -> torch.Tensor:
+    """Σ_d a_rd b_id e^{G_rd − G_id} for every pair in one block, causally masked.
+
+    a, b, G: ``[..., c, K]`` -> ``[..., c, c]``."""
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [..., c(r), c(i), K]: G_r − G_i, ≤ 0 where i ≤ r
+    weights = torch.exp(diff.clamp(max=0.0))  # entries with i > r are masked below; clamping keeps them finite
+    scores = (a.unsqueeze(-2) * b.unsqueeze(-3) * weights).sum(-1)
+    c = a.shape[-2]
+    keep = torch.ones(c, c, dtype=torch.bool, device=a.device).tril(-1 if strict else 0)
+    return scores * keep
+
+
+def decayed_scores(a, b, G, strict: bool) -> torch.Tensor:
+    """A[r, i] = Σ_d a_rd b_id e^{G_rd − G_id} for i < r (strict) or i ≤ r, else 0.
+
+    a, b, G: ``[..., C, K]`` (G the inclusive cumulative log-decay) -> ``[..., C, C]``.
+    Pairs inside an 8-token sub-chunk are formed one by one; a later row r against an earlier sub-chunk
+    uses that sub-chunk's last position p as reference: e^{G_r − G_p} · e^{G_p − G_i}, both exponents ≤ 0,
+    so the cross-sub-chunk blocks are plain matrix products.
+    """
+    C = a.shape[-2]
+    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+    blocks = []  # one column block [..., C, sub] per sub-chunk
+    for start in range(0, C, sub):
+        cols = slice(start, start + sub)
+        before = a.new_zeros(*a.shape[:-2], start, sub)  # rows above the sub-chunk: causally zero
+        diagonal = _pairwise_block(a[..., cols, :], b[..., cols, :], G[..., cols, :], strict)
+        ref = G[..., start + sub - 1: start + sub, :]  # [..., 1, K]
+        later = a[..., start + sub:, :] * torch.exp(G[..., start + sub:, :] - ref)  # rows after: G_r − G_p ≤ 0
+        earlier = b[..., cols, :] * torch.exp(ref - G[..., cols, :])  # G_p − G_i ≤ 0
+        blocks.append(torch.cat([before, diagonal, later @ earlier.transpose(-1, -2)], dim=-2))
+    return torch.cat(blocks, dim=-1)
+
+
+def _unit_lower_inverse(A) -> torch.Tensor:
+    """(I + A)^{-1} for strictly lower A ``[..., c, c]``, by forward substitution: X_r = e_r − Σ_{i<r} A_ri X_i."""
+    c = A.shape[-1]
+    eye = torch.eye(c, dtype=A.dtype, device=A.device).expand(*A.shape[:-2], c, c)
+    rows = [eye[..., :1, :]]  # row r of X, each [..., 1, c]
+    for r in range(1, c):
+        rows.append(eye[..., r:r + 1, :] - A[..., r:r + 1, :r] @ torch.cat(rows, dim=-2))
+    return torch.cat(rows, dim=-2)
+
+
+def ut_transform(A_kk, beta) -> torch.Tensor:
+    """M = (I + A_kk)^{-1} Diag(β) by forward substitution. A_kk ``[..., C, C]`` strictly lower, beta ``[..., C]``.
+
+    Blockwise, to keep the loop short: invert the 8×8 diagonal blocks row by row (all at once), then
+    substitute block row by block row, X_p = (I + A_pp)^{-1} (E_p − Σ_{s<p} A_ps X_s).
+    """
+    C = A_kk.shape[-1]
+    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+    starts = range(0, C, sub)
+    diagonal = torch.stack([A_kk[..., s:s + sub, s:s + sub] for s in starts], dim=-3)  # [..., C/sub, sub, sub]
+    diagonal_inverse = _unit_lower_inverse(diagonal)
+    eye = torch.eye(C, dtype=A_kk.dtype, device=A_kk.device)
+    block_rows = []  # block row p of X = (I + A_kk)^{-1}, each [..., sub, C]
+    for p, s in enumerate(starts):
+        rhs = eye[s:s + sub].expand(*A_kk.shape[:-2], sub, C)
+        if block_rows:
+            rhs = rhs - A_kk[..., s:s + sub, :s] @ torch.cat(block_rows, dim=-2)
+        block_rows.append(diagonal_inverse[..., p, :, :] @ rhs)
+    return torch.cat(block_rows, dim=-2) * beta.unsqueeze(-2)
+
+
+def kda_chunk_step(q, k, v, g, beta, state):
+    """One chunk of KDA, steps 1–8 above, for a single chunk (q already scaled).
+
+    q, k, g: ``[..., C, K]``; v ``[..., C, V]``; beta ``[..., C]``; state ``[..., K, V]``.
+    Returns ``(o [..., C, V], new_state [..., K, V])``: the same as C steps of the recurrence.
+    """
+    G = g.cumsum(-2)
+    A_kk = decayed_scores(k, k, G, strict=True) * beta.unsqueeze(-1)
+    M = ut_transform(A_kk, beta)
+    W, U = M @ (G.exp() * k), M @ v
+    v_new = U - W @ state
+    o = (G.exp() * q) @ state + decayed_scores(q, k, G, strict=False) @ v_new
+    k_to_end = k * torch.exp(G[..., -1:, :] - G)
+    return o, G[..., -1, :].exp().unsqueeze(-1) * state + k_to_end.transpose(-1, -2) @ v_new
+
+
+def factored_scores(q, k, G) -> torch.Tensor:
+    """The naive factored form (Q ⊙ e^G)(K ⊙ e^{−G})ᵀ, causally masked: equal to A_qk in exact arithmetic,
+    but e^{−G} overflows float32 once −G > 88 (a chunk of 64 tokens at g = −5 reaches 320). For the lesson."""
+    scores = (q * G.exp()) @ (k * torch.exp(-G)).transpose(-1, -2)
+    C = q.shape[-2]
+    return scores * torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+
+
+def _to_chunks(x, chunk_size: int) -> torch.Tensor:
+    """``[B, T, H, ...]`` (T a multiple of C) -> ``[B, H, N, C, ...]``."""
+    batch, time, heads = x.shape[:3]
+    x = x.reshape(batch, time // chunk_size, chunk_size, heads, *x.shape[3:])
+    return x.movedim(3, 1)
+
+
+def _pass_states(W, U, k, G, state):
+    """Steps 5 and 8, the only loop over chunks. Returns the states entering each chunk ``[B, H, N, K, V]``,
+    Ṽ ``[B, H, N, C, V]`` and the final state. W is None for GLA (no delta correction: Ṽ = U = V)."""
+    decay_to_end = G[..., -1, :].exp().unsqueeze(-1)  # [B, H, N, K, 1]
+    k_to_end = (k * torch.exp(G[..., -1:, :] - G)).transpose(-1, -2)  # [B, H, N, K, C]
+    entering, corrected = [], []
+    for n in range(U.shape[2]):
+        entering.append(state)
+        v_new = U[:, :, n] if W is None else U[:, :, n] - W[:, :, n] @ state
+        corrected.append(v_new)
+        state = decay_to_end[:, :, n] * state + k_to_end[:, :, n] @ v_new
+    return torch.stack(entering, dim=2), torch.stack(corrected, dim=2), state
+
+
+def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
+    """Chunkwise KDA (beta given) or GLA (beta None) on validated inputs, g ``[B, T, H, K]``."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    dtype, (batch, time, heads, key_dim), value_dim = q.dtype, q.shape, v.shape[-1]
+    pad = (-time) % chunk_size  # padded tokens: k = 0, β = 0, g = 0 leave the state unchanged
+    q, k, v, g = (_to_chunks(F.pad(x.float(), (0, 0, 0, 0, 0, pad)), chunk_size) for x in (q, k, v, g))
+    q = q * scale
+    G = g.cumsum(-2)  # step 1: [B, H, N, C, K], inclusive
+    if beta is None:
+        W, U = None, v
+    else:
+        beta = _to_chunks(F.pad(beta.float(), (0, 0, 0, pad)), chunk_size)  # [B, H, N, C]
+        A_kk = decayed_scores(k, k, G, strict=True) * beta.unsqueeze(-1)  # step 2
+        M = ut_transform(A_kk, beta)  # step 3
+        W, U = M @ (G.exp() * k), M @ v  # step 4
+    state = q.new_zeros(batch, heads, key_dim, value_dim)
+    if initial_state is not None:
+        state = state + initial_state.float()
+    entering, v_new, state = _pass_states(W, U, k, G, state)  # steps 5 and 8
+    o = (G.exp() * q) @ entering + decayed_scores(q, k, G, strict=False) @ v_new  # steps 6 and 7
+    o = o.movedim(1, 3).reshape(batch, -1, heads, value_dim)[:, :time]
+    return o.to(dtype), (state if output_final_state else None)
+
+
+def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64, *,
+              allow_neg_eigval=False):
+    """Chunkwise Kimi Delta Attention; same result as :func:`~k3course.attention.recurrent.kda_recurrent`.
+
+    q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]`` (log-decay, ≤ 0); beta ``[B, T, H]``;
+    any T (padded internally to a multiple of ``chunk_size``); differentiable. Returns ``o [B, T, H, V]`` in
+    the input dtype and the final state ``[B, H, K, V]`` in float32 (or None).
+    """
+    scale = validate(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,
+                     allow_neg_eigval=allow_neg_eigval)
+    return _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+
+
+def gdn_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64, *,
+              allow_neg_eigval=False):
+    """Chunkwise Gated DeltaNet, g ``[B, T, H]``: KDA with the head's decay repeated over the K channels."""
+    scale = validate(q, k, v, g, beta, gate="scalar", scale=scale, initial_state=initial_state,
+                     allow_neg_eigval=allow_neg_eigval)
+    g = g.unsqueeze(-1).expand(*g.shape, q.shape[-1])
+    return _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+
+
+def gla_chunk(q, k, v, g, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
+    """Chunkwise decayed linear attention, S_t = Diag(e^{g_t}) S_{t-1} + k_t v_tᵀ, with g ``[B, T, H]``
+    (scalar decay) or ``[B, T, H, K]`` (GLA). Same result as :func:`~k3course.attention.recurrent.gla_recurrent`."""
+    gate = "scalar" if isinstance(g, torch.Tensor) and g.dim() == 3 else "channel"
+    scale = validate(q, k, v, g, gate=gate, scale=scale, initial_state=initial_state)
+    if gate == "scalar":
+        g = g.unsqueeze(-1).expand(*g.shape, q.shape[-1])
+    return _chunk_core(q, k, v, g, None, scale, initial_state, output_final_state, chunk_size)

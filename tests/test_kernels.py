@@ -178,3 +178,63 @@ def test_use_triton_switch_forces_either_path(monkeypatch):
     monkeypatch.setenv("K3COURSE_KERNELS", "fast")
     with pytest.raises(ValueError, match="K3COURSE_KERNELS"):
         use_triton("cpu")
+
+
+@pytest.mark.parametrize("T", [1, 64, 100, 256])
+def test_kda_chunk_triton_matches_the_torch_rungs(T):
+    """Against the chapter 06/07 torch ops: kda_recurrent and kda_chunk, with an initial state."""
+    from k3course.attention import kda_chunk, kda_recurrent
+
+    q, k, v, g, beta, h0 = kda_inputs(1, T, 2, 16, 16, seed=100 + T)
+    o, final = kda_chunk_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    for reference in (kda_chunk, kda_recurrent):
+        want_o, want_state = reference(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert relative_error(o, want_o) <= 1e-4
+        assert relative_error(final, want_state) <= 1e-4
+
+
+def test_kda_chunk_triton_matches_the_fla_oracle():
+    """An independent reference this repo did not write (fla's naive recurrence); skipped without fla."""
+    naive = pytest.importorskip("fla.ops.kda.naive")
+    q, k, v, g, beta, h0 = kda_inputs(2, 70, 2, 16, 24, seed=9)
+    o, final = kda_chunk_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    want_o, want_state = naive.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert relative_error(o, want_o) <= 1e-4
+    assert relative_error(final, want_state) <= 1e-4
+
+
+def test_kda_chunk_triton_backward_recomputes_through_the_torch_path():
+    from k3course.attention import kda_chunk
+
+    inputs = kda_inputs(1, 20, 1, 16, 16, seed=4)
+    ours = [x.clone().requires_grad_() for x in inputs]
+    theirs = [x.clone().requires_grad_() for x in inputs]
+    grad_o = torch.randn(1, 20, 1, 16, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    o, final = kda_chunk_triton(*ours[:5], initial_state=ours[5], output_final_state=True, chunk_size=16)
+    (o * grad_o).sum().backward(inputs=ours)
+    o, final_ref = kda_chunk(*theirs[:5], initial_state=theirs[5], output_final_state=True, chunk_size=16)
+    (o * grad_o).sum().backward(inputs=theirs)
+    for mine, reference in zip(ours, theirs):
+        assert relative_error(mine.grad, reference.grad) <= 1e-5
+
+
+def test_kernels_benchmark_explains_what_it_skips_on_cpu(capsys):
+    from k3course.bench import kernels as bench
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the benchmark runs for real (minutes); run `k3course bench kernels`")
+    assert bench.main([]) == 0
+    out = capsys.readouterr().out
+    assert "needs a CUDA GPU" in out and "Skipped" in out and "torch._grouped_mm" in out
+
+
+def test_benchmark_accounting():
+    from k3course.bench.kernels import grouped_gemm_flops, kda_forward_flops, roofline_tflops
+
+    assert grouped_gemm_flops(10, 4, 8) == 640
+    # per chunk of C: 6 C K V + 8 C² K-or-V terms + C³/3; T = C, one head, K = V = d
+    assert kda_forward_flops(1, 64, 1, 128, 128, 64) == pytest.approx(6 * 64 * 128 ** 2 + 10 * 64 ** 2 * 128
+                                                                      + 64 ** 3 / 3)
+    assert roofline_tflops(1e12, 1e9, "NVIDIA H100 80GB HBM3") == pytest.approx(989.0)  # compute bound
+    assert roofline_tflops(1e9, 1e9, "NVIDIA H100 80GB HBM3") == pytest.approx(3.35)  # memory bound
+    assert roofline_tflops(1e9, 1e9, "a laptop") is None

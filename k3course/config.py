@@ -183,6 +183,22 @@ class K3Config:
             raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
         return context * self.kv_cache_bytes_per_token(dtype_bytes) + self.recurrent_state_bytes(dtype_bytes)
 
+    def decode_flops_per_token(self, context: int) -> int:
+        """Approximate FLOPs to decode one token with ``context`` tokens already cached.
+
+        weights   2 · (active parameters − the embedding table)    (a multiply-add per weight; lookup is free)
+        MLA       2 · H · (2·kv_lora_rank + rope) · context per MLA layer: absorbed decoding scores each cached
+                  576-wide entry (kv_lora + rope) and mixes the kv_lora-wide latents
+        KDA       7 · H · K · V per KDA layer: decay, Sᵀk, the rank-1 delta update, Sᵀq; constant in context
+        """
+        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+            raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
+        count = self.param_count()
+        weights = 2 * (count.active - count.components["embedding"][1])
+        mla = self.n_mla_layers * 2 * self.mla_n_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim) * context
+        kda = self.n_kda_layers * 7 * self.kda_n_heads * self.kda_head_dim ** 2
+        return weights + mla + kda
+
 
 @dataclass(frozen=True)
 class ParamCount:

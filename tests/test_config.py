@@ -154,3 +154,18 @@ def test_bad_arguments_are_named():
         cfg.replace(widht=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.d_model = 3
+
+
+def test_decode_flops_grow_with_context_through_mla_layers_only():
+    k3 = K3Config.preset("kimi-k3")
+    count = k3.param_count()
+    kda_state = 69 * 7 * 96 * 128 * 128
+    assert k3.decode_flops_per_token(0) == 2 * (count.active - count.components["embedding"][0]) + kda_state
+    per_token = k3.decode_flops_per_token(1001) - k3.decode_flops_per_token(1000)
+    assert per_token == 24 * 2 * 96 * (2 * 512 + 64)
+    all_kda = k3.replace(mla_layers=())
+    assert all_kda.decode_flops_per_token(10**6) == all_kda.decode_flops_per_token(0)
+    at_1m = k3.all_mla().decode_flops_per_token(2**20) / k3.decode_flops_per_token(2**20)
+    assert 3 < at_1m < 4  # the MLA attention term dominates at 1M tokens: 93 vs 24 MLA layers
+    with pytest.raises(ValueError, match="context"):
+        k3.decode_flops_per_token(1.5)

@@ -47,15 +47,15 @@ def _grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _grouped_mm_loop(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
-    """The fallback: one GEMM per expert on its contiguous block of rows."""
-    out = x_sorted.new_empty(x_sorted.shape[0], weight.shape[2])
-    ends = group_offsets.tolist()
-    start = 0
-    for expert, end in enumerate(ends):
+    """The fallback: one GEMM per expert on its contiguous block of rows, concatenated in block order."""
+    if x_sorted.shape[0] == 0:
+        return x_sorted.new_zeros(0, weight.shape[2])
+    blocks, start = [], 0
+    for expert, end in enumerate(group_offsets.tolist()):
         if end > start:
-            out[start:end] = x_sorted[start:end] @ weight[expert]
+            blocks.append(x_sorted[start:end] @ weight[expert])  # [rows of this expert, d_out]
         start = end
-    return out
+    return torch.cat(blocks)
 
 
 def grouped_mm(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor,

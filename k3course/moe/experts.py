@@ -60,19 +60,29 @@ class RoutedExperts(nn.Module):
     """n gated FFN experts that act on rows already grouped by expert.
 
     For the rows r of expert j: out[r] = act(x[r] W_g[j], x[r] W_u[j]) W_d[j].
-    Weights gate, up [n, d_in, h], down [n, h, d_in]. forward(x_sorted [M, d_in], group_offsets [n]) -> [M, d_in].
+    The gate and up weights sit side by side, gate_up [n, d_in, 2h] = [W_g | W_u], so one grouped GEMM computes
+    both; down [n, h, d_in]. forward(x_sorted [M, d_in], group_offsets [n]) -> [M, d_in].
     """
 
     def __init__(self, n: int, d_in: int, hidden: int, activation: str = "swiglu",
                  generator: torch.Generator | None = None, backend: str = "auto"):
         super().__init__()
         self.act = activation_fn(activation)
-        self.backend = backend
-        self.gate = _init((n, d_in, hidden), d_in, generator)
-        self.up = _init((n, d_in, hidden), d_in, generator)
+        self.hidden, self.backend = hidden, backend
+        self.gate_up = _init((n, d_in, 2 * hidden), d_in, generator)
         self.down = _init((n, hidden, d_in), hidden, generator)
 
+    @property
+    def gate(self) -> torch.Tensor:
+        """W_g [n, d_in, h] (a view of gate_up)."""
+        return self.gate_up[..., : self.hidden]
+
+    @property
+    def up(self) -> torch.Tensor:
+        """W_u [n, d_in, h] (a view of gate_up)."""
+        return self.gate_up[..., self.hidden:]
+
     def forward(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
-        gate = grouped_mm(x_sorted, self.gate, group_offsets, self.backend)  # [M, h]
-        up = grouped_mm(x_sorted, self.up, group_offsets, self.backend)  # [M, h]
+        gate_up = grouped_mm(x_sorted, self.gate_up, group_offsets, self.backend)  # [M, 2h]
+        gate, up = gate_up.split(self.hidden, dim=-1)
         return grouped_mm(self.act(gate, up), self.down, group_offsets, self.backend)  # [M, d_in]

@@ -1,0 +1,102 @@
+"""``k3course bench moe``: the sort-based latent MoE forward vs a per-token loop and vs a dense FFN.
+
+Defaults: m = 4096 tokens, n = 64 experts, k = 4, d = 256, ℓ = 128, expert width 128, fp32, no grad.
+The dense FFN is a GLU at width d whose hidden size gives the same active FLOPs per token as the MoE
+(router + W↓ + W↑ + k experts). Times are the best of ``--repeats`` runs (robust to other processes on a
+shared machine); the ratios are what to read. ``--threads 1`` avoids OpenMP spin-waits when the cores are
+oversubscribed, which can slow many small GEMMs (the per-expert loop) by 10x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from k3course.device import default_device
+from k3course.moe import GLUFFN, LatentMoE
+
+
+def per_token_loop(layer: LatentMoE, x: torch.Tensor) -> torch.Tensor:
+    """The same layer, one token and one expert at a time (the NumPy rung's loop, written in torch).
+
+    Each token is routed, projected down, sent through its k experts, normalised and projected up on its own.
+    """
+    experts = layer.experts
+    rows = []
+    for x_t in x:
+        _, _, expert_idx, weights = layer.route(x_t[None])  # [1, k]
+        z_t = x_t @ layer.down_proj
+        u = torch.zeros_like(z_t)
+        for j, p in zip(expert_idx[0].tolist(), weights[0]):
+            hidden = experts.act(z_t @ experts.gate[j], z_t @ experts.up[j])
+            u = u + layer.route_scale * p * (hidden @ experts.down[j])
+        rows.append(layer._norm(u) @ layer.up_proj)
+    return torch.stack(rows)
+
+
+def active_flops(d: int, n: int, k: int, latent: int, d_expert: int) -> int:
+    """Multiply-adds × 2 per token: router d·n, W↓ and W↑ d·ℓ each, k GLU experts 3·ℓ·h each."""
+    return 2 * (d * n + 2 * d * latent + k * 3 * latent * d_expert)
+
+
+def _best_seconds(fn, repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _options(options: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="k3course bench moe", description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, default=4096, help="tokens")
+    parser.add_argument("--n", type=int, default=64, help="routed experts")
+    parser.add_argument("--k", type=int, default=4, help="active experts per token")
+    parser.add_argument("--d", type=int, default=256, help="model width")
+    parser.add_argument("--latent", type=int, default=128, help="latent width ℓ")
+    parser.add_argument("--d-expert", type=int, default=128, help="expert inner width")
+    parser.add_argument("--repeats", type=int, default=10, help="timed repeats (the best is reported)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
+    parser.add_argument("--loop-tokens", type=int, default=512,
+                        help="tokens the per-token loop runs on (its time is scaled to m)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "loop", "torch"], help="grouped_mm backend")
+    return parser.parse_args(options)
+
+
+def main(options: list[str]) -> int:
+    args = _options(options)
+    device = default_device()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    generator = torch.Generator().manual_seed(0)
+    layer = LatentMoE(args.d, args.n, args.k, d_expert=args.d_expert, d_latent=args.latent, generator=generator,
+                      backend=args.backend).to(device).eval()
+    flops = active_flops(args.d, args.n, args.k, args.latent, args.d_expert)
+    dense_hidden = round(flops / (6 * args.d))
+    dense = GLUFFN(args.d, dense_hidden, generator=generator).to(device).eval()
+    x = torch.randn(args.m, args.d, generator=generator).to(device)
+    loop_tokens = min(args.loop_tokens, args.m)
+    with torch.no_grad():
+        sorted_out = layer(x)
+        loop_out = per_token_loop(layer, x[:loop_tokens])
+        error = float((loop_out - sorted_out[:loop_tokens]).abs().max() / sorted_out.abs().max())
+        t_sorted = _best_seconds(lambda: layer(x), args.repeats, device)
+        t_dense = _best_seconds(lambda: dense(x), args.repeats, device)
+        t_loop = _best_seconds(lambda: per_token_loop(layer, x[:loop_tokens]), 1, device) * args.m / loop_tokens
+    print(f"latent MoE forward on {device.type}: m={args.m} n={args.n} k={args.k} d={args.d} "
+          f"latent={args.latent} d_expert={args.d_expert}, fp32, backend={args.backend}, "
+          f"{torch.get_num_threads()} CPU thread(s)")
+    print(f"active FLOPs per token {flops / 1e6:.3f} M; dense GLU FFN hidden {dense_hidden} has the same")
+    print(f"per-token loop  {t_loop * 1e3:10.1f} ms  (timed on {loop_tokens} tokens, scaled to {args.m})")
+    print(f"sort-based MoE  {t_sorted * 1e3:10.1f} ms  (max rel. difference from the loop {error:.1e})")
+    print(f"dense FFN       {t_dense * 1e3:10.1f} ms")
+    print(f"sort-based MoE is {t_loop / t_sorted:.0f}x faster than the per-token loop (target >= 50x)")
+    print(f"sort-based MoE takes {t_sorted / t_dense:.2f}x the dense FFN's time (target <= 2x)")
+    return 0

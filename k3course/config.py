@@ -56,31 +56,31 @@ class K3Config:
     # Kimi Delta Attention
     kda_n_heads: int = 4
     kda_head_dim: int = 32
-    kda_conv_size: int = 4
-    kda_output_gate: str = "full"
+    kda_conv_size: int = 4  # depthwise causal short convolution on q, k, v
+    kda_output_gate: str = "full"  # K3: full-rank d → H·V; Kimi Linear: low rank d → K → H·V
     # (gated) multi-head latent attention
     mla_n_heads: int = 4
-    q_lora_rank: int | None = 64
+    q_lora_rank: int | None = 64  # None: queries projected directly from d_model (Kimi Linear)
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
-    mla_gated: bool = True
+    mla_gated: bool = True  # K3's output gate y = W_o[σ(W_g x) ⊙ attn]
     # mixture of experts
     n_routed_experts: int = 8
     top_k: int = 2
     n_shared_experts: int = 1
     expert_dim: int = 128
     latent_dim: int | None = 64
-    dense_ffn_dim: int = 256
+    dense_ffn_dim: int = 256  # width of the FFN in the first first_k_dense layers
     router_score: str = "sigmoid"
-    route_scale: float = 1.0
-    balancing: str = "quantile"
+    route_scale: float = 1.0  # multiplies the renormalised top-k weights
+    balancing: str = "quantile"  # quantile (K3), sign (DeepSeek-V3 bias rule), aux_loss (Switch), none
     # block structure
     ffn_activation: str = "situ_glu"
     residual: str = "block_attnres"
-    attnres_block_size: int = 2
-    context_length: int = 256
+    attnres_block_size: int = 2  # decoder layers per Block AttnRes block (K3: 12)
+    context_length: int = 256  # longest context the model is meant for (tokens)
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
@@ -508,16 +508,20 @@ def _check_mla_layers(mla_layers, n_layers: int) -> None:
 # --- presets (DESIGN §7) --------------------------------------------------------------------------------
 
 _REFERENCE_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+# All-MLA models have no KDA layer; their KDA fields are set as Kimi Linear sets them (as many KDA heads as MLA
+# heads, head dim 128, low-rank output gate), so a hybrid variant, e.g. preset("kimi-k2").replace(kda_per_mla=3),
+# is a meaningful what-if. They count nothing while every layer is MLA.
 _ALL_MLA_PRENORM = dict(kda_per_mla=0, mla_gated=False, ffn_activation="swiglu", residual="prenorm",
-                        kda_n_heads=1, kda_head_dim=128, kda_output_gate="low_rank")
+                        kda_head_dim=128, kda_output_gate="low_rank")
 
 _PRESETS: dict[str, dict] = {
     "deepseek-v3": dict(
         name="deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, first_k_dense=3, mla_n_heads=128,
+        kda_n_heads=128,
         **_REFERENCE_MLA, **_ALL_MLA_PRENORM, n_routed_experts=256, top_k=8, n_shared_experts=1, expert_dim=2048,
         latent_dim=None, dense_ffn_dim=18432, route_scale=2.5, balancing="sign", context_length=131072),
     "kimi-k2": dict(
-        name="kimi-k2", vocab_size=163840, d_model=7168, n_layers=61, first_k_dense=1, mla_n_heads=64,
+        name="kimi-k2", vocab_size=163840, d_model=7168, n_layers=61, first_k_dense=1, mla_n_heads=64, kda_n_heads=64,
         **_REFERENCE_MLA, **_ALL_MLA_PRENORM, n_routed_experts=384, top_k=8, n_shared_experts=1, expert_dim=2048,
         latent_dim=None, dense_ffn_dim=18432, route_scale=2.827, balancing="sign", context_length=131072),
     "kimi-linear-48b": dict(

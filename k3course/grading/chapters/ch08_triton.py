@@ -1,0 +1,59 @@
+"""Chapter 08 (Triton): a masked row-wise kernel, the in-chunk cumulative decay, one tile of the intra-chunk
+product. The references are the package's Triton kernels; inputs are small fp32 tensors (the interpreter is slow)."""
+
+from __future__ import annotations
+
+import torch
+
+import k3course.kernels  # noqa: F401  (chooses native vs interpreter before any kernel module is imported)
+from k3course.grading.registry import Case, Exercise, register
+from k3course.kernels.basics import decayed_kk_tile, l2norm_rows
+from k3course.kernels.kda_chunk import chunk_local_cumsum
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _l2norm_cases() -> list[Case]:
+    return [
+        Case("8 rows of 16 (a power of two)", (torch.randn(8, 16, generator=_generator(0)),)),
+        Case("5 rows of 20 (masked tail)", (torch.randn(5, 20, generator=_generator(1)),)),
+        Case("one row of one", (torch.randn(1, 1, generator=_generator(2)),)),
+        Case("a zero row stays zero (eps)", (torch.zeros(2, 12),)),
+        Case("large values", (1e3 * torch.randn(3, 7, generator=_generator(3)),)),
+    ]
+
+
+def _log_decay(T: int, H: int, K: int, seed: int, strength: float = 5.0) -> torch.Tensor:
+    return -strength * torch.rand(1, T, H, K, generator=_generator(seed))
+
+
+def _cumsum_cases() -> list[Case]:
+    return [
+        Case("T = 32, chunk 16", (_log_decay(32, 2, 16, 0),), {"chunk_size": 16}),
+        Case("T = 37 (a partial last chunk), K = 20", (_log_decay(37, 1, 20, 1),), {"chunk_size": 16}),
+        Case("T = 1", (_log_decay(1, 2, 16, 2),), {"chunk_size": 32}),
+        Case("batch 2, chunk 32", (-torch.rand(2, 40, 2, 8, generator=_generator(3)),), {"chunk_size": 32}),
+    ]
+
+
+def _tile_inputs(T: int, K: int, step: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.nn.functional.normalize(torch.randn(T, K, generator=_generator(seed)), dim=-1)
+    g = step * torch.rand(T, K, generator=_generator(seed + 1))
+    return k, torch.cat([part.cumsum(0) for part in g.split(64)])  # in-chunk cumulative decay, chunk 64
+
+
+def _tile_cases() -> list[Case]:
+    weak, strong = _tile_inputs(64, 16, -0.05, 0), _tile_inputs(64, 20, -5.0, 2)
+    return [
+        Case("adjacent sub-chunks, weak decay", weak, {"row_start": 16, "col_start": 0}),
+        Case("far sub-chunks, weak decay", weak, {"row_start": 48, "col_start": 16}),
+        Case("strong decay (e^{-G} overflows fp32), K = 20", strong, {"row_start": 48, "col_start": 32}),
+        Case("strong decay, adjacent to the start", strong, {"row_start": 16, "col_start": 0}),
+    ]
+
+
+register(Exercise("08.l2norm_rows", l2norm_rows, _l2norm_cases))
+register(Exercise("08.chunk_cumsum", chunk_local_cumsum, _cumsum_cases))
+register(Exercise("08.kk_tile", decayed_kk_tile, _tile_cases))

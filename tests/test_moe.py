@@ -6,7 +6,19 @@ import numpy as np
 import pytest
 import torch
 
-from k3course.moe import LatentMoE, MoE, grouped_mm, router_scores, sort_by_expert, topk_route, unsort
+from k3course.moe import (
+    LatentMoE,
+    MoE,
+    all_to_all_bytes_per_token,
+    grouped_mm,
+    latent_combine,
+    moe_flops_per_token,
+    rms_norm,
+    router_scores,
+    sort_by_expert,
+    topk_route,
+    unsort,
+)
 from k3course.moe.experts import situ_glu, swiglu
 from k3course.reference import moe as ref
 
@@ -234,3 +246,39 @@ def test_bad_input_names_the_argument():
         MoE(8, 4, 2, activation="gelu")
     with pytest.raises(ValueError, match="expert_idx entries must lie in"):
         sort_by_expert(torch.tensor([[0, 4]]), 4)
+
+
+# --- latent pieces, accounting, benchmark ---------------------------------------------------------------
+
+def test_rms_norm_and_latent_combine_match_reference():
+    generator = torch.Generator().manual_seed(16)
+    expert_out, weights = torch.randn(9, 3, 8, generator=generator), torch.rand(9, 3, generator=generator)
+    up_proj, norm_weight = torch.randn(8, 12, generator=generator), torch.rand(8, generator=generator)
+    u = np.einsum("mk,mkl->ml", weights.double().numpy(), expert_out.double().numpy())
+    want = ref.rms_norm(u, norm_weight.double().numpy()) @ up_proj.double().numpy()
+    assert_close(latent_combine(expert_out, weights, up_proj, norm_weight), want)
+    half = rms_norm(torch.randn(4, 8, generator=generator).half(), torch.ones(8))
+    assert half.dtype == torch.float16
+    with pytest.raises(ValueError, match=r"weight must have shape \[8\]"):
+        rms_norm(torch.zeros(2, 8), torch.ones(7))
+
+
+def test_k3_dispatch_bytes_equal_k2s():
+    k3 = all_to_all_bytes_per_token(7168, 16, d_latent=3584)
+    k2 = all_to_all_bytes_per_token(7168, 8)
+    assert k3 == k2 == 2 * 16 * 3584 * 2
+    assert all_to_all_bytes_per_token(7168, 16) == 2 * k3  # K3 without the latent would pay double
+    # latent halves the routed FLOPs; the projections cost 2·2·d·ℓ
+    full = moe_flops_per_token(7168, 896, 16, 3072)
+    latent = moe_flops_per_token(7168, 896, 16, 3072, d_latent=3584)
+    assert full - latent == 2 * 16 * 3 * 3072 * 3584 - 2 * 2 * 7168 * 3584
+
+
+def test_bench_runs_small(capsys):
+    from k3course.bench.moe import main
+
+    options = ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--d-expert", "16",
+               "--repeats", "1", "--loop-tokens", "8"]
+    assert main(options) == 0
+    out = capsys.readouterr().out
+    assert "faster than the per-token loop" in out and "dense FFN's time" in out

@@ -16,6 +16,7 @@ import torch
 
 from k3course.device import default_device
 from k3course.moe import GLUFFN, LatentMoE
+from k3course.moe.latent import moe_flops_per_token, rms_norm
 
 
 def per_token_loop(layer: LatentMoE, x: torch.Tensor) -> torch.Tensor:
@@ -32,13 +33,8 @@ def per_token_loop(layer: LatentMoE, x: torch.Tensor) -> torch.Tensor:
         for j, p in zip(expert_idx[0].tolist(), weights[0]):
             hidden = experts.act(z_t @ experts.gate[j], z_t @ experts.up[j])
             u = u + layer.route_scale * p * (hidden @ experts.down[j])
-        rows.append(layer._norm(u) @ layer.up_proj)
+        rows.append(rms_norm(u, layer.latent_norm, layer.eps) @ layer.up_proj)
     return torch.stack(rows)
-
-
-def active_flops(d: int, n: int, k: int, latent: int, d_expert: int) -> int:
-    """Multiply-adds × 2 per token: router d·n, W↓ and W↑ d·ℓ each, k GLU experts 3·ℓ·h each."""
-    return 2 * (d * n + 2 * d * latent + k * 3 * latent * d_expert)
 
 
 def _best_seconds(fn, repeats: int, device: torch.device) -> float:
@@ -78,7 +74,7 @@ def main(options: list[str]) -> int:
     generator = torch.Generator().manual_seed(0)
     layer = LatentMoE(args.d, args.n, args.k, d_expert=args.d_expert, d_latent=args.latent, generator=generator,
                       backend=args.backend).to(device).eval()
-    flops = active_flops(args.d, args.n, args.k, args.latent, args.d_expert)
+    flops = moe_flops_per_token(args.d, args.n, args.k, args.d_expert, args.latent)
     dense_hidden = round(flops / (6 * args.d))
     dense = GLUFFN(args.d, dense_hidden, generator=generator).to(device).eval()
     x = torch.randn(args.m, args.d, generator=generator).to(device)

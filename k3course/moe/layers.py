@@ -21,6 +21,7 @@ from torch import nn
 from k3course.moe.balancing import expert_load, quantile_balance_bias, router_z_loss, sign_rule_update, switch_aux_loss
 from k3course.moe.dispatch import sort_by_expert, unsort
 from k3course.moe.experts import GLUFFN, RoutedExperts
+from k3course.moe.latent import latent_combine
 from k3course.moe.routing import router_scores, topk_route
 from k3course.moe.stats import routing_stats
 
@@ -77,34 +78,30 @@ class MoE(nn.Module):
         expert_idx, weights = topk_route(scores, self.top_k, self.bias, self.renormalize)
         return logits, scores, expert_idx, weights
 
-    def routed(self, z: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """u_t = route_scale · Σ_i p_ti E_{idx_ti}(z_t) by sort-based dispatch. z [m, w] -> u [m, w]."""
+    def expert_outputs(self, z: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
+        """E_{idx_ti}(z_t) for every token-slot, by sort-based dispatch. z [m, w] -> [m, k, w]."""
         m, k = expert_idx.shape
         order, group_offsets = sort_by_expert(expert_idx, self.n_routed)  # [m k], [n]
         z_sorted = z[order // k]  # [m k, w]: row r is the token of slot order[r]
         out_sorted = self.experts(z_sorted, group_offsets)  # [m k, w]
-        out_slots = unsort(out_sorted, order).view(m, k, -1)  # [m, k, w] in token order
-        return self.route_scale * torch.einsum("mk,mkw->mw", weights.to(out_slots.dtype), out_slots)
+        return unsort(out_sorted, order).view(m, k, -1)  # back in token order
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must have last dimension d_model = {self.d_model}, got shape {tuple(x.shape)}")
         flat = x.reshape(-1, self.d_model)  # [m, d]
         logits, scores, expert_idx, weights = self.route(flat)
-        z = flat @ self.down_proj if self.d_latent is not None else flat
-        u = self.routed(z, expert_idx, weights)
-        y = self._norm(u) @ self.up_proj if self.d_latent is not None else u
+        weights = self.route_scale * weights
+        if self.d_latent is None:
+            y = torch.einsum("mk,mkd->md", weights, self.expert_outputs(flat, expert_idx))
+        else:
+            out_slots = self.expert_outputs(flat @ self.down_proj, expert_idx)  # [m, k, ℓ]
+            y = latent_combine(out_slots, weights, self.up_proj, self.latent_norm, self.eps)
         if self.shared is not None:
             y = y + self.shared(flat)
         if self.training:
             self._record(logits, scores, expert_idx)
         return y.view(x.shape)
-
-    def _norm(self, u: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over the latent width, in fp32."""
-        u32 = u.float()
-        normed = u32 * torch.rsqrt(u32.square().mean(-1, keepdim=True) + self.eps)
-        return (normed * self.latent_norm.float()).to(u.dtype)
 
     def _record(self, logits: torch.Tensor, scores: torch.Tensor, expert_idx: torch.Tensor) -> None:
         """Keep what the balancing rule needs (detached), and the aux loss (with its gradient) when used."""

@@ -1,0 +1,50 @@
+"""The latent half of K3's Stable LatentMoE, and the accounting that motivates it.
+
+Routed experts run on z = x W↓ ∈ R^ℓ; their weighted sum u is normalised and projected back:
+y_routed = RMSNorm(u) W↑. Tokens cross the network (all-to-all) at width ℓ instead of d.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm(x) = x / sqrt(mean(x²) + eps) ⊙ weight over the last axis, computed in fp32, returned in x.dtype."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight must have shape [{x.shape[-1]}] (the last axis of x), got {tuple(weight.shape)}")
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+def latent_combine(expert_out: torch.Tensor, weights: torch.Tensor, up_proj: torch.Tensor, norm_weight: torch.Tensor,
+                   eps: float = 1e-6) -> torch.Tensor:
+    """The routed output of a latent MoE: RMSNorm(Σ_i p_ti E_i(z_t)) W↑.
+
+    expert_out [m, k, ℓ] (slot i of token t holds E_{idx_ti}(z_t)), weights [m, k], up_proj [ℓ, d],
+    norm_weight [ℓ] -> [m, d]. The norm acts on the weighted sum, once per token, before the up-projection.
+    """
+    u = torch.einsum("mk,mkl->ml", weights.to(expert_out.dtype), expert_out)  # [m, ℓ]
+    return rms_norm(u, norm_weight, eps) @ up_proj
+
+
+def moe_flops_per_token(d_model: int, n_routed: int, top_k: int, d_expert: int, d_latent: int | None = None,
+                        n_shared: int = 0) -> int:
+    """Active forward FLOPs per token (2 per multiply-add) of a (latent) MoE layer with GLU experts.
+
+    router 2·d·n  +  [W↓ and W↑: 2·2·d·ℓ]  +  routed 2·k·3·w·h (w = ℓ or d)  +  shared 2·n_s·3·d·h.
+    """
+    width = d_latent or d_model
+    projections = 2 * d_model * d_latent if d_latent else 0
+    return 2 * (d_model * n_routed + projections + top_k * 3 * width * d_expert + n_shared * 3 * d_model * d_expert)
+
+
+def all_to_all_bytes_per_token(d_model: int, top_k: int, d_latent: int | None = None,
+                               bytes_per_value: int = 2) -> int:
+    """Bytes a token sends across expert-parallel ranks per MoE layer: dispatch plus combine.
+
+    Dispatch sends the token's expert input to each of its k experts, combine brings k outputs back, each a
+    vector of width w = ℓ (latent) or d: 2 · k · w · bytes_per_value (an upper bound: no dedup per rank).
+    """
+    return 2 * top_k * (d_latent or d_model) * bytes_per_value

@@ -234,6 +234,7 @@ def kda_layer_params(cfg: K3Config) -> int:
     forget gate low-rank d·K + K·HK with A_log (H) and dt_bias (HK); output gate d·HK (full) or
     d·K + K·HK (low rank); per-head output RMSNorm K; output projection HK·d.
     """
+    _require_config(cfg)
     d, heads, width = cfg.d_model, cfg.kda_n_heads, cfg.kda_head_dim
     inner = heads * width
     projections = 3 * _linear(d, inner)
@@ -254,6 +255,7 @@ def mla_layer_params(cfg: K3Config) -> int:
     Keys / values: d → kv_lora_rank + rope (+ RMSNorm on the latent); latent → H·(nope + v).
     Output gate (gated MLA) d → H·v; output projection H·v → d.
     """
+    _require_config(cfg)
     d, heads = cfg.d_model, cfg.mla_n_heads
     qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     if cfg.q_lora_rank is None:
@@ -274,6 +276,7 @@ def moe_layer_params(cfg: K3Config) -> tuple[int, int]:
     latent          d·ℓ + ℓ·d + ℓ (down, up, RMSNorm on the latent output; 0 without latent)
     router          n·d                          (the balancing bias is a buffer, not counted)
     """
+    _require_config(cfg)
     routed_total, routed_active = _routed_expert_params(cfg)
     always_on = _shared_expert_params(cfg) + _latent_projection_params(cfg) + _router_params(cfg)
     return routed_total + always_on, routed_active + always_on
@@ -412,10 +415,9 @@ def meta_layer(cfg: K3Config, kind: str) -> nn.Module:
     """One layer part of ``kind`` ("kda", "mla", "dense_ffn", "moe") as modules on the meta device."""
     builders = {"kda": _meta_kda, "mla": _meta_mla, "moe": _meta_moe,
                 "dense_ffn": lambda c: _meta_gated_mlp(c.d_model, c.dense_ffn_dim)}
+    _require_config(cfg)
     if kind not in builders:
         raise ValueError(f"kind: unknown layer kind {kind!r}; choose one of {', '.join(builders)}")
-    if not isinstance(cfg, K3Config):
-        raise TypeError(f"cfg must be a K3Config, got {type(cfg).__name__}")
     return builders[kind](cfg)
 
 
@@ -429,6 +431,7 @@ def meta_param_count(cfg: K3Config) -> dict[str, int]:
     Returns {part: total} for "kda", "mla", "dense_ffn", "moe", "embeddings" (input + output) and
     "norms_and_residual", plus "total". Nothing is allocated, so the full K3 is counted in milliseconds.
     """
+    _require_config(cfg)
     counts = {
         "kda": cfg.n_kda_layers * _numel(meta_layer(cfg, "kda")),
         "mla": cfg.n_mla_layers * _numel(meta_layer(cfg, "mla")),
@@ -447,6 +450,11 @@ def meta_param_count(cfg: K3Config) -> dict[str, int]:
 
 
 # --- validation -----------------------------------------------------------------------------------------
+
+def _require_config(cfg) -> None:
+    if not isinstance(cfg, K3Config):
+        raise TypeError(f"cfg must be a K3Config (e.g. K3Config.preset('tiny')), got {type(cfg).__name__}")
+
 
 def _check_dtype_bytes(dtype_bytes: int) -> None:
     if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:

@@ -148,6 +148,9 @@ def test_bad_arguments_are_named():
         cfg.recurrent_state_bytes(dtype_bytes=1.5)
     with pytest.raises(ValueError, match="kind"):
         meta_layer(cfg, "conv")
+    for public in (kda_layer_params, mla_layer_params, moe_layer_params, meta_param_count):
+        with pytest.raises(TypeError, match="cfg must be a K3Config"):
+            public("tiny")
     with pytest.raises(TypeError, match="cfg"):
         meta_layer("tiny", "kda")
     with pytest.raises(TypeError, match="changes: widht"):

@@ -7,7 +7,8 @@ The accounting methods answer three questions from the dimensions alone (DESIGN 
 - how many parameters, total and active per token, and where they live (``param_count``);
 - how much memory decoding keeps per sequence: the MLA latent cache grows with every token, the KDA state is
   a constant (``kv_cache_bytes_per_token``, ``recurrent_state_bytes``, ``kv_cache_bytes``);
-- what fraction of the routed experts a token uses (``activation_ratio``).
+- what fraction of the routed experts a token uses (``activation_ratio``);
+- roughly how many FLOPs decoding one token costs at a given context (``decode_flops_per_token``).
 
 ``meta_param_count`` counts the same model a second, independent way: it builds one layer of each kind as
 ``torch.nn`` modules on the meta device (shapes, no memory) and sums their ``numel``.

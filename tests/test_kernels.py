@@ -50,14 +50,20 @@ def kda_per_token(q, k, v, g, beta, scale, initial_state):
 
 @pytest.mark.parametrize("T", [1, 64, 100, 256])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_kda_chunk_triton_matches_per_token_recurrence(T, with_state):
+def test_kda_chunk_triton_matches_the_recurrence_and_the_torch_rungs(T, with_state):
+    """Against a per-token loop written here and the chapter 06/07 ops kda_recurrent and kda_chunk."""
+    from k3course.attention import kda_chunk, kda_recurrent
+
     q, k, v, g, beta, h0 = kda_inputs(1, T, 2, 16, 16, seed=T)
     initial_state = h0 if with_state else None
     o, final = kda_chunk_triton(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
-    want_o, want_state = kda_per_token(q, k, v, g, beta, 16 ** -0.5, initial_state)
     assert o.dtype == v.dtype and final.dtype == torch.float32
-    assert relative_error(o, want_o) <= 1e-4
-    assert relative_error(final, want_state) <= 1e-4
+    references = [kda_per_token(q, k, v, g, beta, 16 ** -0.5, initial_state)]
+    references += [op(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+                   for op in (kda_chunk, kda_recurrent)]
+    for want_o, want_state in references:
+        assert relative_error(o, want_o) <= 1e-4
+        assert relative_error(final, want_state) <= 1e-4
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32])
@@ -178,19 +184,6 @@ def test_use_triton_switch_forces_either_path(monkeypatch):
     monkeypatch.setenv("K3COURSE_KERNELS", "fast")
     with pytest.raises(ValueError, match="K3COURSE_KERNELS"):
         use_triton("cpu")
-
-
-@pytest.mark.parametrize("T", [1, 64, 100, 256])
-def test_kda_chunk_triton_matches_the_torch_rungs(T):
-    """Against the chapter 06/07 torch ops: kda_recurrent and kda_chunk, with an initial state."""
-    from k3course.attention import kda_chunk, kda_recurrent
-
-    q, k, v, g, beta, h0 = kda_inputs(1, T, 2, 16, 16, seed=100 + T)
-    o, final = kda_chunk_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    for reference in (kda_chunk, kda_recurrent):
-        want_o, want_state = reference(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-        assert relative_error(o, want_o) <= 1e-4
-        assert relative_error(final, want_state) <= 1e-4
 
 
 def test_kda_chunk_triton_matches_the_fla_oracle():

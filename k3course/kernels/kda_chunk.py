@@ -262,35 +262,80 @@ def _check_inputs(q, k, v, g, beta, initial_state) -> None:
         raise ValueError("g must be a log-decay (≤ 0 everywhere); got positive entries")
 
 
-def kda_chunk_forward(q, k, v, g, beta, scale: float, initial_state=None, output_final_state=False,
-                      chunk_size: int = 64):
-    """The five forward kernels, no autograd. Same contract as :func:`kda_chunk_triton`."""
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+def _blocks(K: int, V: int) -> tuple[int, int]:
+    return _block(K), min(64, _block(V))
+
+
+def intra_chunk_scores(q, k, gc, beta, scale: float, chunk_size: int = 64):
+    """Steps 2 and 6: A_kk [B, T, H, C] (β_r-scaled, strictly lower) and A_qk [B, T, H, C] (scaled, lower).
+
+    Row t holds the scores of token t against the C positions of its own chunk. q, k: [B, T, H, K];
+    gc: in-chunk cumulative log-decay (:func:`chunk_local_cumsum`); beta: [B, T, H]. fp32 outputs.
+    """
     B, T, H, K = q.shape
-    V = v.shape[-1]
-    BT, BK, BV = chunk_size, _block(K), min(64, _block(V))
-    NT = triton.cdiv(T, BT)
-    low_precision = q.dtype in (torch.bfloat16, torch.float16)
     f32 = dict(dtype=torch.float32, device=q.device)
-    gc = chunk_local_cumsum(g, BT)  # step 1
-    akk = torch.zeros(B, T, H, BT, **f32)
-    aqk = torch.zeros(B, T, H, BT, **f32)
-    _intra_chunk_kernel[(NT, B * H)](q, k, gc, beta, akk, aqk, scale, T, H, K, BT=BT, BC=min(SUB_CHUNK, BT),
-                                     BK=BK)  # step 2 and step 6
+    akk, aqk = torch.zeros(B, T, H, chunk_size, **f32), torch.zeros(B, T, H, chunk_size, **f32)
+    grid = (triton.cdiv(T, chunk_size), B * H)
+    _intra_chunk_kernel[grid](q, k, gc, beta, akk, aqk, scale, T, H, K, BT=chunk_size,
+                              BC=min(SUB_CHUNK, chunk_size), BK=_block(K))
+    return akk, aqk
+
+
+def wy_factors(k, v, gc, beta, akk, chunk_size: int = 64):
+    """Steps 3 and 4: with X = (I + A_kk)^-1 per chunk, W = X (β e^G ⊙ K) [B, T, H, K] and U = X (β V) [B, T, H, V]."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    f32 = dict(dtype=torch.float32, device=k.device)
     w, u = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, V, **f32)
-    _wy_kernel[(NT, B * H)](k, v, gc, beta, akk, w, u, T, H, K, V, BT=BT, BK=BK, BV=BV,
-                            LOW_PRECISION=low_precision)  # steps 3 and 4
-    states = torch.empty(B, NT, H, K, V, **f32)
-    v_new = torch.empty(B, T, H, V, **f32)
+    _wy_kernel[(triton.cdiv(T, chunk_size), B * H)](k, v, gc, beta, akk, w, u, T, H, K, V, BT=chunk_size, BK=BK,
+                                                    BV=BV, LOW_PRECISION=_low_precision(k))
+    return w, u
+
+
+def pass_states(k, gc, w, u, initial_state=None, output_final_state=False, chunk_size: int = 64):
+    """Steps 5 and 8, sequential over chunks: the state entering each chunk [B, NT, H, K, V], Ṽ = U − W S
+    [B, T, H, V] and the final state [B, H, K, V] (or None); all fp32."""
+    B, T, H, K = k.shape
+    V = u.shape[-1]
+    BK, BV = _blocks(K, V)
+    NT = triton.cdiv(T, chunk_size)
+    f32 = dict(dtype=torch.float32, device=k.device)
+    states, v_new = torch.empty(B, NT, H, K, V, **f32), torch.empty(B, T, H, V, **f32)
     final_state = torch.empty(B, H, K, V, **f32) if output_final_state else None
     h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
     _state_kernel[(triton.cdiv(V, BV), B * H)](
-        k, gc, w, u, states, v_new, h0, final_state, T, H, K, V, NT, BT=BT, BK=BK, BV=BV,
-        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state,
-        LOW_PRECISION=low_precision)  # steps 5 and 8
-    o = torch.empty_like(v)
-    _output_kernel[(triton.cdiv(V, BV), NT, B * H)](q, gc, states, v_new, aqk, o, scale, T, H, K, V, NT, BT=BT,
-                                                    BK=BK, BV=BV, LOW_PRECISION=low_precision)  # step 7
+        k, gc, w, u, states, v_new, h0, final_state, T, H, K, V, NT, BT=chunk_size, BK=BK, BV=BV,
+        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state, LOW_PRECISION=_low_precision(k))
+    return states, v_new, final_state
+
+
+def chunk_outputs(q, gc, states, v_new, aqk, scale: float, out_dtype: torch.dtype, chunk_size: int = 64):
+    """Step 7, all chunks in parallel: O = (scale e^G ⊙ Q) S + A_qk Ṽ, [B, T, H, V] in ``out_dtype``."""
+    B, T, H, K = q.shape
+    V = v_new.shape[-1]
+    BK, BV = _blocks(K, V)
+    NT = states.shape[1]
+    o = torch.empty(B, T, H, V, dtype=out_dtype, device=q.device)
+    _output_kernel[(triton.cdiv(V, BV), NT, B * H)](q, gc, states, v_new, aqk, o, scale, T, H, K, V, NT,
+                                                    BT=chunk_size, BK=BK, BV=BV, LOW_PRECISION=_low_precision(q))
+    return o
+
+
+def _low_precision(x: torch.Tensor) -> bool:
+    """bf16 / fp16 data: feed tensor cores bf16 (accumulating in fp32); fp32 data: exact fp32 products."""
+    return x.dtype in (torch.bfloat16, torch.float16)
+
+
+def kda_chunk_forward(q, k, v, g, beta, scale: float, initial_state=None, output_final_state=False,
+                      chunk_size: int = 64):
+    """The five forward kernels in order, no autograd. Same contract as :func:`kda_chunk_triton`."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    gc = chunk_local_cumsum(g, chunk_size)  # step 1
+    akk, aqk = intra_chunk_scores(q, k, gc, beta, scale, chunk_size)  # steps 2 and 6
+    w, u = wy_factors(k, v, gc, beta, akk, chunk_size)  # steps 3 and 4
+    states, v_new, final_state = pass_states(k, gc, w, u, initial_state, output_final_state, chunk_size)  # 5, 8
+    o = chunk_outputs(q, gc, states, v_new, aqk, scale, v.dtype, chunk_size)  # step 7
     return o, final_state
 
 

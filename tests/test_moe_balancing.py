@@ -120,6 +120,11 @@ def test_acceptance_quantile_balances_in_five_steps_sign_rule_not_in_a_hundred()
     assert sign[100] > 0.5, sign[100]
 
 
+def test_aux_loss_alone_balances_the_router_by_moving_its_weights():
+    violations = simulate_balancing("aux", steps=30, m=512, n_experts=16, k=2, lr=10.0)
+    assert violations[0] > 2 and violations[-1] < 0.5 * violations[0]
+
+
 def test_bad_balancing_input_names_the_argument():
     scores = router_scores(seeded(10, 4, 9))
     with pytest.raises(ValueError, match="k must satisfy"):
@@ -133,4 +138,4 @@ def test_bad_balancing_input_names_the_argument():
     with pytest.raises(ValueError, match="probs contains NaN"):
         switch_aux_loss(torch.full((2, 4), float("nan")), torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="rule must be"):
-        simulate_balancing("aux", 1)
+        simulate_balancing("adam", 1)

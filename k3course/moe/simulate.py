@@ -2,14 +2,16 @@
 
 Each step draws a fresh batch of tokens, routes it with the current bias, records the load, then lets the
 balancing rule move the bias; the new bias routes the next batch. The router itself is fixed (no learning), so
-the experiment isolates how fast each rule finds the balancing bias.
+the experiment isolates how fast each rule finds the balancing bias. The aux-loss rule is the exception: it
+has no bias and instead takes SGD steps on the router's own weights with the Switch loss alone (the best case
+for it: in training the aux loss competes with the language-model loss).
 """
 
 from __future__ import annotations
 
 import torch
 
-from k3course.moe.balancing import expert_load, quantile_balance_bias, sign_rule_update
+from k3course.moe.balancing import expert_load, quantile_balance_bias, sign_rule_update, switch_aux_loss
 from k3course.moe.routing import topk_route
 from k3course.moe.stats import max_violation
 
@@ -29,29 +31,46 @@ class SkewedRouter:
         self.generator = generator
 
     def batch(self, m: int) -> torch.Tensor:
-        """Scores of m fresh tokens: [m, n] float32."""
+        """Scores of m fresh tokens: [m, n] float32 (differentiable in weight and skew when they require grad)."""
         x = torch.randn(m, self.d, generator=self.generator)
         return torch.sigmoid(x @ self.weight / self.d**0.5 + self.skew)
 
 
-def simulate_balancing(rule: str, steps: int, m: int = 4096, n_experts: int = 64, k: int = 4, skew: float = 1.0,
-                       gamma: float = 1e-3, seed: int = 0) -> list[float]:
-    """Max-violation of each step's routing under ``rule`` ('quantile', 'sign' or 'none').
+def _aux_step(router: SkewedRouter, scores: torch.Tensor, expert_idx: torch.Tensor, lr: float) -> None:
+    """One SGD step on the router's weight and skew with the Switch loss on normalised sigmoid scores."""
+    loss = switch_aux_loss(scores / scores.sum(-1, keepdim=True), expert_idx)
+    grad_weight, grad_skew = torch.autograd.grad(loss, (router.weight, router.skew))
+    with torch.no_grad():
+        router.weight -= lr * grad_weight
+        router.skew -= lr * grad_skew
 
-    Step t routes batch t with the bias from steps < t, so entry 0 is the unbalanced router.
+
+RULES = ("quantile", "sign", "aux", "none")
+
+
+def simulate_balancing(rule: str, steps: int, m: int = 4096, n_experts: int = 64, k: int = 4, skew: float = 1.0,
+                       gamma: float = 1e-3, lr: float = 1.0, seed: int = 0) -> list[float]:
+    """Max-violation of each step's routing under ``rule`` ('quantile', 'sign', 'aux' or 'none').
+
+    Step t routes batch t with the bias (or router) from steps < t, so entry 0 is the unbalanced router.
+    gamma: the sign rule's step; lr: the aux loss's SGD learning rate.
     """
-    if rule not in ("quantile", "sign", "none"):
-        raise ValueError(f"rule must be 'quantile', 'sign' or 'none', got {rule!r}")
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     router = SkewedRouter(n_experts, skew=skew, seed=seed)
+    router.weight.requires_grad_(rule == "aux")
+    router.skew.requires_grad_(rule == "aux")
     bias = torch.zeros(n_experts)
     violations = []
     for _ in range(steps):
         scores = router.batch(m)
-        expert_idx, _ = topk_route(scores, k, bias)
+        expert_idx, _ = topk_route(scores.detach(), k, bias)
         load = expert_load(expert_idx, n_experts)
         violations.append(max_violation(load))
         if rule == "quantile":
             bias = quantile_balance_bias(scores, bias, k)
         elif rule == "sign":
             bias = sign_rule_update(bias, load, gamma)
+        elif rule == "aux":
+            _aux_step(router, scores, expert_idx, lr)
     return violations

@@ -40,6 +40,29 @@ def depth_attention(query: torch.Tensor, sources: torch.Tensor, eps: float = 1e-
     return h.to(sources.dtype), weights
 
 
+def block_sources(embedding: torch.Tensor, outputs: list[torch.Tensor], block_size: int) -> torch.Tensor:
+    """What the next read of Block AttnRes attends over, built from scratch (the streams keep it incrementally).
+
+    embedding [B, T, D]; outputs: the l sub-layer outputs so far, each [B, T, D]; blocks hold ``block_size``
+    consecutive outputs. Returns [N, B, T, D] = [v_0, sum of block 1, sum of block 2, …], where the last
+    entry is the current block's partial sum when l is not a multiple of block_size (an empty block adds
+    nothing: N = 1 + ceil(l / block_size)).
+    """
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int (sub-layers per block), got {block_size!r}")
+    sums = [torch.stack(outputs[i:i + block_size]).sum(0) for i in range(0, len(outputs), block_size)]
+    return torch.stack([embedding, *sums])
+
+
+def block_attnres_read(embedding: torch.Tensor, outputs: list[torch.Tensor], query: torch.Tensor,
+                       block_size: int) -> torch.Tensor:
+    """One Block AttnRes aggregation: h = depth_attention(query, block_sources(embedding, outputs, block_size)).
+
+    embedding [B, T, D], outputs l × [B, T, D], query [D] -> h [B, T, D].
+    """
+    return depth_attention(query, block_sources(embedding, outputs, block_size))[0]
+
+
 def _check_sizes(n_sublayers: int, d_model: int) -> None:
     for name, value in (("n_sublayers", n_sublayers), ("d_model", d_model)):
         if not isinstance(value, int) or value < 1:

@@ -213,3 +213,20 @@ def test_read_write_order_is_enforced():
 def test_reference_rejects_bad_block_size():
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         ref.block_sources(np.zeros((T, D)), [], 0)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 6, 9])
+def test_block_sources_function_matches_the_stream_and_reference(block_size):
+    from k3course.residual import block_attnres_read, block_sources
+
+    layers, x = sublayers(), embedding()
+    scheme = random_queries(BlockAttnRes(L, D, block_size))
+    stream, outputs = scheme.begin(x), []
+    for index, layer in enumerate(layers):
+        torch.testing.assert_close(block_sources(x, outputs, block_size), stream.sources())
+        want = ref.block_sources(x[0].numpy(), [o[0].detach().numpy() for o in outputs], block_size)
+        np.testing.assert_allclose(block_sources(x, outputs, block_size)[:, 0].detach().numpy(), np.stack(want))
+        h = stream.read()
+        torch.testing.assert_close(block_attnres_read(x, outputs, scheme.queries[index], block_size), h)
+        outputs.append(layer(h))
+        stream.write(outputs[-1])

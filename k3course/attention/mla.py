@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -65,6 +66,45 @@ def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0
     first, second = x[..., :half].to(wide), x[..., half:].to(wide)
     rotated = torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
     return rotated.to(x.dtype)
+
+
+def compress_kv(x: torch.Tensor, kv_down_weight: torch.Tensor, kv_norm_weight: torch.Tensor, kv_lora_rank: int,
+                eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """What MLA caches for each token: [c_KV ; k_rope] = W_DKV x, then RMSNorm on c_KV only.
+
+    x [B, T, d]; kv_down_weight [kv_lora_rank + rope, d]; kv_norm_weight [kv_lora_rank]
+    -> (latent = RMSNorm(c_KV) [B, T, kv_lora_rank], rope_key [B, T, rope]).
+    """
+    compressed = x @ kv_down_weight.T                                       # [B, T, r + rope]
+    latent = F.rms_norm(compressed[..., :kv_lora_rank], (kv_lora_rank,), kv_norm_weight, eps)
+    return latent, compressed[..., kv_lora_rank:]
+
+
+def absorb_query(q_nope: torch.Tensor, k_up: torch.Tensor) -> torch.Tensor:
+    """Fold W_UK into the query: q̃_h = W_UK[h]ᵀ q_nope_h, so q̃_h·c = q_nope_h·(W_UK[h] c) for every latent c.
+
+    q_nope [B, T, H, nope]; k_up [H, nope, kv_lora_rank] -> [B, T, H, kv_lora_rank].
+    """
+    return torch.einsum("bthn,hnr->bthr", q_nope, k_up)
+
+
+def attention_probs(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
+                    scale: float | None = None, start: int = 0) -> torch.Tensor:
+    """Causal MLA attention weights p[b, h, t, s] = softmax_s((q_nope·k_nope + q_rope·k_rope) · scale), s ≤ start + t.
+
+    q_nope [B, T, H, n], q_rope [B, T, H, e]; k_nope [B, S, H, n] per head, or [B, S, n] shared by all heads
+    (the latent, for an absorbed query); k_rope [B, S, e] shared by all heads. scale defaults to (n + e)^-1/2;
+    the absorbed path passes the original (nope + rope)^-1/2. Query t sits at position start + t. The softmax
+    runs over the keys s, in fp32 or wider. Returns [B, H, T, S].
+    """
+    if scale is None:
+        scale = (q_nope.shape[-1] + q_rope.shape[-1]) ** -0.5
+    nope = "bthn,bshn->bhts" if k_nope.dim() == 4 else "bthn,bsn->bhts"
+    scores = (torch.einsum(nope, q_nope, k_nope) + torch.einsum("bthe,bse->bhts", q_rope, k_rope)) * scale
+    query_pos = start + torch.arange(scores.shape[-2], device=scores.device)
+    visible = torch.arange(scores.shape[-1], device=scores.device)[None, :] <= query_pos[:, None]   # [T, S]
+    wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    return torch.softmax(wide.masked_fill(~visible, float("-inf")), dim=-1)
 
 
 class GatedMLA(nn.Module):
@@ -126,9 +166,8 @@ class GatedMLA(nn.Module):
 
     def compress(self, x: torch.Tensor, positions: torch.Tensor) -> MLACache:
         """The cache entries of x: [RMSNorm(c_KV) ; k_rope]. x: [B, T, d] -> latent [B, T, r], rope [B, T, rope]."""
-        compressed = self.kv_down(x)
-        latent = self.kv_norm(compressed[..., : self.kv_lora_rank])
-        rope_key = compressed[..., self.kv_lora_rank:]
+        latent, rope_key = compress_kv(x, self.kv_down.weight, self.kv_norm.weight, self.kv_lora_rank,
+                                       self.kv_norm.eps)
         if self.use_rope:
             rope_key = rope_rotate(rope_key, positions, self.rope_theta)
         return MLACache(latent, rope_key)
@@ -142,28 +181,17 @@ class GatedMLA(nn.Module):
             q_rope = rope_rotate(q_rope, positions, self.rope_theta)
         return q_nope, q_rope
 
-    def _probabilities(self, scores: torch.Tensor, start: int) -> torch.Tensor:
-        """Causal softmax over keys (last axis), in fp32 or wider. scores: [B, H, T, S]; query t at start + t."""
-        query_pos = start + torch.arange(scores.shape[-2], device=scores.device)
-        visible = torch.arange(scores.shape[-1], device=scores.device)[None, :] <= query_pos[:, None]   # [T, S]
-        wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
-        return torch.softmax(wide.masked_fill(~visible, float("-inf")), dim=-1)
-
     def attend_naive(self, q_nope, q_rope, cache: MLACache, start: int) -> torch.Tensor:
         """Up-project the whole cache to per-head keys and values, then attend. Returns o [B, T, H, v]."""
-        k_nope = torch.einsum("bsr,hnr->bhsn", cache.latent, self.k_up)     # [B, H, S, nope]
-        values = torch.einsum("bsr,hvr->bhsv", cache.latent, self.v_up)     # [B, H, S, v]
-        scores = (torch.einsum("bthn,bhsn->bhts", q_nope, k_nope)
-                  + torch.einsum("bthe,bse->bhts", q_rope, cache.rope_key)) * self.scale
-        probs = self._probabilities(scores, start)
-        return torch.einsum("bhts,bhsv->bthv", probs, values.to(probs.dtype)).to(q_nope.dtype)
+        k_nope = torch.einsum("bsr,hnr->bshn", cache.latent, self.k_up)     # [B, S, H, nope]
+        values = torch.einsum("bsr,hvr->bshv", cache.latent, self.v_up)     # [B, S, H, v]
+        probs = attention_probs(q_nope, q_rope, k_nope, cache.rope_key, self.scale, start)     # [B, H, T, S]
+        return torch.einsum("bhts,bshv->bthv", probs, values.to(probs.dtype)).to(q_nope.dtype)
 
     def attend_absorbed(self, q_nope, q_rope, cache: MLACache, start: int) -> torch.Tensor:
         """Attend over the latent cache itself: W_UK folded into the query, W_UV applied after. o [B, T, H, v]."""
-        q_latent = torch.einsum("bthn,hnr->bthr", q_nope, self.k_up)        # absorbed query [B, T, H, r]
-        scores = (torch.einsum("bthr,bsr->bhts", q_latent, cache.latent)
-                  + torch.einsum("bthe,bse->bhts", q_rope, cache.rope_key)) * self.scale
-        probs = self._probabilities(scores, start)
+        q_latent = absorb_query(q_nope, self.k_up)                           # [B, T, H, r]
+        probs = attention_probs(q_latent, q_rope, cache.latent, cache.rope_key, self.scale, start)
         latent_context = torch.einsum("bhts,bsr->bthr", probs, cache.latent.to(probs.dtype))   # [B, T, H, r]
         return torch.einsum("bthr,hvr->bthv", latent_context.to(q_nope.dtype), self.v_up)
 

@@ -78,6 +78,15 @@ def test_kda_chunk_triton_strong_decay_at_the_lower_bound(chunk_size):
     assert relative_error(final, want_state) <= 1e-4
 
 
+def test_kda_chunk_triton_with_several_value_blocks_and_heads():
+    """V = 80 spans several value blocks of every kernel; K = 40 is not a power of two."""
+    q, k, v, g, beta, h0 = kda_inputs(2, 70, 3, 40, 80, seed=8)
+    o, final = kda_chunk_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=32)
+    want_o, want_state = kda_per_token(q, k, v, g, beta, 40 ** -0.5, h0)
+    assert relative_error(o, want_o) <= 1e-4
+    assert relative_error(final, want_state) <= 1e-4
+
+
 def test_kda_chunk_triton_no_final_state_unless_asked():
     q, k, v, g, beta, _ = kda_inputs(1, 5, 1, 16, 16, seed=1)
     assert kda_chunk_triton(q, k, v, g, beta)[1] is None

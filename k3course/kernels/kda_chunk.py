@@ -298,7 +298,7 @@ def pass_states(k, gc, w, u, initial_state=None, output_final_state=False, chunk
     [B, T, H, V] and the final state [B, H, K, V] (or None); all fp32."""
     B, T, H, K = k.shape
     V = u.shape[-1]
-    BK, BV = _blocks(K, V)
+    BK, BV = _block(K), min(32, _block(V))  # narrow value blocks: this kernel's only parallelism is B·H·V/BV
     NT = triton.cdiv(T, chunk_size)
     f32 = dict(dtype=torch.float32, device=k.device)
     states, v_new = torch.empty(B, NT, H, K, V, **f32), torch.empty(B, T, H, V, **f32)

@@ -34,7 +34,7 @@ def _configs() -> list[triton.Config]:
 @triton.jit
 def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, group_start_ptr, group_end_ptr, tile_expert_ptr, tile_first_ptr,
                          N, K, E, stride_xm, stride_we, stride_wk, stride_wn, stride_om,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EXACT_FP32: tl.constexpr):
     """out[rows of expert e] = x[rows of expert e] @ w[e], one [BM, BN] output tile per program."""
     tile, n_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(tile_expert_ptr + tile)  # E for the spare programs of the upper-bound grid
@@ -52,7 +52,10 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, group_start_ptr, group_end_ptr, 
                         mask=row_ok[:, None] & (k0 + depth < K)[None, :], other=0.0)
             w = tl.load(w_ptr + expert.to(tl.int64) * stride_we + (k0 + depth)[:, None] * stride_wk
                         + cols[None, :] * stride_wn, mask=(k0 + depth < K)[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(x, w, acc)
+            if EXACT_FP32:  # fp32 data: true fp32 products, not TF32
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
@@ -91,7 +94,8 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, group_ends: torch.Tensor) ->
     ends = group_ends.to(torch.int64)
     grid = lambda meta: (max_tiles, triton.cdiv(N, meta["BN"]))
     _grouped_gemm_kernel[grid](x, weights, out, starts, ends, tile_expert, tile_first, N, K, E, x.stride(0),
-                               weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0), BM=tile_rows)
+                               weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0), BM=tile_rows,
+                               EXACT_FP32=x.dtype == torch.float32)
     return out
 
 

@@ -141,12 +141,11 @@ def _wy_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, T, H, K, V
     rows = chunk * BT + tl.arange(0, BT)
     local = tl.arange(0, BT)
     row_ok = rows < T
-    a_offsets = ((b * T + rows[:, None]) * H + h) * BT + local[None, :]
-    akk = tl.load(akk_ptr + a_offsets, mask=row_ok[:, None], other=0.0)  # [BT, BT]
     inverse = (local[:, None] == local[None, :]).to(tl.float32)  # starts as I; row r is replaced at step r
     for r in range(1, BT):
-        a_r = tl.sum(tl.where(local[:, None] == r, akk, 0.0), axis=0)  # [BT] row r of A (zero from column r on)
-        x_r = tl.where(local == r, 1.0, 0.0) - tl.sum(a_r[:, None] * inverse, axis=0)
+        row = chunk * BT + r
+        a_r = tl.load(akk_ptr + ((b * T + row) * H + h) * BT + local, mask=row < T, other=0.0)  # [BT] row r of A
+        x_r = tl.where(local == r, 1.0, 0.0) - tl.sum(a_r[:, None] * inverse, axis=0)  # A is 0 from column r on
         inverse = tl.where(local[:, None] == r, x_r[None, :], inverse)
     beta = tl.load(beta_ptr + (b * T + rows) * H + h, mask=row_ok, other=0.0).to(tl.float32)
     cols = tl.arange(0, BK)

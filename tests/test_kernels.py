@@ -240,3 +240,19 @@ def test_benchmark_accounting():
     assert roofline_tflops(1e12, 1e9, "NVIDIA H100 80GB HBM3") == pytest.approx(989.0)  # compute bound
     assert roofline_tflops(1e9, 1e9, "NVIDIA H100 80GB HBM3") == pytest.approx(3.35)  # memory bound
     assert roofline_tflops(1e9, 1e9, "a laptop") is None
+
+
+def test_error_ratio_is_fla_metric():
+    from k3course.bench.kernels import error_ratio
+
+    want = torch.tensor([3.0, 4.0])
+    assert error_ratio(want, want) == 0.0
+    # rms of the error 0.05 / √2 over rms of the reference √12.5
+    assert error_ratio(want + torch.tensor([0.0, 0.05]), want) == pytest.approx(0.01, rel=1e-6)
+
+
+@pytest.mark.skipif(TRITON_MODE != "native", reason="bf16 needs a GPU (the interpreter is wrong in bf16)")
+def test_bf16_forward_within_fla_tolerance_on_gpu():
+    from k3course.bench.kernels import FLA_BF16_TOLERANCE, check_bf16_accuracy
+
+    assert check_bf16_accuracy(T=1024) <= FLA_BF16_TOLERANCE

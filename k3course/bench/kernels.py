@@ -79,6 +79,30 @@ def _time(fn) -> float | None:
         return None
 
 
+def error_ratio(got: torch.Tensor, want: torch.Tensor) -> float:
+    """‖got − want‖_rms / ‖want‖_rms: the metric of fla's tests (they accept ≤ 0.005 for bf16 KDA outputs)."""
+    got, want = got.double(), want.double()
+    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def check_bf16_accuracy(T: int = 2048) -> float:
+    """bf16 Triton forward vs the fp32 torch chunked path on the same (bf16-rounded) inputs; prints and returns
+    the error ratio."""
+    from k3course.attention import kda_chunk
+    from k3course.kernels.kda_chunk import kda_chunk_triton
+
+    inputs = _kda_inputs(T, 16, 128, 128, requires_grad=False)
+    o_bf16, _ = kda_chunk_triton(*inputs)
+    o_fp32, _ = kda_chunk(*(x.float() for x in inputs))
+    ratio = error_ratio(o_bf16, o_fp32)
+    verdict = "within" if ratio <= FLA_BF16_TOLERANCE else "OUTSIDE"
+    print(f"bf16 forward vs fp32 reference at T={T}: error ratio {ratio:.2e} ({verdict} fla's {FLA_BF16_TOLERANCE})")
+    return ratio
+
+
+FLA_BF16_TOLERANCE = 0.005
+
+
 def _fla_chunk_kda():
     try:
         from fla.ops.kda import chunk_kda
@@ -197,6 +221,7 @@ def main(options: list[str]) -> int:
         return 0
     gpu = torch.cuda.get_device_name()
     print(f"GPU: {gpu}; roofline peaks (bf16 TFLOP/s, TB/s): {roofline_peaks_text(gpu)}")
+    check_bf16_accuracy()
     bench_kda(args.seq_lens, gpu, backward=False)
     if not args.no_backward:
         bench_kda(args.seq_lens, gpu, backward=True)

@@ -245,10 +245,10 @@ def test_benchmark_accounting():
 def test_error_ratio_is_fla_metric():
     from k3course.bench.kernels import error_ratio
 
-    want = torch.tensor([3.0, 4.0])
+    want = torch.tensor([3.0, 4.0], dtype=torch.float64)
     assert error_ratio(want, want) == 0.0
     # rms of the error 0.05 / √2 over rms of the reference √12.5
-    assert error_ratio(want + torch.tensor([0.0, 0.05]), want) == pytest.approx(0.01, rel=1e-6)
+    assert error_ratio(want + torch.tensor([0.0, 0.05], dtype=torch.float64), want) == pytest.approx(0.01, rel=1e-9)
 
 
 @pytest.mark.skipif(TRITON_MODE != "native", reason="bf16 needs a GPU (the interpreter is wrong in bf16)")

@@ -36,7 +36,7 @@ def depth_attention(query: torch.Tensor, sources: torch.Tensor, eps: float = 1e-
     values = sources.to(wide)
     keys = F.rms_norm(values, (values.shape[-1],), eps=eps)                  # [N, B, T, D]
     weights = torch.softmax(keys @ query.to(wide), dim=0)                    # [N, B, T]
-    h = torch.einsum("nbt,nbtd->btd", weights, values)
+    h = (weights.unsqueeze(-1) * values).sum(dim=0)                        # Σ_i α_i v_i
     return h.to(sources.dtype), weights
 
 

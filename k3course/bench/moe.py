@@ -17,6 +17,7 @@ import torch
 from k3course.device import default_device
 from k3course.moe import GLUFFN, LatentMoE
 from k3course.moe.latent import moe_flops_per_token, rms_norm
+from k3course.reference import moe as reference
 
 
 def per_token_loop(layer: LatentMoE, x: torch.Tensor) -> torch.Tensor:
@@ -35,6 +36,14 @@ def per_token_loop(layer: LatentMoE, x: torch.Tensor) -> torch.Tensor:
             u = u + layer.route_scale * p * (hidden @ experts.down[j])
         rows.append(rms_norm(u, layer.latent_norm, layer.eps) @ layer.up_proj)
     return torch.stack(rows)
+
+
+def reference_params(layer: LatentMoE) -> dict:
+    """The layer's weights as the fp64 arrays :func:`k3course.reference.moe.moe_forward` reads."""
+    as_np = lambda t: t.detach().cpu().double().numpy()
+    return {"router": as_np(layer.router), "bias": as_np(layer.bias), "w_gate": as_np(layer.experts.gate),
+            "w_up": as_np(layer.experts.up), "w_down": as_np(layer.experts.down), "w_down_proj": as_np(layer.down_proj),
+            "w_up_proj": as_np(layer.up_proj), "latent_norm": as_np(layer.latent_norm)}
 
 
 def _best_seconds(fn, repeats: int, device: torch.device) -> float:
@@ -86,13 +95,17 @@ def main(options: list[str]) -> int:
         t_sorted = _best_seconds(lambda: layer(x), args.repeats, device)
         t_dense = _best_seconds(lambda: dense(x), args.repeats, device)
         t_loop = _best_seconds(lambda: per_token_loop(layer, x[:loop_tokens]), 1, device) * args.m / loop_tokens
+    params, x_np = reference_params(layer), x[:loop_tokens].cpu().double().numpy()
+    t_numpy = _best_seconds(lambda: reference.moe_forward(x_np, params, args.k), 1, device) * args.m / loop_tokens
     print(f"latent MoE forward on {device.type}: m={args.m} n={args.n} k={args.k} d={args.d} "
           f"latent={args.latent} d_expert={args.d_expert}, fp32, backend={args.backend}, "
           f"{torch.get_num_threads()} CPU thread(s)")
     print(f"active FLOPs per token {flops / 1e6:.3f} M; dense GLU FFN hidden {dense_hidden} has the same")
     print(f"per-token loop  {t_loop * 1e3:10.1f} ms  (timed on {loop_tokens} tokens, scaled to {args.m})")
+    print(f"NumPy rung 0    {t_numpy * 1e3:10.1f} ms  (fp64 loop, timed on {loop_tokens} tokens, scaled to {args.m})")
     print(f"sort-based MoE  {t_sorted * 1e3:10.1f} ms  (max rel. difference from the loop {error:.1e})")
     print(f"dense FFN       {t_dense * 1e3:10.1f} ms")
-    print(f"sort-based MoE is {t_loop / t_sorted:.0f}x faster than the per-token loop (target >= 50x)")
+    print(f"sort-based MoE is {t_loop / t_sorted:.0f}x faster than the per-token loop (target >= 50x), "
+          f"{t_numpy / t_sorted:.0f}x faster than the NumPy loop")
     print(f"sort-based MoE takes {t_sorted / t_dense:.2f}x the dense FFN's time (target <= 2x)")
     return 0

@@ -43,10 +43,17 @@ def router_scores(logits: torch.Tensor, score_fn: str = "sigmoid") -> torch.Tens
 def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     """The k largest entries of each row, largest first; ties go to the lower expert index.
 
-    A stable descending sort gives this tie-breaking deterministically (``torch.topk`` does not promise it).
+    ``torch.topk`` is fast but does not promise an order among equal values, so rows with a tie among their
+    k + 1 largest entries are redone with a stable descending sort (which keeps the lower index first).
     values [m, n] -> [m, k] int64.
     """
-    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+    top = torch.topk(values, min(k + 1, values.shape[1]), dim=-1)  # sorted, largest first
+    tied = (top.values[:, 1:] == top.values[:, :-1]).any(dim=1)  # [m]
+    expert_idx = top.indices[:, :k]
+    if tied.any():
+        expert_idx = expert_idx.clone()
+        expert_idx[tied] = torch.sort(values[tied], dim=-1, descending=True, stable=True).indices[:, :k]
+    return expert_idx
 
 
 def topk_route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,

@@ -9,6 +9,8 @@ for it: in training the aux loss competes with the language-model loss).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from k3course.moe.balancing import expert_load, quantile_balance_bias, sign_rule_update, switch_aux_loss
@@ -48,11 +50,19 @@ def _aux_step(router: SkewedRouter, scores: torch.Tensor, expert_idx: torch.Tens
 RULES = ("quantile", "sign", "aux", "none")
 
 
-def simulate_balancing(rule: str, steps: int, m: int = 4096, n_experts: int = 64, k: int = 4, skew: float = 1.0,
-                       gamma: float = 1e-3, lr: float = 1.0, seed: int = 0) -> list[float]:
-    """Max-violation of each step's routing under ``rule`` ('quantile', 'sign', 'aux' or 'none').
+@dataclass
+class BalancingRun:
+    """One run of :func:`run_balancing`: the max-violation and the per-expert load of every step."""
 
-    Step t routes batch t with the bias (or router) from steps < t, so entry 0 is the unbalanced router.
+    violations: list[float]
+    loads: torch.Tensor  # [steps, n] int64
+
+
+def run_balancing(rule: str, steps: int, m: int = 4096, n_experts: int = 64, k: int = 4, skew: float = 1.0,
+                  gamma: float = 1e-3, lr: float = 1.0, seed: int = 0) -> BalancingRun:
+    """Route ``steps`` fresh batches under ``rule`` ('quantile', 'sign', 'aux' or 'none'), recording each load.
+
+    Step t routes batch t with the bias (or router) from steps < t, so step 0 is the unbalanced router.
     gamma: the sign rule's step; lr: the aux loss's SGD learning rate.
     """
     if rule not in RULES:
@@ -61,16 +71,20 @@ def simulate_balancing(rule: str, steps: int, m: int = 4096, n_experts: int = 64
     router.weight.requires_grad_(rule == "aux")
     router.skew.requires_grad_(rule == "aux")
     bias = torch.zeros(n_experts)
-    violations = []
+    loads = []
     for _ in range(steps):
         scores = router.batch(m)
         expert_idx, _ = topk_route(scores.detach(), k, bias)
-        load = expert_load(expert_idx, n_experts)
-        violations.append(max_violation(load))
+        loads.append(expert_load(expert_idx, n_experts))
         if rule == "quantile":
-            bias = quantile_balance_bias(scores, bias, k)
+            bias = quantile_balance_bias(scores.detach(), bias, k)
         elif rule == "sign":
-            bias = sign_rule_update(bias, load, gamma)
+            bias = sign_rule_update(bias, loads[-1], gamma)
         elif rule == "aux":
             _aux_step(router, scores, expert_idx, lr)
-    return violations
+    return BalancingRun([max_violation(load) for load in loads], torch.stack(loads))
+
+
+def simulate_balancing(rule: str, steps: int, **options) -> list[float]:
+    """The max-violation of each step of :func:`run_balancing` (same arguments)."""
+    return run_balancing(rule, steps, **options).violations

@@ -222,6 +222,11 @@ def test_other_balancing_modes(balancing):
         assert layer.aux_loss.requires_grad and float(layer.aux_loss.detach()) > 0
 
 
+def test_config_spellings_of_balancing_are_accepted():
+    assert MoE(8, 4, 2, balancing="aux_loss").balancing == "aux"
+    assert MoE(8, 4, 2, balancing="none").balancing is None
+
+
 def test_bad_input_names_the_argument():
     scores = seeded_scores(4, 6, seed=15)
     with pytest.raises(ValueError, match="k must satisfy 1 <= k < n experts = 6, got k = 6"):

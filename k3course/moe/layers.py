@@ -26,6 +26,7 @@ from k3course.moe.routing import router_scores, topk_route
 from k3course.moe.stats import routing_stats
 
 BALANCING = ("quantile", "sign", "aux", None)
+ALIASES = {"aux_loss": "aux", "none": None}  # the spellings K3Config uses
 
 
 class MoE(nn.Module):
@@ -35,7 +36,8 @@ class MoE(nn.Module):
     GLU FFN of width n_shared · d_expert (K3: 2 shared); d_expert: inner width of each expert;
     d_latent: ℓ, the width the routed experts run at (None: full width, no projection);
     score_fn 'sigmoid' | 'softmax'; activation 'swiglu' | 'situ_glu'; route_scale multiplies the weights;
-    balancing 'quantile' | 'sign' | 'aux' | None; gamma: the sign rule's step; aux_alpha: the aux loss weight.
+    balancing 'quantile' | 'sign' | 'aux' | None (K3Config's 'aux_loss' and 'none' are accepted);
+    gamma: the sign rule's step; aux_alpha: the aux loss weight.
     x [..., d_model] -> y [..., d_model].
     """
 
@@ -47,6 +49,7 @@ class MoE(nn.Module):
         super().__init__()
         if not 1 <= top_k < n_routed:
             raise ValueError(f"top_k must satisfy 1 <= top_k < n_routed = {n_routed}, got {top_k}")
+        balancing = ALIASES.get(balancing, balancing)
         if balancing not in BALANCING:
             raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
         if score_fn not in ("sigmoid", "softmax"):

@@ -250,3 +250,20 @@ def depth_weight_matrix(weights: list[torch.Tensor], n_sublayers: int, block_siz
     for row, w in enumerate(weights):
         matrix[row, : w.shape[0]] = w.float().mean(dim=(1, 2)).cpu()
     return matrix
+
+
+def visible_sources(n_sublayers: int, block_size: int | None = None) -> torch.Tensor:
+    """Which source each read attends through, for every earlier output: an int map for plotting.
+
+    Returns [n_sublayers + 1 reads, n_sublayers + 1 outputs v_0 … v_L] where entry (l, i) is the index of the
+    source of read l that contains v_i (0 is the embedding), or -1 when read l cannot see v_i yet (i ≥ l + 1,
+    counting v_0). block_size None is Full AttnRes (every output its own source).
+    """
+    _check_sizes(n_sublayers, 1)
+    size = 1 if block_size is None else block_size
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
+    reads = torch.arange(n_sublayers + 1)[:, None]                      # read l sees v_0 … v_l
+    outputs = torch.arange(n_sublayers + 1)[None, :]
+    source = torch.where(outputs == 0, 0, (outputs - 1) // size + 1)    # v_i (i ≥ 1) lies in block (i-1)//size
+    return torch.where(outputs <= reads, source, -1)

@@ -230,3 +230,19 @@ def test_block_sources_function_matches_the_stream_and_reference(block_size):
         torch.testing.assert_close(block_attnres_read(x, outputs, scheme.queries[index], block_size), h)
         outputs.append(layer(h))
         stream.write(outputs[-1])
+
+
+@pytest.mark.parametrize("block_size", [None, 1, 2, 4, 9])
+def test_visible_sources_matches_what_the_stream_attends(block_size):
+    from k3course.residual import visible_sources
+
+    layers, x = sublayers(), embedding()
+    scheme = FullAttnRes(L, D) if block_size is None else BlockAttnRes(L, D, block_size)
+    _, _, stream = run(scheme.double(), layers, x, record=True)
+    grid = visible_sources(L, block_size)
+    assert grid.shape == (L + 1, L + 1)
+    for read, weights in enumerate(stream.weights):
+        assert int(grid[read].max()) + 1 == weights.shape[0]          # one source per distinct id
+        assert (grid[read, : read + 1] >= 0).all() and (grid[read, read + 1:] == -1).all()
+    with pytest.raises(ValueError, match="block_size must be a positive int or None"):
+        visible_sources(L, 0)

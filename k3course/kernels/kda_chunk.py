@@ -25,14 +25,17 @@ import triton.language as tl
 from k3course.kernels import TRITON_MODE
 
 SUB_CHUNK = 16  # tile side of the intra-chunk products; 16 is also the smallest tl.dot on a GPU
+STATE_KERNEL_STAGES = 2  # software-pipelining depth of the state kernel: 3 needs 249 KB of shared memory in fp32
 
 
 @triton.jit
 def _dot(a, b, LOW_PRECISION: tl.constexpr):
     """a @ b accumulated in fp32: bf16 tensor-core inputs for bf16 / fp16 data, exact fp32 otherwise."""
-    if LOW_PRECISION:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return tl.dot(a, b, input_precision="ieee")
+    if LOW_PRECISION:  # an if / else, not an early return: Triton compiles the code after a constexpr return too
+        product = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        product = tl.dot(a, b, input_precision="ieee")
+    return product
 
 
 @triton.jit
@@ -105,7 +108,7 @@ def _intra_chunk_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, scale,
             _store_tile(aqk_ptr, aqk, b, h, T, H, rows_a, c * BC + local, BT)
         akk = tl.zeros([BC, BC], dtype=tl.float32)
         aqk = tl.zeros([BC, BC], dtype=tl.float32)
-        for j in tl.static_range(BC):
+        for j in range(BC):  # a runtime loop: unrolling 16 columns × NC sub-chunks only slows compilation
             row_j = t0 + a * BC + j
             mask_j = (cols < K) & (row_j < T)
             k_j = tl.load(k_ptr + ((b * T + row_j) * H + h) * K + cols, mask=mask_j, other=0.0).to(tl.float32)
@@ -305,7 +308,8 @@ def pass_states(k, gc, w, u, initial_state=None, output_final_state=False, chunk
     h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
     _state_kernel[(triton.cdiv(V, BV), B * H)](
         k, gc, w, u, states, v_new, h0, final_state, T, H, K, V, NT, BT=chunk_size, BK=BK, BV=BV,
-        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state, LOW_PRECISION=_low_precision(k))
+        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state, LOW_PRECISION=_low_precision(k),
+        num_stages=STATE_KERNEL_STAGES)
     return states, v_new, final_state
 
 

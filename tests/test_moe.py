@@ -251,6 +251,18 @@ def test_bad_input_names_the_argument():
         MoE(8, 4, 2, activation="gelu")
     with pytest.raises(ValueError, match="expert_idx entries must lie in"):
         sort_by_expert(torch.tensor([[0, 4]]), 4)
+    with pytest.raises(ValueError, match=r"expert_idx must be an int tensor of shape \[m, k\]"):
+        sort_by_expert(torch.tensor([0, 1]), 4)
+    with pytest.raises(ValueError, match="x contains NaN"):
+        MoE(8, 4, 2)(torch.full((3, 8), float("nan")))
+    with pytest.raises(ValueError, match="must agree on d_in"):
+        grouped_mm(torch.zeros(4, 3), torch.zeros(2, 5, 6), torch.tensor([2, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"group_offsets must have shape \[E\] = \(2,\)"):
+        grouped_mm(torch.zeros(4, 5), torch.zeros(2, 5, 6), torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="backend must be"):
+        grouped_mm(torch.zeros(4, 5), torch.zeros(2, 5, 6), torch.tensor([2, 4], dtype=torch.int32), "triton")
+    with pytest.raises(ValueError, match="rows_sorted has 3 rows but order has 4 entries"):
+        unsort(torch.zeros(3, 2), torch.arange(4))
 
 
 # --- latent pieces, accounting, benchmark ---------------------------------------------------------------

@@ -92,6 +92,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must have last dimension d_model = {self.d_model}, got shape {tuple(x.shape)}")
+        if torch.isnan(x).any():
+            raise ValueError("x contains NaN")
         flat = x.reshape(-1, self.d_model)  # [m, d]
         logits, scores, expert_idx, weights = self.route(flat)
         weights = self.route_scale * weights

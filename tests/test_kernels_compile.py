@@ -8,6 +8,7 @@ The compile runs in a fresh interpreter that reports a GPU to ``k3course.kernels
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -73,7 +74,8 @@ H100_SHARED_BYTES = 232448  # the most shared memory one program (CTA) may use o
 
 @pytest.fixture(scope="module")
 def compiled():
-    run = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, timeout=600)
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # set by this process
+    run = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, timeout=600, env=env)
     if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr.lower():
         pytest.skip("this Triton install has no ptxas to compile for a GPU")
     assert run.returncode == 0, run.stderr[-3000:]

@@ -214,6 +214,7 @@ def test_other_balancing_modes(balancing):
     generator = torch.Generator().manual_seed(14)
     layer = MoE(16, 4, 2, generator=generator, balancing=balancing, gamma=0.01)
     layer(torch.randn(30, 16, generator=generator))
+    assert layer.z_loss.requires_grad and float(layer.z_loss.detach()) > 0
     changed = layer.update_bias()
     assert changed is (balancing == "sign")
     if balancing == "sign":

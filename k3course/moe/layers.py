@@ -70,7 +70,8 @@ class MoE(nn.Module):
             self.down_proj = nn.Parameter(torch.randn(d_model, d_latent, generator=generator) / d_model**0.5)
             self.up_proj = nn.Parameter(torch.randn(d_latent, d_model, generator=generator) / d_latent**0.5)
             self.latent_norm = nn.Parameter(torch.ones(d_latent))
-        self.aux_loss = torch.zeros(())
+        self.aux_loss = torch.zeros(())  # the Switch loss of the last training forward (balancing="aux")
+        self.z_loss = torch.zeros(())  # the router z-loss of the last training forward (any balancing)
         self.last_scores: torch.Tensor | None = None
         self.last_expert_idx: torch.Tensor | None = None
 

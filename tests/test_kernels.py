@@ -271,3 +271,12 @@ def test_kda_triton_picks_decode_or_chunk_and_leaves_the_callers_state(T, requir
     assert torch.equal(h0, before)
     assert o.requires_grad == requires_grad
     assert relative_error(o, want_o) <= 1e-4 and relative_error(final, want_state) <= 1e-4
+
+
+def test_intermediate_traffic_accounting():
+    from k3course.bench.kernels import kda_intermediate_bytes
+
+    parts = kda_intermediate_bytes(1, 64, 1, 128, 128, 64)
+    assert parts["G (in-chunk cumulative decay)"] == 64 * 128 * 4 * 5
+    assert parts["states entering each chunk"] == 128 * 128 * 4 * 2  # one chunk: one state, written and read
+    assert sum(parts.values()) == 64 * 4 * (5 * 128 + 4 * 64 + 2 * 256 + 2 * 128) + 128 * 128 * 8

@@ -42,6 +42,19 @@ def kda_forward_bytes(B: int, T: int, H: int, K: int, V: int, element: int = 2) 
     return B * T * H * (3 * K + 2 * V + 1) * element
 
 
+def kda_intermediate_bytes(B: int, T: int, H: int, K: int, V: int, chunk: int) -> dict[str, float]:
+    """Bytes of fp32 intermediates our five kernels write and read back (each written once, read as many times
+    as kernels use it): G (read by 4 kernels), A_kk, A_qk, W, U, Ṽ, and the state entering each chunk."""
+    tokens, f32 = B * T * H, 4
+    return {
+        "G (in-chunk cumulative decay)": tokens * K * f32 * 5,
+        "A_kk and A_qk": tokens * 2 * chunk * f32 * 2,
+        "W and U": tokens * (K + V) * f32 * 2,
+        "V~ (corrected values)": tokens * V * f32 * 2,
+        "states entering each chunk": B * H * (T / chunk) * K * V * f32 * 2,
+    }
+
+
 def grouped_gemm_flops(rows: int, k: int, n: int) -> float:
     return 2.0 * rows * k * n
 

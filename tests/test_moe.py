@@ -202,6 +202,8 @@ def test_bias_updates_in_training_and_is_frozen_in_eval():
     layer.train()
     layer(x)
     assert layer.update_bias() is True and layer.bias.abs().sum() > 0
+    assert layer.update_bias() is False  # the same batch is not applied twice
+    assert layer.routing_stats()["load"].sum() == 64 * 2  # the stats of the last forward stay readable
     assert abs(float(layer.bias.mean())) < 1e-6
     frozen = layer.bias.clone()
     layer.eval()

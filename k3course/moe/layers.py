@@ -132,7 +132,7 @@ class MoE(nn.Module):
             load = expert_load(self.last_expert_idx, self.n_routed)
             new_bias = sign_rule_update(self.bias, load, self.gamma)
         self.bias.copy_(new_bias)
-        self.last_scores = self.last_expert_idx = None
+        self.last_scores = None  # a second call before the next forward must not apply the same batch again
         return True
 
     def routing_stats(self) -> dict:

@@ -227,3 +227,12 @@ def test_from_config_has_the_parameters_config_counts(preset):
     for config in (cfg, cfg.replace(q_lora_rank=None, mla_gated=False)):
         module = GatedMLA.from_config(config, device="meta")
         assert sum(p.numel() for p in module.parameters()) == mla_layer_params(config)
+
+
+def test_bf16_returns_bf16_and_stays_close_to_fp32():
+    module = make(dtype=torch.float32, use_rope=True)
+    x = seeded_x(dtype=torch.float32)
+    y32, _ = module(x)
+    y16, cache16 = module.to(torch.bfloat16)(x.to(torch.bfloat16), absorbed=True)
+    assert y16.dtype == cache16.latent.dtype == torch.bfloat16
+    torch.testing.assert_close(y16.float(), y32, rtol=0.05, atol=0.05)

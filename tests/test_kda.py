@@ -27,8 +27,12 @@ def inputs(T, seed=0, B=2, H=2, K=8, V=6, g_low=-2.0, scalar_gate=False, dtype=t
     return [x.to(dtype) for x in (q, k, v, g, beta, state)]
 
 
+def _numpy(x):
+    return x.detach().double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
+
+
 def assert_close(got, want, rtol=RTOL, what="output"):
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    got, want = _numpy(got), _numpy(want)
     assert np.isfinite(got).all(), f"{what}: not finite"
     scale = np.abs(want).max() + 1e-12
     err = np.abs(got - want).max() / scale

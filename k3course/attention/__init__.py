@@ -9,3 +9,4 @@ from k3course.attention.recurrent import gdn_recurrent, gla_recurrent, kda_recur
 __all__ = ["DecayedLinearAttention", "GatedDeltaNet", "KimiDeltaAttention", "MixerState", "decay_attention_parallel",
            "gdn_chunk", "gdn_recurrent", "gla_chunk", "gla_recurrent", "kda_chunk", "kda_recurrent",
            "softmax_attention"]
+from k3course.attention.mla import GatedMLA  # noqa: E402, F401

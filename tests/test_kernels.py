@@ -276,7 +276,10 @@ def test_kda_triton_picks_decode_or_chunk_and_leaves_the_callers_state(T, requir
 def test_intermediate_traffic_accounting():
     from k3course.bench.kernels import kda_intermediate_bytes
 
-    parts = kda_intermediate_bytes(1, 64, 1, 128, 128, 64)
+    parts = kda_intermediate_bytes(1, 64, 1, 128, 128, 64, element=4)  # fp32 data: everything fp32
     assert parts["G (in-chunk cumulative decay)"] == 64 * 128 * 4 * 5
     assert parts["states entering each chunk"] == 128 * 128 * 4 * 2  # one chunk: one state, written and read
     assert sum(parts.values()) == 64 * 4 * (5 * 128 + 4 * 64 + 2 * 256 + 2 * 128) + 128 * 128 * 8
+    bf16 = kda_intermediate_bytes(1, 64, 1, 128, 128, 64)
+    assert bf16["G (in-chunk cumulative decay)"] == parts["G (in-chunk cumulative decay)"]
+    assert bf16["W and U"] == parts["W and U"] / 2

@@ -42,16 +42,17 @@ def kda_forward_bytes(B: int, T: int, H: int, K: int, V: int, element: int = 2) 
     return B * T * H * (3 * K + 2 * V + 1) * element
 
 
-def kda_intermediate_bytes(B: int, T: int, H: int, K: int, V: int, chunk: int) -> dict[str, float]:
-    """Bytes of fp32 intermediates our five kernels write and read back (each written once, read as many times
-    as kernels use it): G (read by 4 kernels), A_kk, A_qk, W, U, Ṽ, and the state entering each chunk."""
+def kda_intermediate_bytes(B: int, T: int, H: int, K: int, V: int, chunk: int, element: int = 2) -> dict[str, float]:
+    """Bytes of the intermediates our five kernels write and read back (each written once, read by every kernel
+    that uses it): G (fp32, read by 4 kernels), A_kk (fp32), and in the data's ``element`` size A_qk, W, U, Ṽ
+    and the state entering each chunk."""
     tokens, f32 = B * T * H, 4
     return {
         "G (in-chunk cumulative decay)": tokens * K * f32 * 5,
-        "A_kk and A_qk": tokens * 2 * chunk * f32 * 2,
-        "W and U": tokens * (K + V) * f32 * 2,
-        "V~ (corrected values)": tokens * V * f32 * 2,
-        "states entering each chunk": B * H * (T / chunk) * K * V * f32 * 2,
+        "A_kk and A_qk": tokens * chunk * (f32 + element) * 2,
+        "W and U": tokens * (K + V) * element * 2,
+        "V~ (corrected values)": tokens * V * element * 2,
+        "states entering each chunk": B * H * (T / chunk) * K * V * element * 2,
     }
 
 

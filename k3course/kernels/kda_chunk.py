@@ -12,8 +12,9 @@ memory with plain pointer arithmetic (no block pointers):
                              Ṽ = U − W S and S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
 5. ``_output_kernel``        O = (scale Γ ⊙ Q) S + A_qk Ṽ, all chunks in parallel.
 
-Everything accumulates in fp32 whatever the input dtype; the output has the dtype of ``v``. Under the Triton
-interpreter (no GPU) inputs must be fp32 (bf16 is wrong there, DESIGN §5).
+Everything accumulates in fp32 whatever the input dtype; the output has the dtype of ``v``. With bf16 data the
+intermediates passed between kernels (A_qk, W, U, Ṽ, the chunk states) are stored in bf16, G and A_kk in fp32.
+Under the Triton interpreter (no GPU) inputs must be fp32 (bf16 is wrong there, DESIGN §5).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def _intra_chunk_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, scale,
 def _store_tile(ptr, tile, b, h, T, H, rows, cols, BT: tl.constexpr):
     """Store a tile of a [B, T, H, BT] matrix: row = time index, column = position inside the chunk."""
     offsets = ((b * T + rows[:, None]) * H + h) * BT + cols[None, :]
-    tl.store(ptr + offsets, tile, mask=rows[:, None] < T)
+    tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=rows[:, None] < T)
 
 
 @triton.jit
@@ -157,13 +158,14 @@ def _wy_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, T, H, K, V
     k = tl.load(k_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
     gc = tl.load(gc_ptr + k_offsets, mask=mask_k, other=0.0)
     w = _dot(inverse, k * tl.exp(gc) * beta[:, None], LOW_PRECISION)
-    tl.store(w_ptr + k_offsets, w, mask=mask_k)
+    tl.store(w_ptr + k_offsets, w.to(w_ptr.dtype.element_ty), mask=mask_k)
     for v0 in range(0, V, BV):
         cols_v = v0 + tl.arange(0, BV)
         mask_v = row_ok[:, None] & (cols_v[None, :] < V)
         v_offsets = ((b * T + rows[:, None]) * H + h) * V + cols_v[None, :]
         v = tl.load(v_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
-        tl.store(u_ptr + v_offsets, _dot(inverse, v * beta[:, None], LOW_PRECISION), mask=mask_v)
+        u = _dot(inverse, v * beta[:, None], LOW_PRECISION)
+        tl.store(u_ptr + v_offsets, u.to(u_ptr.dtype.element_ty), mask=mask_v)
 
 
 @triton.jit
@@ -185,15 +187,17 @@ def _state_kernel(k_ptr, gc_ptr, w_ptr, u_ptr, h_ptr, vnew_ptr, h0_ptr, ht_ptr, 
     if USE_INITIAL_STATE:
         state += tl.load(h0_ptr + bh * K * V + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
     for chunk in range(NT):
-        tl.store(h_ptr + ((b * NT + chunk) * H + h) * K * V + state_offsets, state, mask=state_mask)
+        tl.store(h_ptr + ((b * NT + chunk) * H + h) * K * V + state_offsets, state.to(h_ptr.dtype.element_ty),
+                 mask=state_mask)
         rows = chunk * BT + tl.arange(0, BT)
         mask_k = (rows[:, None] < T) & (cols_k[None, :] < K)
         mask_v = (rows[:, None] < T) & (cols_v[None, :] < V)
         k_offsets = ((b * T + rows[:, None]) * H + h) * K + cols_k[None, :]
         v_offsets = ((b * T + rows[:, None]) * H + h) * V + cols_v[None, :]
-        w = tl.load(w_ptr + k_offsets, mask=mask_k, other=0.0)
-        v_new = tl.load(u_ptr + v_offsets, mask=mask_v, other=0.0) - _dot(w, state, LOW_PRECISION)  # [BT, BV]
-        tl.store(vnew_ptr + v_offsets, v_new, mask=mask_v)
+        w = tl.load(w_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
+        v_new = u - _dot(w, state, LOW_PRECISION)  # [BT, BV]
+        tl.store(vnew_ptr + v_offsets, v_new.to(vnew_ptr.dtype.element_ty), mask=mask_v)
         last = tl.minimum(chunk * BT + BT, T) - 1
         g_last = tl.load(gc_ptr + ((b * T + last) * H + h) * K + cols_k, mask=cols_k < K, other=0.0)  # [BK]
         k = tl.load(k_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
@@ -220,11 +224,12 @@ def _output_kernel(q_ptr, gc_ptr, h_ptr, vnew_ptr, aqk_ptr, o_ptr, scale, T, H, 
     q = tl.load(q_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
     gc = tl.load(gc_ptr + k_offsets, mask=mask_k, other=0.0)
     state_offsets = ((b * NT + chunk) * H + h) * K * V + cols_k[:, None] * V + cols_v[None, :]
-    state = tl.load(h_ptr + state_offsets, mask=(cols_k[:, None] < K) & (cols_v[None, :] < V), other=0.0)
+    state = tl.load(h_ptr + state_offsets, mask=(cols_k[:, None] < K) & (cols_v[None, :] < V),
+                    other=0.0).to(tl.float32)
     local = tl.arange(0, BT)
     aqk = tl.load(aqk_ptr + ((b * T + rows[:, None]) * H + h) * BT + local[None, :], mask=rows[:, None] < T,
-                  other=0.0)
-    v_new = tl.load(vnew_ptr + v_offsets, mask=mask_v, other=0.0)
+                  other=0.0).to(tl.float32)
+    v_new = tl.load(vnew_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
     out = _dot(q * tl.exp(gc) * scale, state, LOW_PRECISION) + _dot(aqk, v_new, LOW_PRECISION)
     tl.store(o_ptr + v_offsets, out.to(o_ptr.dtype.element_ty), mask=mask_v)
 
@@ -272,11 +277,12 @@ def intra_chunk_scores(q, k, gc, beta, scale: float, chunk_size: int = 64):
     """Steps 2 and 6: A_kk [B, T, H, C] (β_r-scaled, strictly lower) and A_qk [B, T, H, C] (scaled, lower).
 
     Row t holds the scores of token t against the C positions of its own chunk. q, k: [B, T, H, K];
-    gc: in-chunk cumulative log-decay (:func:`chunk_local_cumsum`); beta: [B, T, H]. fp32 outputs.
+    gc: in-chunk cumulative log-decay (:func:`chunk_local_cumsum`); beta: [B, T, H]. A_kk is fp32 (it is
+    inverted next); A_qk has the intermediate dtype (:func:`_intermediate_dtype`).
     """
     B, T, H, K = q.shape
-    f32 = dict(dtype=torch.float32, device=q.device)
-    akk, aqk = torch.zeros(B, T, H, chunk_size, **f32), torch.zeros(B, T, H, chunk_size, **f32)
+    akk = torch.zeros(B, T, H, chunk_size, dtype=torch.float32, device=q.device)
+    aqk = torch.zeros(B, T, H, chunk_size, dtype=_intermediate_dtype(q), device=q.device)
     grid = (triton.cdiv(T, chunk_size), B * H)
     _intra_chunk_kernel[grid](q, k, gc, beta, akk, aqk, scale, T, H, K, BT=chunk_size,
                               BC=min(SUB_CHUNK, chunk_size), BK=_block(K))
@@ -288,8 +294,8 @@ def wy_factors(k, v, gc, beta, akk, chunk_size: int = 64):
     B, T, H, K = k.shape
     V = v.shape[-1]
     BK, BV = _blocks(K, V)
-    f32 = dict(dtype=torch.float32, device=k.device)
-    w, u = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, V, **f32)
+    stored = dict(dtype=_intermediate_dtype(k), device=k.device)
+    w, u = torch.empty(B, T, H, K, **stored), torch.empty(B, T, H, V, **stored)
     _wy_kernel[(triton.cdiv(T, chunk_size), B * H)](k, v, gc, beta, akk, w, u, T, H, K, V, BT=chunk_size, BK=BK,
                                                     BV=BV, LOW_PRECISION=_low_precision(k))
     return w, u
@@ -297,14 +303,14 @@ def wy_factors(k, v, gc, beta, akk, chunk_size: int = 64):
 
 def pass_states(k, gc, w, u, initial_state=None, output_final_state=False, chunk_size: int = 64):
     """Steps 5 and 8, sequential over chunks: the state entering each chunk [B, NT, H, K, V], Ṽ = U − W S
-    [B, T, H, V] and the final state [B, H, K, V] (or None); all fp32."""
+    [B, T, H, V] (both in W's dtype) and the final state [B, H, K, V] in fp32 (or None)."""
     B, T, H, K = k.shape
     V = u.shape[-1]
     BK, BV = _block(K), min(32, _block(V))  # narrow value blocks: this kernel's only parallelism is B·H·V/BV
     NT = triton.cdiv(T, chunk_size)
-    f32 = dict(dtype=torch.float32, device=k.device)
-    states, v_new = torch.empty(B, NT, H, K, V, **f32), torch.empty(B, T, H, V, **f32)
-    final_state = torch.empty(B, H, K, V, **f32) if output_final_state else None
+    stored = dict(dtype=w.dtype, device=k.device)
+    states, v_new = torch.empty(B, NT, H, K, V, **stored), torch.empty(B, T, H, V, **stored)
+    final_state = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
     _state_kernel[(triton.cdiv(V, BV), B * H)](
         k, gc, w, u, states, v_new, h0, final_state, T, H, K, V, NT, BT=chunk_size, BK=BK, BV=BV,
@@ -323,6 +329,12 @@ def chunk_outputs(q, gc, states, v_new, aqk, scale: float, out_dtype: torch.dtyp
     _output_kernel[(triton.cdiv(V, BV), NT, B * H)](q, gc, states, v_new, aqk, o, scale, T, H, K, V, NT,
                                                     BT=chunk_size, BK=BK, BV=BV, LOW_PRECISION=_low_precision(q))
     return o
+
+
+def _intermediate_dtype(x: torch.Tensor) -> torch.dtype:
+    """What A_qk, W, U, Ṽ and the chunk states are stored in between kernels: bf16 for bf16 / fp16 data (half
+    the memory traffic, as fla does), fp32 otherwise. G, A_kk and the final state are always fp32."""
+    return torch.bfloat16 if _low_precision(x) else torch.float32
 
 
 def _low_precision(x: torch.Tensor) -> bool:

@@ -113,6 +113,18 @@ def test_grouped_mm_matches_per_row_products(backend):
     assert torch.allclose(grouped_mm(x, weight, offsets, backend), want, atol=1e-5)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+def test_layer_with_torch_grouped_mm_matches_the_loop_forward_and_backward():
+    grads = {}
+    for backend in ("loop", "torch"):
+        layer = LatentMoE(32, 8, 2, d_expert=16, generator=torch.Generator().manual_seed(17), backend=backend)
+        y = layer(torch.randn(37, 32, generator=torch.Generator().manual_seed(18)))
+        y.square().sum().backward()
+        grads[backend] = (y.detach(), layer.experts.gate_up.grad, layer.experts.down.grad, layer.router.grad)
+    for loop_tensor, torch_tensor in zip(grads["loop"], grads["torch"]):
+        assert torch.allclose(loop_tensor, torch_tensor, rtol=1e-5, atol=1e-5)
+
+
 # --- the layers against the reference loop ------------------------------------------------------------------
 
 def numpy_params(layer: MoE) -> dict:

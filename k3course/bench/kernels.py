@@ -216,7 +216,12 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-backward", action="store_true", help="skip the KDA forward + backward rows")
     parser.add_argument("--scale", type=int, default=1, help="divide the GEMM widths 3584 → 3072 by this")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens routed through the grouped GEMM")
-    return parser.parse_args(options)
+    parser.add_argument("--quick", action="store_true",
+                        help="the acceptance rows only (a few minutes): accuracy, forward at T = 8192, the GEMMs")
+    args = parser.parse_args(options)
+    if args.quick:
+        args.seq_lens, args.no_backward = [8192], True
+    return args
 
 
 def explain_cpu_skip() -> str:

@@ -1,0 +1,86 @@
+"""``k3course bench kda``: chunked vs recurrent KDA on this machine (fp32, B=1, H=4, K=V=64 by default).
+
+Reports, from one run: the recurrent / chunked time ratio at T = 4096 (target ≥ 10×), the chunked time growth
+from T = 1024 to 8192 (target ≤ 10× for 8× the length: linear in T), and the chunked path's achieved GFLOP/s
+(from the FLOP formula of DESIGN §6) as a fraction of this machine's measured fp32 matmul GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from k3course.attention.chunk import kda_chunk
+from k3course.attention.recurrent import kda_recurrent
+
+
+def chunk_flops(T: int, d: int, chunk_size: int) -> float:
+    """FLOPs of chunkwise KDA for one head (DESIGN §6): ≈ 6T·d² + 3T·C·d + T·C²."""
+    return 6 * T * d * d + 3 * T * chunk_size * d + T * chunk_size * chunk_size
+
+
+def attention_flops(T: int, d: int) -> float:
+    """FLOPs of causal softmax attention for one head, counted as 2T²·d (DESIGN §6)."""
+    return 2 * T * T * d
+
+
+def best_time(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` calls of ``fn()``, in seconds (the least disturbed by other processes)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """This machine's fp32 matmul rate, GFLOP/s, from an n×n by n×n product."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n ** 3 / best_time(lambda: a @ b, repeats) / 1e9
+
+
+def kda_inputs(T: int, heads: int = 4, dim: int = 64, seed: int = 0):
+    """Seeded q, k (unit norm), v, g ∈ (−1, 0), beta for one sequence: ``[1, T, heads, dim]``."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, heads, dim, generator=gen)
+    k = F.normalize(torch.randn(1, T, heads, dim, generator=gen), dim=-1)
+    v = torch.randn(1, T, heads, dim, generator=gen)
+    g = -torch.rand(1, T, heads, dim, generator=gen)
+    return q, k, v, g, torch.rand(1, T, heads, generator=gen)
+
+
+def main(options: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="k3course bench kda", description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--recurrent-length", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args(options)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    peak = matmul_gflops()
+    print(f"fp32 matmul (1024²): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads")
+    chunked = {}
+    for T in sorted(set(args.lengths) | {args.recurrent_length}):
+        inputs = kda_inputs(T, args.heads, args.dim)
+        chunked[T] = best_time(lambda: kda_chunk(*inputs, chunk_size=args.chunk_size), args.repeats)  # noqa: B023
+        achieved = args.heads * chunk_flops(T, args.dim, args.chunk_size) / chunked[T] / 1e9
+        print(f"chunked   T={T:>6}: {chunked[T] * 1e3:9.1f} ms  {achieved:6.2f} GFLOP/s "
+              f"= {achieved / peak:.1%} of matmul")
+    T = args.recurrent_length
+    inputs = kda_inputs(T, args.heads, args.dim)
+    recurrent = best_time(lambda: kda_recurrent(*inputs), 1)
+    print(f"recurrent T={T:>6}: {recurrent * 1e3:9.1f} ms")
+    print(f"recurrent / chunked at T={T}: {recurrent / chunked[T]:.1f}x  (target >= 10x)")
+    short, long = min(args.lengths), max(args.lengths)
+    print(f"chunked time growth T={short} -> {long} ({long // short}x longer): {chunked[long] / chunked[short]:.1f}x  "
+          f"(target <= 10x for 8x)")
+    return 0

@@ -237,6 +237,18 @@ def test_other_balancing_modes(balancing):
         assert layer.aux_loss.requires_grad and float(layer.aux_loss.detach()) > 0
 
 
+def test_from_config_matches_the_config_parameter_count():
+    from k3course.config import K3Config, moe_layer_params
+
+    for name in ("tiny", "small"):
+        cfg = K3Config.preset(name)
+        layer = MoE.from_config(cfg, generator=torch.Generator().manual_seed(19))
+        assert isinstance(layer, MoE) and layer.d_latent == cfg.latent_dim and layer.balancing == "quantile"
+        assert sum(p.numel() for p in layer.parameters()) == moe_layer_params(cfg)[0]
+        x = torch.randn(2, 3, cfg.d_model)
+        assert layer(x).shape == x.shape
+
+
 def test_config_spellings_of_balancing_are_accepted():
     assert MoE(8, 4, 2, balancing="aux_loss").balancing == "aux"
     assert MoE(8, 4, 2, balancing="none").balancing is None

@@ -75,6 +75,15 @@ class MoE(nn.Module):
         self.last_scores: torch.Tensor | None = None
         self.last_expert_idx: torch.Tensor | None = None
 
+    @classmethod
+    def from_config(cls, cfg, **overrides) -> MoE:
+        """The MoE layer of a :class:`k3course.config.K3Config` (its expert, router and balancing fields)."""
+        sizes = dict(d_model=cfg.d_model, n_routed=cfg.n_routed_experts, top_k=cfg.top_k,
+                     n_shared=cfg.n_shared_experts, d_expert=cfg.expert_dim, d_latent=cfg.latent_dim,
+                     score_fn=cfg.router_score, activation=cfg.ffn_activation, route_scale=cfg.route_scale,
+                     balancing=cfg.balancing)
+        return cls(**{**sizes, **overrides})
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router on full-width x [m, d]: (logits [m, n], scores [m, n], expert_idx [m, k], weights [m, k])."""
         logits = x @ self.router

@@ -283,3 +283,18 @@ def test_intermediate_traffic_accounting():
     bf16 = kda_intermediate_bytes(1, 64, 1, 128, 128, 64)
     assert bf16["G (in-chunk cumulative decay)"] == parts["G (in-chunk cumulative decay)"]
     assert bf16["W and U"] == parts["W and U"] / 2
+
+
+def test_importing_triton_first_on_cpu_is_reported():
+    """On a CPU, triton imported before k3course.kernels leaves tl.sum & co. unusable by the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    script = "import warnings; warnings.simplefilter('error'); import triton.language; import k3course.kernels"
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    if TRITON_MODE == "native":
+        assert run.returncode == 0, run.stderr
+    else:
+        assert run.returncode != 0 and "import k3course.kernels before triton" in run.stderr

@@ -171,6 +171,27 @@ def _kda_rows(T, H, K, V, C, gpu, backward, contenders) -> None:
             print(f"    ours vs {label}: {ms / ours:.2f}× the throughput (target vs fla: ≥ 0.8× at T = 8192)")
 
 
+def bench_kda_breakdown(T: int, gpu: str) -> None:
+    """Time each of the five forward kernels alone at one length: where the forward's time goes."""
+    from k3course.kernels import kda_chunk as tri
+
+    q, k, v, g, beta = _kda_inputs(T, 16, 128, 128, requires_grad=False)
+    scale, C = 128 ** -0.5, 64
+    gc = tri.chunk_local_cumsum(g, C)
+    akk, aqk = tri.intra_chunk_scores(q, k, gc, beta, scale, C)
+    w, u = tri.wy_factors(k, v, gc, beta, akk, C)
+    states, v_new, _ = tri.pass_states(k, gc, w, u, None, False, C)
+    steps = [("1   cumulative decay", lambda: tri.chunk_local_cumsum(g, C)),
+             ("2,6 intra-chunk scores", lambda: tri.intra_chunk_scores(q, k, gc, beta, scale, C)),
+             ("3,4 UT transform, W and U", lambda: tri.wy_factors(k, v, gc, beta, akk, C)),
+             ("5,8 state passing (sequential)", lambda: tri.pass_states(k, gc, w, u, None, False, C)),
+             ("7   output", lambda: tri.chunk_outputs(q, gc, states, v_new, aqk, scale, v.dtype, C))]
+    print(f"\nKDA forward, kernel by kernel at T={T} (B=1 H=16 K=V=128 bf16)")
+    for label, fn in steps:
+        ms = _time(fn)
+        print(f"  step {label:<34} {ms:8.3f} ms" if ms else f"  step {label:<34}      n/a")
+
+
 def _routed_groups(tokens: int, experts: int, top_k: int) -> torch.Tensor:
     """End offsets of each expert's rows for uniform random top-k routing (seeded)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -242,6 +263,7 @@ def main(options: list[str]) -> int:
     print(f"GPU: {gpu}; roofline peaks (bf16 TFLOP/s, TB/s): {roofline_peaks_text(gpu)}")
     check_bf16_accuracy()
     bench_kda(args.seq_lens, gpu, backward=False)
+    bench_kda_breakdown(8192, gpu)
     if not args.no_backward:
         bench_kda(args.seq_lens, gpu, backward=True)
     bench_grouped_gemm(gpu, args.scale, args.tokens)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+import warnings
 
 import torch
 
@@ -26,6 +28,25 @@ def _choose_mode() -> str:
 
 TRITON_MODE: str = _choose_mode()
 """'native' (compiled for the GPU), 'interpreter' (TRITON_INTERPRET=1, CPU tensors, fp32) or 'unavailable'."""
+
+
+
+def _warn_if_triton_came_first() -> None:
+    """Triton's own helpers (tl.sum, tl.cumsum, ...) are ``@triton.jit`` functions too, made when triton is
+    imported: if that happened before TRITON_INTERPRET was set (say ``import fla`` before ``import k3course``),
+    they are compiled-mode functions and every interpreted kernel that calls them fails. Say so, with the fix."""
+    language = sys.modules.get("triton.language")
+    if TRITON_MODE != "interpreter" or language is None:
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(language.standard.sum, InterpretedFunction):
+        warnings.warn("triton was imported before k3course.kernels switched on the interpreter, so Triton kernels "
+                      "will fail on this CPU; import k3course.kernels before triton (or fla), or set "
+                      "TRITON_INTERPRET=1 in the environment", RuntimeWarning, stacklevel=2)
+
+
+_warn_if_triton_came_first()
 
 BACKENDS = ("auto", "triton", "torch")
 

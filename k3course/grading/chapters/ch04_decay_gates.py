@@ -1,0 +1,56 @@
+"""Chapter 04 exercises: one step of decayed linear attention, its parallel form, the whole recurrence."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3course.attention.parallel import decay_attention_parallel
+from k3course.attention.recurrent import decay_step, gla_recurrent
+from k3course.grading.registry import Case, Exercise, register
+
+
+def _step_inputs(seed, gate_shape):
+    gen = torch.Generator().manual_seed(seed)
+    B, H, K, V = 2, 3, 4, 5
+    state = torch.randn(B, H, K, V, generator=gen)
+    q, k = torch.randn(B, H, K, generator=gen), F.normalize(torch.randn(B, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, H, V, generator=gen)
+    g = -2 * torch.rand(*gate_shape, generator=gen)
+    return state, q, k, v, g
+
+
+def _step_cases():
+    return [Case("scalar gate per head", _step_inputs(0, (2, 3))),
+            Case("channel gate (GLA)", _step_inputs(1, (2, 3, 4))),
+            Case("g = 0: plain linear attention", _step_inputs(2, (2, 3))[:4] + (torch.zeros(2, 3),))]
+
+
+def _sequence_inputs(seed, T, scalar):
+    gen = torch.Generator().manual_seed(seed)
+    B, H, K, V = 2, 2, 4, 3
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    g = -1.5 * torch.rand(*((B, T, H) if scalar else (B, T, H, K)), generator=gen)
+    return q, k, v, g
+
+
+def _parallel_cases():
+    return [Case("scalar gate, T = 9", _sequence_inputs(3, 9, True)),
+            Case("channel gate, T = 12", _sequence_inputs(4, 12, False)),
+            Case("T = 1", _sequence_inputs(5, 1, False)),
+            Case("explicit scale", _sequence_inputs(6, 7, False), {"scale": 0.3})]
+
+
+def _recurrent_cases():
+    q, k, v, g = _sequence_inputs(7, 11, False)
+    state = torch.randn(2, 2, 4, 3, generator=torch.Generator().manual_seed(8))
+    return [Case("channel gate, final state", (q, k, v, g), {"output_final_state": True}),
+            Case("scalar gate, initial and final state", _sequence_inputs(9, 6, True),
+                 {"initial_state": state, "output_final_state": True}),
+            Case("no final state asked", (q, k, v, g))]
+
+
+register(Exercise("04.decay_step", decay_step, _step_cases))
+register(Exercise("04.decay_attention_parallel", decay_attention_parallel, _parallel_cases))
+register(Exercise("04.gla_recurrent", gla_recurrent, _recurrent_cases))

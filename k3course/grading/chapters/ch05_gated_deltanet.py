@@ -1,0 +1,56 @@
+"""Chapter 05 exercises: one delta-rule step, one gated DeltaNet step, the whole GDN recurrence."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3course.attention.recurrent import delta_step, gdn_recurrent, gdn_step
+from k3course.grading.registry import Case, Exercise, register
+
+
+def _step_inputs(seed, with_gate):
+    gen = torch.Generator().manual_seed(seed)
+    B, H, K, V = 2, 3, 4, 5
+    state = torch.randn(B, H, K, V, generator=gen)
+    q, k = torch.randn(B, H, K, generator=gen), F.normalize(torch.randn(B, H, K, generator=gen), dim=-1)
+    v, beta = torch.randn(B, H, V, generator=gen), torch.rand(B, H, generator=gen)
+    if not with_gate:
+        return state, q, k, v, beta
+    return state, q, k, v, -2 * torch.rand(B, H, generator=gen), beta
+
+
+def _delta_cases():
+    state, q, k, v, beta = _step_inputs(0, False)
+    return [Case("random β", (state, q, k, v, beta)),
+            Case("β = 1: the key's value is overwritten", (state, q, k, v, torch.ones_like(beta))),
+            Case("β = 0: nothing is written", (state, q, k, v, torch.zeros_like(beta)))]
+
+
+def _gdn_step_cases():
+    state, q, k, v, g, beta = _step_inputs(1, True)
+    return [Case("random gate and β", (state, q, k, v, g, beta)),
+            Case("strong decay g = -5", (state, q, k, v, torch.full_like(g, -5.0), beta)),
+            Case("g = 0 is DeltaNet", (state, q, k, v, torch.zeros_like(g), beta))]
+
+
+def _sequence_inputs(seed, T):
+    gen = torch.Generator().manual_seed(seed)
+    B, H, K, V = 2, 2, 4, 3
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    g, beta = -torch.rand(B, T, H, generator=gen), torch.rand(B, T, H, generator=gen)
+    return q, k, v, g, beta
+
+
+def _recurrent_cases():
+    state = torch.randn(2, 2, 4, 3, generator=torch.Generator().manual_seed(2))
+    return [Case("T = 10, final state", _sequence_inputs(3, 10), {"output_final_state": True}),
+            Case("initial and final state", _sequence_inputs(4, 7),
+                 {"initial_state": state, "output_final_state": True}),
+            Case("T = 1, explicit scale", _sequence_inputs(5, 1), {"scale": 0.7})]
+
+
+register(Exercise("05.delta_step", delta_step, _delta_cases))
+register(Exercise("05.gdn_step", gdn_step, _gdn_step_cases))
+register(Exercise("05.gdn_recurrent", gdn_recurrent, _recurrent_cases))

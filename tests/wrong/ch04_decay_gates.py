@@ -1,0 +1,56 @@
+"""Plausible wrong answers for chapter 04."""
+
+import torch
+
+
+def decay_after_write(state, q, k, v, g):
+    """Decays the new write too: S_t = α (S + k vᵀ)."""
+    alpha = g.exp()[..., None, None] if g.dim() == 2 else g.exp()[..., None]
+    state = alpha * (state + k.unsqueeze(-1) * v.unsqueeze(-2))
+    return torch.einsum("bhkv,bhk->bhv", state, q), state
+
+
+def read_before_write(state, q, k, v, g):
+    """Reads the output from the decayed old state, before adding k vᵀ."""
+    alpha = g.exp()[..., None, None] if g.dim() == 2 else g.exp()[..., None]
+    decayed = alpha * state
+    return torch.einsum("bhkv,bhk->bhv", decayed, q), decayed + k.unsqueeze(-1) * v.unsqueeze(-2)
+
+
+def parallel_exclusive_cumsum(q, k, v, g, scale=None):
+    """Exclusive instead of inclusive cumulative decay: G_t = Σ_{s<t} g_s."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if g.dim() == 3:
+        g = g.unsqueeze(-1).expand_as(q)
+    G = (g.cumsum(1) - g).transpose(1, 2)
+    T = q.shape[1]
+    w = torch.exp((G.unsqueeze(3) - G.unsqueeze(2)).clamp(max=0)) * torch.ones(T, T).tril()[..., None].bool()
+    s = torch.einsum("bhtd,bhsd,bhtsd->bhts", (q * scale).transpose(1, 2), k.transpose(1, 2), w)
+    return (s @ v.transpose(1, 2)).transpose(1, 2)
+
+
+def parallel_without_decay_mask(q, k, v, g, scale=None):
+    """Causal linear attention that forgets the decay."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.einsum("bthd,bshd->bhts", q * scale, k).tril()
+    return (s @ v.transpose(1, 2)).transpose(1, 2)
+
+
+def recurrent_without_scale(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
+    """Forgets to scale the queries by K^-1/2."""
+    from k3course.attention.recurrent import gla_recurrent
+
+    return gla_recurrent(q, k, v, g, scale=1.0, initial_state=initial_state, output_final_state=output_final_state)
+
+
+def recurrent_ignoring_initial_state(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
+    from k3course.attention.recurrent import gla_recurrent
+
+    return gla_recurrent(q, k, v, g, scale=scale, output_final_state=output_final_state)
+
+
+WRONG = {
+    "04.decay_step": [decay_after_write, read_before_write],
+    "04.decay_attention_parallel": [parallel_exclusive_cumsum, parallel_without_decay_mask],
+    "04.gla_recurrent": [recurrent_without_scale, recurrent_ignoring_initial_state],
+}

@@ -86,11 +86,16 @@ def quantile_balance_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> t
     return (new_bias - new_bias.mean()).to(bias.dtype)
 
 
-def margin_range(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[float, float]:
-    """(min, max) of the margins s_tj − α_t on one rank; ranks all-reduce these (min / max) to agree on bins."""
+def _margins64(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    """s_tj − α_t in fp64, after checking the inputs. [m, n], [n] -> [m, n]."""
     _check_balance_inputs(scores, bias, k)
     scores64 = scores.detach().double()
-    margins = scores64 - token_cutoffs(scores64, bias.detach().double(), k)[:, None]
+    return scores64 - token_cutoffs(scores64, bias.detach().double(), k)[:, None]
+
+
+def margin_range(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[float, float]:
+    """(min, max) of the margins s_tj − α_t on one rank; ranks all-reduce these (min / max) to agree on bins."""
+    margins = _margins64(scores, bias, k)
     return float(margins.min()), float(margins.max())
 
 
@@ -100,9 +105,7 @@ def margin_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, edges: to
     edges [bins + 1] increasing (shared by all ranks) -> counts [n, bins] int64. Margins on the last edge go
     in the last bin. Summing these over ranks (an all-reduce) gives the histogram of all tokens.
     """
-    _check_balance_inputs(scores, bias, k)
-    scores64 = scores.detach().double()
-    margins = scores64 - token_cutoffs(scores64, bias.detach().double(), k)[:, None]  # [m, n]
+    margins = _margins64(scores, bias, k)  # [m, n]
     bins = edges.numel() - 1
     which = torch.bucketize(margins, edges.double(), right=True) - 1  # bin of each margin
     which = which.clamp(0, bins - 1)

@@ -368,21 +368,22 @@ class _KDAChunkFunction(torch.autograd.Function):
     def backward(ctx, grad_o, grad_final_state):
         from k3course.attention import kda_chunk
 
-        saved = ctx.saved_tensors
-        inputs = [x.detach().requires_grad_(x is not None and x.is_floating_point()) if x is not None else None
-                  for x in saved]
+        saved = ctx.saved_tensors  # q, k, v, g, beta, initial_state (or None)
+        present = [x for x in saved if x is not None]
+        # recompute in fp32 (one dtype for all, as the torch op requires); gradients go back in each input's dtype
+        inputs = [x.detach().float().requires_grad_() for x in present]
         with torch.enable_grad():
-            o, final_state = kda_chunk(*inputs[:5], scale=ctx.scale, initial_state=inputs[5],
+            o, final_state = kda_chunk(*inputs[:5], scale=ctx.scale,
+                                       initial_state=inputs[5] if len(inputs) > 5 else None,
                                        output_final_state=grad_final_state is not None, chunk_size=ctx.chunk_size)
-            outputs, grads_out = [o], [grad_o]
+            outputs, grads_out = [o], [grad_o.float()]
             if grad_final_state is not None:
                 outputs.append(final_state)
-                grads_out.append(grad_final_state)
-            wanted = [x for x in inputs if x is not None]
-            grads = iter(torch.autograd.grad(outputs, wanted, grads_out, allow_unused=True))
-        dq, dk, dv, dg, dbeta = (next(grads) for _ in range(5))
-        dh0 = next(grads) if inputs[5] is not None else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+                grads_out.append(grad_final_state.float())
+            grads = torch.autograd.grad(outputs, inputs, grads_out, allow_unused=True)
+        grads = [None if grad is None else grad.to(x.dtype) for grad, x in zip(grads, present)]
+        dh0 = grads[5] if len(grads) > 5 else None
+        return (*grads[:5], None, dh0, None, None)
 
 
 def kda_chunk_triton(q, k, v, g, beta, scale: float | None = None, initial_state: torch.Tensor | None = None,

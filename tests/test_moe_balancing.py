@@ -111,12 +111,13 @@ def test_stats():
     assert max_violation(load) == 3 and load_entropy(load) == 0
 
 
-def test_acceptance_quantile_balances_in_five_steps_sign_rule_not_in_a_hundred():
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_acceptance_quantile_balances_in_five_steps_sign_rule_not_in_a_hundred(seed):
     """m = 4096, n = 64, k = 4, skewed sigmoid router, fresh batch per step, bias used from the next step."""
-    quantile = simulate_balancing("quantile", steps=8, m=4096, n_experts=64, k=4)
-    sign = simulate_balancing("sign", steps=101, m=4096, n_experts=64, k=4, gamma=1e-3)
-    assert quantile[0] > 2 and sign[0] == quantile[0]  # the same skewed start
-    assert max(quantile[5:]) <= 0.3, quantile
+    quantile = simulate_balancing("quantile", steps=6, m=4096, n_experts=64, k=4, seed=seed)
+    sign = simulate_balancing("sign", steps=101, m=4096, n_experts=64, k=4, gamma=1e-3, seed=seed)
+    assert quantile[0] > 5 and sign[0] == quantile[0]  # the same skewed start
+    assert quantile[5] <= 0.3, quantile
     assert sign[100] > 0.5, sign[100]
 
 

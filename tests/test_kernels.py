@@ -122,6 +122,8 @@ def test_kda_kernels_reject_bad_input():
     q, k, v, g, beta, h0 = kda_inputs(1, 8, 1, 16, 16, seed=0)
     with pytest.raises(ValueError, match="g must be a log-decay"):
         kda_chunk_triton(q, k, v, -g, beta)
+    with pytest.raises(ValueError, match="v contain"):
+        kda_chunk_triton(q, k, v.clone().index_fill_(1, torch.tensor([3], device=DEVICE), float("nan")), g, beta)
     with pytest.raises(ValueError, match="beta must be"):
         kda_chunk_triton(q, k, v, g, beta[..., None])
     with pytest.raises(ValueError, match="chunk_size"):

@@ -265,7 +265,12 @@ def _check_inputs(q, k, v, g, beta, initial_state) -> None:
         raise ValueError(f"q, k, v, g, beta must be on one device, got {sorted(map(str, devices))}")
     if TRITON_MODE == "interpreter" and q.dtype != torch.float32:
         raise TypeError(f"q: the Triton interpreter needs fp32 inputs (bf16 is wrong there), got {q.dtype}")
-    if (g > 0).any():
+    finite = torch.stack([torch.isfinite(x).all() for x in (q, k, v, g, beta)])  # one host sync for all checks
+    positive_g = (g > 0).any()
+    if not bool(finite.all()):
+        names = [name for name, ok in zip(("q", "k", "v", "g", "beta"), finite.tolist()) if not ok]
+        raise ValueError(f"{', '.join(names)} contain(s) NaN or inf")
+    if positive_g:
         raise ValueError("g must be a log-decay (≤ 0 everywhere); got positive entries")
 
 

@@ -127,20 +127,6 @@ def test_layer_with_torch_grouped_mm_matches_the_loop_forward_and_backward():
 
 # --- the layers against the reference loop ------------------------------------------------------------------
 
-def numpy_params(layer: MoE) -> dict:
-    """The layer's parameters under the reference's names, as fp64 arrays."""
-    as_np = lambda t: t.detach().double().numpy()
-    params = {"router": as_np(layer.router), "bias": as_np(layer.bias), "w_gate": as_np(layer.experts.gate),
-              "w_up": as_np(layer.experts.up), "w_down": as_np(layer.experts.down)}
-    if layer.shared is not None:
-        params |= {"shared_gate": as_np(layer.shared.gate), "shared_up": as_np(layer.shared.up),
-                   "shared_down": as_np(layer.shared.down)}
-    if layer.d_latent is not None:
-        params |= {"w_down_proj": as_np(layer.down_proj), "w_up_proj": as_np(layer.up_proj),
-                   "latent_norm": as_np(layer.latent_norm)}
-    return params
-
-
 LAYER_CASES = {
     "latent, sigmoid, situ_glu, 2 shared": dict(latent=True, k=2, n_shared=2, activation="situ_glu"),
     "latent, k=1": dict(latent=True, k=1),
@@ -167,8 +153,8 @@ def test_layer_matches_reference_loop(name):
             layer.router.zero_()
     x = torch.randn(37, 32, generator=generator)  # 37: divisible by nothing here
     y = layer(x)
-    want = ref.moe_forward(x.double().numpy(), numpy_params(layer), k, layer.score_fn, case.get("activation", "swiglu"),
-                           layer.route_scale)
+    want = ref.moe_forward(x.double().numpy(), layer.reference_params(), k, layer.score_fn,
+                           case.get("activation", "swiglu"), layer.route_scale)
     assert_close(y, want)
     if hot_expert is not None:
         assert layer.routing_stats()["load"][hot_expert] == 37

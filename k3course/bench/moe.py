@@ -38,14 +38,6 @@ def per_token_loop(layer: LatentMoE, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def reference_params(layer: LatentMoE) -> dict:
-    """The layer's weights as the fp64 arrays :func:`k3course.reference.moe.moe_forward` reads."""
-    as_np = lambda t: t.detach().cpu().double().numpy()
-    return {"router": as_np(layer.router), "bias": as_np(layer.bias), "w_gate": as_np(layer.experts.gate),
-            "w_up": as_np(layer.experts.up), "w_down": as_np(layer.experts.down), "w_down_proj": as_np(layer.down_proj),
-            "w_up_proj": as_np(layer.up_proj), "latent_norm": as_np(layer.latent_norm)}
-
-
 def _best_seconds(fn, repeats: int, device: torch.device) -> float:
     times = []
     for _ in range(repeats):
@@ -95,7 +87,7 @@ def main(options: list[str]) -> int:
         t_sorted = _best_seconds(lambda: layer(x), args.repeats, device)
         t_dense = _best_seconds(lambda: dense(x), args.repeats, device)
         t_loop = _best_seconds(lambda: per_token_loop(layer, x[:loop_tokens]), 1, device) * args.m / loop_tokens
-    params, x_np = reference_params(layer), x[:loop_tokens].cpu().double().numpy()
+    params, x_np = layer.reference_params(), x[:loop_tokens].cpu().double().numpy()
     t_numpy = _best_seconds(lambda: reference.moe_forward(x_np, params, args.k), 1, device) * args.m / loop_tokens
     print(f"latent MoE forward on {device.type}: m={args.m} n={args.n} k={args.k} d={args.d} "
           f"latent={args.latent} d_expert={args.d_expert}, fp32, backend={args.backend}, "

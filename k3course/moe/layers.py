@@ -144,6 +144,19 @@ class MoE(nn.Module):
         self.last_scores = None  # a second call before the next forward must not apply the same batch again
         return True
 
+    def reference_params(self) -> dict:
+        """The weights as fp64 NumPy arrays under the names :func:`k3course.reference.moe.moe_forward` reads."""
+        as_np = lambda t: t.detach().cpu().double().numpy()
+        params = {"router": as_np(self.router), "bias": as_np(self.bias), "w_gate": as_np(self.experts.gate),
+                  "w_up": as_np(self.experts.up), "w_down": as_np(self.experts.down)}
+        if self.shared is not None:
+            params |= {"shared_gate": as_np(self.shared.gate), "shared_up": as_np(self.shared.up),
+                       "shared_down": as_np(self.shared.down)}
+        if self.d_latent is not None:
+            params |= {"w_down_proj": as_np(self.down_proj), "w_up_proj": as_np(self.up_proj),
+                       "latent_norm": as_np(self.latent_norm)}
+        return params
+
     def routing_stats(self) -> dict:
         """Load, max-violation and entropy of the last training forward's routing (see :func:`routing_stats`)."""
         if self.last_expert_idx is None:

@@ -39,11 +39,14 @@ def unsort(rows_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch._grouped_mm runs here: it exists, and the inputs are CUDA bf16/fp32 with 16-byte-aligned rows."""
-    if not hasattr(torch, "_grouped_mm") or not x.is_cuda:
+    """torch._grouped_mm has its fast path here: CUDA with compute capability >= 9.0, bf16 inputs, 16-byte rows.
+
+    Other dtypes and devices take a per-group fallback inside torch (PyTorch PR #162059), no faster than ours.
+    """
+    if not hasattr(torch, "_grouped_mm") or not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
     aligned = (x.shape[1] * x.element_size()) % 16 == 0 and (weight.shape[2] * weight.element_size()) % 16 == 0
-    return x.dtype in (torch.bfloat16, torch.float32) and aligned
+    return x.dtype == weight.dtype == torch.bfloat16 and aligned
 
 
 def _grouped_mm_loop(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
@@ -65,9 +68,9 @@ def grouped_mm(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torc
     x_sorted [M, d_in] (rows grouped by expert), weight [E, d_in, d_out], group_offsets [E] int32 cumulative
     block ends (the last equals M) -> [M, d_out].
     backend: "loop" (one matmul per expert), "torch" (``torch._grouped_mm``), or "auto": torch's grouped GEMM
-    on CUDA where it supports the dtype, else the loop. On CPU (torch 2.13) ``torch._grouped_mm`` runs in fp32
-    (not bf16), but was measured 1.6× slower than the loop (64 experts, 16k rows, one thread) and its backward
-    rejects a non-contiguous output gradient, so the loop is the CPU path.
+    where it has its fast path (CUDA sm90+, bf16), else the loop. On CPU (torch 2.13) ``torch._grouped_mm``
+    runs in fp32 (not bf16), but was measured 1.6× slower than the loop (64 experts, 16k rows, one thread)
+    and its backward rejects a non-contiguous output gradient, so the loop is the CPU path.
     """
     if x_sorted.dim() != 2 or weight.dim() != 3 or x_sorted.shape[1] != weight.shape[1]:
         raise ValueError(f"x_sorted [M, d_in] and weight [E, d_in, d_out] must agree on d_in, got "

@@ -236,3 +236,13 @@ def test_bf16_returns_bf16_and_stays_close_to_fp32():
     y16, cache16 = module.to(torch.bfloat16)(x.to(torch.bfloat16), absorbed=True)
     assert y16.dtype == cache16.latent.dtype == torch.bfloat16
     torch.testing.assert_close(y16.float(), y32, rtol=0.05, atol=0.05)
+
+
+def test_kda_state_count_agrees_with_k3config():
+    from k3course.config import K3Config
+
+    k3 = K3Config.preset("kimi-k3")
+    per_layer = kda_state_numbers(k3.kda_n_heads, k3.kda_head_dim, k3.kda_head_dim, k3.kda_conv_size)
+    assert k3.n_kda_layers * per_layer * 2 == k3.recurrent_state_bytes(dtype_bytes=2)
+    per_token = mla_cache_numbers(k3.kv_lora_rank, k3.qk_rope_head_dim)
+    assert k3.n_mla_layers * per_token * 2 == k3.kv_cache_bytes_per_token()

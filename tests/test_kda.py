@@ -215,3 +215,16 @@ def test_gdn_and_chunk_size_errors():
         gdn_chunk(q, k, v, g.unsqueeze(-1).expand(*g.shape, 8), beta)
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         gdn_chunk(q, k, v, g, beta, chunk_size=0)
+
+
+def test_both_score_paths_are_exact_and_unbounded_gates_work():
+    q, k, v, g, beta, s0 = inputs(100, seed=17, g_low=-30.0)  # Kimi Linear's unbounded gate: sub-chunk spans > 60
+    o_np, s_np = ref.kda(*numpy_all(q, k, v, g, beta), initial_state=s0.double().numpy())
+    o_ch, s_ch = kda_chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=32)
+    assert_close(o_ch, o_np), assert_close(s_ch, s_np)
+    a, b = q[0, :32, 0], k[0, :32, 0]
+    for G in (g[0, :32, 0].cumsum(0), g[0, :32, 0].cumsum(0) / 20):  # pairwise path, then referenced path
+        G64 = G.double().numpy()
+        exact = np.tril(np.einsum("rd,id,rid->ri", a.double().numpy(), b.double().numpy(),
+                                  np.exp(np.minimum(G64[:, None] - G64[None], 0))))
+        assert_close(decayed_scores(a, b, G, strict=False), exact, 1e-5, "decayed scores")

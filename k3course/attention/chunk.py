@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from k3course.attention.checks import validate
 
-SUB_CHUNK = 8  # pairwise decays are formed only inside 8-token sub-chunks (fla uses 16)
+SUB_CHUNK = 8  # decays are referenced to (or formed pairwise inside) 8-token sub-chunks (fla uses 16)
+SAFE_EXPONENT = 60.0  # e^60 ≈ 1e26: a factor this large times values of order 1 stays far below fp32's 3.4e38
 
 
 def _pairwise_block(a, b, G, strict: bool) -> torch.Tensor:
@@ -38,16 +39,10 @@ def _pairwise_block(a, b, G, strict: bool) -> torch.Tensor:
     return scores * keep
 
 
-def decayed_scores(a, b, G, strict: bool) -> torch.Tensor:
-    """A[r, i] = Σ_d a_rd b_id e^{G_rd − G_id} for i < r (strict) or i ≤ r, else 0.
-
-    a, b, G: ``[..., C, K]`` (G the inclusive cumulative log-decay) -> ``[..., C, C]``.
-    Pairs inside an 8-token sub-chunk are formed one by one; a later row r against an earlier sub-chunk
-    uses that sub-chunk's last position p as reference: e^{G_r − G_p} · e^{G_p − G_i}, both exponents ≤ 0,
-    so the cross-sub-chunk blocks are plain matrix products.
-    """
+def _pairwise_scores(a, b, G, strict: bool, sub: int) -> torch.Tensor:
+    """decayed_scores with every exponent ≤ 0: pairs inside a sub-chunk one by one; a later row r against an
+    earlier sub-chunk through that sub-chunk's last position p, e^{G_r − G_p} · e^{G_p − G_i}."""
     C = a.shape[-2]
-    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
     blocks = []  # one column block [..., C, sub] per sub-chunk
     for start in range(0, C, sub):
         cols = slice(start, start + sub)
@@ -58,6 +53,40 @@ def decayed_scores(a, b, G, strict: bool) -> torch.Tensor:
         earlier = b[..., cols, :] * torch.exp(ref - G[..., cols, :])  # G_p − G_i ≤ 0
         blocks.append(torch.cat([before, diagonal, later @ earlier.transpose(-1, -2)], dim=-2))
     return torch.cat(blocks, dim=-1)
+
+
+def _referenced_scores(a, b, G, strict: bool, sub: int) -> torch.Tensor:
+    """decayed_scores as one matrix product per sub-chunk: with p the sub-chunk's first position,
+    e^{G_r − G_i} = e^{G_r − G_p} · e^{G_p − G_i}; the first exponent is ≤ 0 for every row from p on, the second
+    is at most the sub-chunk's decay span (≤ 5 · 8 = 40 under K3's bound), checked by the caller."""
+    C = a.shape[-2]
+    scores = a.new_zeros(*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), C, C)
+    for start in range(0, C, sub):
+        ref = G[..., start:start + 1, :]  # [..., 1, K]
+        rows = a[..., start:, :] * torch.exp(G[..., start:, :] - ref)  # [..., C − start, K], factors ≤ 1
+        cols = b[..., start:start + sub, :] * torch.exp(ref - G[..., start:start + sub, :])  # factors ≤ e^span
+        scores[..., start:, start:start + sub] = rows @ cols.transpose(-1, -2)  # rows above stay causally zero
+    keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(-1 if strict else 0)
+    return scores * keep
+
+
+def decayed_scores(a, b, G, strict: bool) -> torch.Tensor:
+    """A[r, i] = Σ_d a_rd b_id e^{G_rd − G_id} for i < r (strict) or i ≤ r, else 0.
+
+    a, b, G: ``[..., C, K]`` (G the inclusive cumulative log-decay) -> ``[..., C, C]``; ``a`` may carry extra
+    leading dims (e.g. q and k stacked) that share the decay factors. Never forms e^{−G}. When every 8-token
+    sub-chunk decays by at most ``SAFE_EXPONENT`` (always, under K3's bound g ≥ −5), each sub-chunk's column
+    block is one matrix product referenced to its first position;
+    otherwise (e.g. Kimi Linear's unbounded gate at extreme values) pairs inside a sub-chunk are formed one by
+    one so that every exponent is ≤ 0.
+    """
+    C = a.shape[-2]
+    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+    blocks_of_G = G.unflatten(-2, (C // sub, sub))  # [..., C/sub, sub, K]
+    span = (blocks_of_G[..., 0, :] - blocks_of_G[..., -1, :]).max()  # largest in-sub-chunk decay
+    if span <= SAFE_EXPONENT:
+        return _referenced_scores(a, b, G, strict, sub)
+    return _pairwise_scores(a, b, G, strict, sub)
 
 
 def _unit_lower_inverse(A) -> torch.Tensor:
@@ -146,17 +175,19 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chun
     q = q * scale
     G = g.cumsum(-2)  # step 1: [B, H, N, C, K], inclusive
     if beta is None:
-        W, U = None, v
+        W, U, A_qk = None, v, decayed_scores(q, k, G, strict=False)  # GLA: no delta steps
     else:
         beta = _to_chunks(F.pad(beta.float(), (0, 0, 0, pad)), chunk_size)  # [B, H, N, C]
-        A_kk = decayed_scores(k, k, G, strict=True) * beta.unsqueeze(-1)  # step 2
+        scores = decayed_scores(torch.stack([k, q]), k, G, strict=False)  # steps 2 and 6 share their decays
+        A_kk = scores[0].tril(-1) * beta.unsqueeze(-1)  # step 2 (strictly lower)
+        A_qk = scores[1]  # step 6
         M = ut_transform(A_kk, beta)  # step 3
         W, U = M @ (G.exp() * k), M @ v  # step 4
     state = q.new_zeros(batch, heads, key_dim, value_dim)
     if initial_state is not None:
         state = state + initial_state.float()
     entering, v_new, state = _pass_states(W, U, k, G, state)  # steps 5 and 8
-    o = (G.exp() * q) @ entering + decayed_scores(q, k, G, strict=False) @ v_new  # steps 6 and 7
+    o = (G.exp() * q) @ entering + A_qk @ v_new  # step 7
     o = o.movedim(1, 3).reshape(batch, -1, heads, value_dim)[:, :time]
     return o.to(dtype), (state if output_final_state else None)
 

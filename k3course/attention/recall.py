@@ -51,8 +51,12 @@ def recall_accuracy(model: nn.Module, tokens, targets) -> float:
 
 
 def train_recall(mixer: str, steps: int = 300, batch_size: int = 32, seq_len: int = 64, n_pairs: int = 8,
-                 vocab_size: int = 64, lr: float = 3e-3, seed: int = 0, **model_kwargs) -> dict:
-    """Train a :class:`RecallModel` on fresh MQAR batches; return losses, accuracy on a held-out batch, seconds.
+                 vocab_size: int = 64, lr: float = 3e-3, seed: int = 0, eval_every: int = 0, **model_kwargs) -> dict:
+    """Train a :class:`RecallModel` on fresh MQAR batches.
+
+    Returns ``{"mixer", "losses", "accuracy", "history", "seconds"}``: the training losses, the final recall
+    accuracy on a held-out batch of 256 sequences, ``history`` = [(step, held-out accuracy)] every
+    ``eval_every`` steps (if > 0) and at the end, and the wall time.
 
     Seeded: the model's initialisation (under a forked RNG, so no global state changes), the training batches
     (seeds ``seed·10⁶ + step``) and the held-out batch (seed ``10⁹ + seed``, never a training seed).
@@ -62,8 +66,11 @@ def train_recall(mixer: str, steps: int = 300, batch_size: int = 32, seq_len: in
         model = RecallModel(vocab_size, mixer, **model_kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    losses, start = [], time.perf_counter()
+    held_out = mqar(256, seq_len, n_pairs, vocab_size, seed=10**9 + seed)
+    losses, history, start = [], [], time.perf_counter()
     for step in range(steps):
+        if eval_every and step % eval_every == 0:
+            history.append((step, recall_accuracy(model, *held_out)))
         tokens, targets = mqar(batch_size, seq_len, n_pairs, vocab_size, seed=seed * 10**6 + step)
         loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
         optimizer.zero_grad()
@@ -71,6 +78,7 @@ def train_recall(mixer: str, steps: int = 300, batch_size: int = 32, seq_len: in
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
-    held_out = mqar(256, seq_len, n_pairs, vocab_size, seed=10**9 + seed)
-    return {"mixer": mixer, "losses": losses, "accuracy": recall_accuracy(model, *held_out),
+    accuracy = recall_accuracy(model, *held_out)
+    history.append((steps, accuracy))
+    return {"mixer": mixer, "losses": losses, "accuracy": accuracy, "history": history,
             "seconds": time.perf_counter() - start}

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from k3course.attention.checks import validate
 
-SUB_CHUNK = 8  # decays are referenced to (or formed pairwise inside) 8-token sub-chunks (fla uses 16)
+SUB_CHUNK = 8  # block size of the UT transform and of the pairwise (fallback) decayed scores
 SAFE_EXPONENT = 60.0  # e^60 ≈ 1e26: a factor this large times values of order 1 stays far below fp32's 3.4e38
 
 
@@ -58,7 +58,7 @@ def _pairwise_scores(a, b, G, strict: bool, sub: int) -> torch.Tensor:
 def _referenced_scores(a, b, G, strict: bool, sub: int) -> torch.Tensor:
     """decayed_scores as one matrix product per sub-chunk: with p the sub-chunk's first position,
     e^{G_r − G_i} = e^{G_r − G_p} · e^{G_p − G_i}; the first exponent is ≤ 0 for every row from p on, the second
-    is at most the sub-chunk's decay span (≤ 5 · 8 = 40 under K3's bound), checked by the caller."""
+    is at most the sub-chunk's decay span (≤ ``SAFE_EXPONENT``), checked by the caller."""
     C = a.shape[-2]
     scores = a.new_zeros(*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), C, C)
     for start in range(0, C, sub):
@@ -70,23 +70,33 @@ def _referenced_scores(a, b, G, strict: bool, sub: int) -> torch.Tensor:
     return scores * keep
 
 
+def _largest_safe_sub_chunk(G) -> int | None:
+    """The longest sub-chunk length (32, 16 or 8, dividing C) whose every sub-chunk decays by at most
+    ``SAFE_EXPONENT`` in every channel; None when even 8 tokens decay more (then only pairwise is safe)."""
+    C = G.shape[-2]
+    for sub in (32, 16, 8):
+        if C % sub == 0:
+            blocks_of_G = G.unflatten(-2, (C // sub, sub))  # [..., C/sub, sub, K]
+            if (blocks_of_G[..., 0, :] - blocks_of_G[..., -1, :]).max() <= SAFE_EXPONENT:
+                return sub
+    return None
+
+
 def decayed_scores(a, b, G, strict: bool) -> torch.Tensor:
     """A[r, i] = Σ_d a_rd b_id e^{G_rd − G_id} for i < r (strict) or i ≤ r, else 0.
 
     a, b, G: ``[..., C, K]`` (G the inclusive cumulative log-decay) -> ``[..., C, C]``; ``a`` may carry extra
-    leading dims (e.g. q and k stacked) that share the decay factors. Never forms e^{−G}. When every 8-token
-    sub-chunk decays by at most ``SAFE_EXPONENT`` (always, under K3's bound g ≥ −5), each sub-chunk's column
-    block is one matrix product referenced to its first position;
-    otherwise (e.g. Kimi Linear's unbounded gate at extreme values) pairs inside a sub-chunk are formed one by
-    one so that every exponent is ≤ 0.
+    leading dims (e.g. q and k stacked) that share the decay factors. Never forms e^{−G}. When sub-chunks of
+    32, 16 or 8 tokens each decay by at most ``SAFE_EXPONENT`` (8 always do under K3's bound g ≥ −5), each
+    sub-chunk's column block is one matrix product referenced to its first position; otherwise (e.g. Kimi
+    Linear's unbounded gate at extreme values) pairs inside 8-token sub-chunks are formed one by one so that
+    every exponent is ≤ 0.
     """
-    C = a.shape[-2]
-    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
-    blocks_of_G = G.unflatten(-2, (C // sub, sub))  # [..., C/sub, sub, K]
-    span = (blocks_of_G[..., 0, :] - blocks_of_G[..., -1, :]).max()  # largest in-sub-chunk decay
-    if span <= SAFE_EXPONENT:
+    sub = _largest_safe_sub_chunk(G)
+    if sub is not None:
         return _referenced_scores(a, b, G, strict, sub)
-    return _pairwise_scores(a, b, G, strict, sub)
+    C = a.shape[-2]
+    return _pairwise_scores(a, b, G, strict, SUB_CHUNK if C % SUB_CHUNK == 0 else C)
 
 
 def _unit_lower_inverse(A) -> torch.Tensor:

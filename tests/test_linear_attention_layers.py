@@ -21,6 +21,7 @@ LAYERS = [
     (KimiDeltaAttention, {}),
     (KimiDeltaAttention, {"lower_bound": None, "full_rank_output_gate": True}),
     (KimiDeltaAttention, {"mode": "recurrent"}),
+    (KimiDeltaAttention, {"allow_neg_eigval": True}),
     (GatedDeltaNet, {}),
     (DecayedLinearAttention, {}),
 ]

@@ -95,12 +95,12 @@ class _GatedMixer(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, conv_size: int = 4,
                  full_rank_output_gate: bool = False, norm_eps: float = 1e-6, mode: str = "chunk",
-                 chunk_size: int = 64):
+                 chunk_size: int = 64, allow_neg_eigval: bool = False):
         super().__init__()
         if mode not in ("chunk", "recurrent"):
             raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
         self.n_heads, self.head_dim, self.mode, self.chunk_size = n_heads, head_dim, mode, chunk_size
-        self.norm_eps = norm_eps
+        self.norm_eps, self.allow_neg_eigval = norm_eps, allow_neg_eigval
         width = n_heads * head_dim
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d_model, width, bias=False) for _ in range(3))
         self.q_conv, self.k_conv, self.v_conv = (ShortConv(width, conv_size) for _ in range(3))
@@ -130,7 +130,11 @@ class _GatedMixer(nn.Module):
         k, conv_k = self.k_conv(self.k_proj(x), None if state is None else state.conv_k)
         v, conv_v = self.v_conv(self.v_proj(x), None if state is None else state.conv_v)
         q, k = F.normalize(self._heads(q), dim=-1), F.normalize(self._heads(k), dim=-1)
-        beta = torch.sigmoid(self.b_proj(x)) if self.uses_beta else None  # [B, T, H]
+        beta = None
+        if self.uses_beta:
+            beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
+            if self.allow_neg_eigval:
+                beta = 2 * beta  # β ∈ (0, 2): I − β k kᵀ may then flip the sign along k
         o, recurrent = self.mix(q, k, self._heads(v), self.log_decay(x), beta,
                                 None if state is None else state.recurrent)
         o = head_rms_norm(o, self.o_norm_weight, self.norm_eps).flatten(-2)  # [B, T, H·V]
@@ -159,9 +163,10 @@ class KimiDeltaAttention(_GatedMixer):
 
     def mix(self, q, k, v, g, beta, initial_state):
         if self.mode == "recurrent":
-            return kda_recurrent(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+            return kda_recurrent(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                 allow_neg_eigval=self.allow_neg_eigval)
         return kda_chunk(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                         chunk_size=self.chunk_size)
+                         chunk_size=self.chunk_size, allow_neg_eigval=self.allow_neg_eigval)
 
 
 class GatedDeltaNet(_GatedMixer):
@@ -178,9 +183,10 @@ class GatedDeltaNet(_GatedMixer):
 
     def mix(self, q, k, v, g, beta, initial_state):
         if self.mode == "recurrent":
-            return gdn_recurrent(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+            return gdn_recurrent(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                 allow_neg_eigval=self.allow_neg_eigval)
         return gdn_chunk(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                         chunk_size=self.chunk_size)
+                         chunk_size=self.chunk_size, allow_neg_eigval=self.allow_neg_eigval)
 
 
 class DecayedLinearAttention(GatedDeltaNet):

@@ -146,7 +146,9 @@ class KimiDeltaAttention(_GatedMixer):
     """KDA layer: channel-wise forget gate from a low-rank projection (d -> head_dim -> H·K) plus a bias.
 
     ``lower_bound=-5.0`` is K3's bounded gate g = −5·σ(e^{A_log}(z + dt_bias)); ``lower_bound=None`` is
-    Kimi Linear's g = −e^{A_log}·softplus(z + dt_bias). ``full_rank_output_gate=True`` is K3's output gate.
+    Kimi Linear's g = −e^{A_log}·softplus(z + dt_bias). Keyword options (shared by the three layers):
+    ``conv_size`` (4), ``full_rank_output_gate`` (K3: True; Kimi Linear's low-rank gate: False), ``norm_eps``,
+    ``mode`` ("chunk" for training and prefill, or "recurrent"), ``chunk_size`` (64), ``allow_neg_eigval``.
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, lower_bound: float | None = KDA_LOWER_BOUND,

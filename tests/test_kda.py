@@ -228,3 +228,14 @@ def test_both_score_paths_are_exact_and_unbounded_gates_work():
         exact = np.tril(np.einsum("rd,id,rid->ri", a.double().numpy(), b.double().numpy(),
                                   np.exp(np.minimum(G64[:, None] - G64[None], 0))))
         assert_close(decayed_scores(a, b, G, strict=False), exact, 1e-5, "decayed scores")
+
+
+def test_bench_kda_runs_and_reports_its_ratios(capsys):
+    from k3course.bench.kda import chunk_flops, main
+
+    assert main(["--lengths", "32", "64", "--recurrent-length", "32", "--heads", "1", "--dim", "8", "--repeats", "1",
+                 "--chunk-size", "16"]) == 0
+    report = capsys.readouterr().out
+    assert "recurrent / chunked at T=32" in report and "chunked time growth T=32 -> 64" in report
+    assert chunk_flops(64, 64, 64) == 10 * 64 * 64 * 64  # 6Td² + 3TCd + TC² with C = d
+    assert torch.is_grad_enabled(), "the benchmark must not switch autograd off for its caller"

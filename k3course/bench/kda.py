@@ -65,22 +65,22 @@ def main(options: list[str]) -> int:
     args = parser.parse_args(options)
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_grad_enabled(False)
-    peak = matmul_gflops()
-    print(f"fp32 matmul (1024²): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads")
-    chunked = {}
-    for T in sorted(set(args.lengths) | {args.recurrent_length}):
+    with torch.no_grad():
+        peak = matmul_gflops()
+        print(f"fp32 matmul (1024²): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads")
+        chunked = {}
+        for T in sorted(set(args.lengths) | {args.recurrent_length}):
+            inputs = kda_inputs(T, args.heads, args.dim)
+            chunked[T] = best_time(lambda: kda_chunk(*inputs, chunk_size=args.chunk_size), args.repeats)  # noqa: B023
+            achieved = args.heads * chunk_flops(T, args.dim, args.chunk_size) / chunked[T] / 1e9
+            print(f"chunked   T={T:>6}: {chunked[T] * 1e3:9.1f} ms  {achieved:6.2f} GFLOP/s "
+                  f"= {achieved / peak:.1%} of matmul")
+        T = args.recurrent_length
         inputs = kda_inputs(T, args.heads, args.dim)
-        chunked[T] = best_time(lambda: kda_chunk(*inputs, chunk_size=args.chunk_size), args.repeats)  # noqa: B023
-        achieved = args.heads * chunk_flops(T, args.dim, args.chunk_size) / chunked[T] / 1e9
-        print(f"chunked   T={T:>6}: {chunked[T] * 1e3:9.1f} ms  {achieved:6.2f} GFLOP/s "
-              f"= {achieved / peak:.1%} of matmul")
-    T = args.recurrent_length
-    inputs = kda_inputs(T, args.heads, args.dim)
-    recurrent = best_time(lambda: kda_recurrent(*inputs), 1)
-    print(f"recurrent T={T:>6}: {recurrent * 1e3:9.1f} ms")
-    print(f"recurrent / chunked at T={T}: {recurrent / chunked[T]:.1f}x  (target >= 10x)")
-    short, long = min(args.lengths), max(args.lengths)
-    print(f"chunked time growth T={short} -> {long} ({long // short}x longer): {chunked[long] / chunked[short]:.1f}x  "
-          f"(target <= 10x for 8x)")
+        recurrent = best_time(lambda: kda_recurrent(*inputs), 1)
+        print(f"recurrent T={T:>6}: {recurrent * 1e3:9.1f} ms")
+        print(f"recurrent / chunked at T={T}: {recurrent / chunked[T]:.1f}x  (target >= 10x)")
+        short, long = min(args.lengths), max(args.lengths)
+        growth = chunked[long] / chunked[short]
+        print(f"chunked time growth T={short} -> {long} ({long // short}x longer): {growth:.1f}x (target <= 10x, 8x)")
     return 0

@@ -147,14 +147,18 @@ class FullAttnRes(nn.Module):
         return _FullStream(self, embedding, record)
 
 
-class _FullStream(_Stream):
-    def __init__(self, scheme: FullAttnRes, embedding: torch.Tensor, record: bool):
+class _DepthStream(_Stream):
+    """A stream whose reads attend over depth: h = Σ_i softmax_i(w_lᵀ RMSNorm(v_i)) v_i over ``sources()``."""
+
+    def __init__(self, scheme: FullAttnRes | BlockAttnRes, record: bool):
         super().__init__(scheme.n_sublayers, record)
         self.scheme = scheme
-        self.values = [embedding]                                      # v_0, v_1, ...
+
+    def sources(self) -> torch.Tensor:
+        raise NotImplementedError
 
     def _attend(self, index: int) -> torch.Tensor:
-        h, weights = depth_attention(self.scheme.queries[index], torch.stack(self.values), self.scheme.eps)
+        h, weights = depth_attention(self.scheme.queries[index], self.sources(), self.scheme.eps)
         if self.record:
             self.weights.append(weights.detach())
         return h
@@ -162,13 +166,23 @@ class _FullStream(_Stream):
     def read(self) -> torch.Tensor:
         return self._attend(self._next_read(final=False))
 
+    def final(self) -> torch.Tensor:
+        return self._attend(self._next_read(final=True))
+
+
+class _FullStream(_DepthStream):
+    def __init__(self, scheme: FullAttnRes, embedding: torch.Tensor, record: bool):
+        super().__init__(scheme, record)
+        self.values = [embedding]                                      # v_0, v_1, ...
+
+    def sources(self) -> torch.Tensor:
+        """[N, B, T, D]: the embedding and every sub-layer output so far."""
+        return torch.stack(self.values)
+
     def write(self, output: torch.Tensor) -> None:
         self._check_output(output, self.values[0])
         self.values.append(output)
         self.written += 1
-
-    def final(self) -> torch.Tensor:
-        return self._attend(self._next_read(final=True))
 
 
 class BlockAttnRes(nn.Module):
@@ -192,10 +206,9 @@ class BlockAttnRes(nn.Module):
         return _BlockStream(self, embedding, record)
 
 
-class _BlockStream(_Stream):
+class _BlockStream(_DepthStream):
     def __init__(self, scheme: BlockAttnRes, embedding: torch.Tensor, record: bool):
-        super().__init__(scheme.n_sublayers, record)
-        self.scheme = scheme
+        super().__init__(scheme, record)
         self.embedding = embedding
         self.completed: list[torch.Tensor] = []                        # sums of finished blocks
         self.partial: torch.Tensor | None = None                       # sum of the current block so far
@@ -205,15 +218,6 @@ class _BlockStream(_Stream):
         partial = [] if self.partial is None else [self.partial]
         return torch.stack([self.embedding, *self.completed, *partial])
 
-    def _attend(self, index: int) -> torch.Tensor:
-        h, weights = depth_attention(self.scheme.queries[index], self.sources(), self.scheme.eps)
-        if self.record:
-            self.weights.append(weights.detach())
-        return h
-
-    def read(self) -> torch.Tensor:
-        return self._attend(self._next_read(final=False))
-
     def write(self, output: torch.Tensor) -> None:
         self._check_output(output, self.embedding)
         self.partial = output if self.partial is None else self.partial + output
@@ -221,9 +225,6 @@ class _BlockStream(_Stream):
         if self.written % self.scheme.block_size == 0:                 # the block is complete
             self.completed.append(self.partial)
             self.partial = None
-
-    def final(self) -> torch.Tensor:
-        return self._attend(self._next_read(final=True))
 
 
 def make_residual(kind: str, n_sublayers: int, d_model: int, block_size: int | None = None) -> nn.Module:

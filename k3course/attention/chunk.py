@@ -19,7 +19,6 @@ GDN is KDA with a gate constant over channels; GLA skips the delta steps (Ṽ = 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from k3course.attention.checks import validate
 
@@ -55,27 +54,35 @@ def _pairwise_scores(a, b, G, strict: bool, sub: int) -> torch.Tensor:
     return torch.cat(blocks, dim=-1)
 
 
+def _causal_mask(C: int, strict: bool, like) -> torch.Tensor:
+    """``[C, C]`` lower-triangular 0/1 mask (without the diagonal if strict), multiplied in: cheaper than tril."""
+    return torch.ones(C, C, dtype=like.dtype, device=like.device).tril(-1 if strict else 0)
+
+
 def _referenced_scores(a, b, G, strict: bool, sub: int) -> torch.Tensor:
     """decayed_scores as one matrix product per sub-chunk: with p the sub-chunk's first position,
-    e^{G_r − G_i} = e^{G_r − G_p} · e^{G_p − G_i}; the first exponent is ≤ 0 for every row from p on, the second
-    is at most the sub-chunk's decay span (≤ ``SAFE_EXPONENT``), checked by the caller."""
+    e^{G_r − G_i} = e^{G_r − G_p} · e^{G_p − G_i}; the first exponent is ≤ 0 for every row from p on (earlier
+    rows are causally masked: clamping keeps them finite), the second is at most the sub-chunk's decay span
+    (≤ ``SAFE_EXPONENT``), checked by the caller."""
     C = a.shape[-2]
-    scores = a.new_zeros(*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), C, C)
+    blocks = []  # one column block [..., C, sub] per sub-chunk
     for start in range(0, C, sub):
         ref = G[..., start:start + 1, :]  # [..., 1, K]
-        rows = a[..., start:, :] * torch.exp(G[..., start:, :] - ref)  # [..., C − start, K], factors ≤ 1
+        to_rows = G - ref if start == 0 else (G - ref).clamp(max=0.0)  # ≤ 0
+        rows = a * torch.exp(to_rows)
         cols = b[..., start:start + sub, :] * torch.exp(ref - G[..., start:start + sub, :])  # factors ≤ e^span
-        scores[..., start:, start:start + sub] = rows @ cols.transpose(-1, -2)  # rows above stay causally zero
-    keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(-1 if strict else 0)
-    return scores * keep
+        blocks.append(rows @ cols.transpose(-1, -2))
+    scores = torch.cat(blocks, dim=-1) if len(blocks) > 1 else blocks[0]
+    return scores * _causal_mask(C, strict, scores)
 
 
 def _largest_safe_sub_chunk(G) -> int | None:
-    """The longest sub-chunk length (32, 16 or 8, dividing C) whose every sub-chunk decays by at most
-    ``SAFE_EXPONENT`` in every channel; None when even 8 tokens decay more (then only pairwise is safe)."""
+    """The longest sub-chunk length (the whole chunk C, else 32, 16 or 8, dividing C) whose every sub-chunk
+    decays by at most ``SAFE_EXPONENT`` in every channel; None when even 8 tokens decay more (then only
+    pairwise is safe)."""
     C = G.shape[-2]
-    for sub in (32, 16, 8):
-        if C % sub == 0:
+    for sub in (C, 32, 16, 8):
+        if sub <= C and C % sub == 0:
             blocks_of_G = G.unflatten(-2, (C // sub, sub))  # [..., C/sub, sub, K]
             if (blocks_of_G[..., 0, :] - blocks_of_G[..., -1, :]).max() <= SAFE_EXPONENT:
                 return sub
@@ -86,11 +93,11 @@ def decayed_scores(a, b, G, strict: bool) -> torch.Tensor:
     """A[r, i] = Σ_d a_rd b_id e^{G_rd − G_id} for i < r (strict) or i ≤ r, else 0.
 
     a, b, G: ``[..., C, K]`` (G the inclusive cumulative log-decay) -> ``[..., C, C]``; ``a`` may carry extra
-    leading dims (e.g. q and k stacked) that share the decay factors. Never forms e^{−G}. When sub-chunks of
-    32, 16 or 8 tokens each decay by at most ``SAFE_EXPONENT`` (8 always do under K3's bound g ≥ −5), each
-    sub-chunk's column block is one matrix product referenced to its first position; otherwise (e.g. Kimi
-    Linear's unbounded gate at extreme values) pairs inside 8-token sub-chunks are formed one by one so that
-    every exponent is ≤ 0.
+    leading dims (e.g. k and q stacked) that share the decay factors. Never forms e^{−G}. When the whole
+    chunk, or sub-chunks of 32, 16 or 8 tokens, each decay by at most ``SAFE_EXPONENT`` (8 always do under
+    K3's bound g ≥ −5), each sub-chunk's column block is one matrix product referenced to its first position;
+    otherwise (e.g. Kimi Linear's unbounded gate at extreme values) pairs inside 8-token sub-chunks are formed
+    one by one so that every exponent is ≤ 0.
     """
     sub = _largest_safe_sub_chunk(G)
     if sub is not None:
@@ -155,51 +162,62 @@ def factored_scores(q, k, G) -> torch.Tensor:
 
 
 def _to_chunks(x, chunk_size: int) -> torch.Tensor:
-    """``[B, T, H, ...]`` (T a multiple of C) -> ``[B, H, N, C, ...]``."""
+    """``[B, T, H, ...]`` -> ``[B·H·N, C, ...]``, contiguous (T padded with zeros to a multiple of C)."""
     batch, time, heads = x.shape[:3]
-    x = x.reshape(batch, time // chunk_size, chunk_size, heads, *x.shape[3:])
-    return x.movedim(3, 1)
+    pad = (-time) % chunk_size
+    if pad:
+        x = torch.cat([x, x.new_zeros(batch, pad, *x.shape[2:])], dim=1)
+    x = x.reshape(batch, -1, chunk_size, heads, *x.shape[3:]).movedim(3, 1)  # [B, H, N, C, ...]
+    return x.reshape(-1, chunk_size, *x.shape[4:])
 
 
-def _pass_states(W, U, k, G, state):
-    """Steps 5 and 8, the only loop over chunks. Returns the states entering each chunk ``[B, H, N, K, V]``,
-    Ṽ ``[B, H, N, C, V]`` and the final state. W is None for GLA (no delta correction: Ṽ = U = V)."""
-    decay_to_end = G[..., -1, :].exp().unsqueeze(-1)  # [B, H, N, K, 1]
-    k_to_end = (k * torch.exp(G[..., -1:, :] - G)).transpose(-1, -2)  # [B, H, N, K, C]
+def _pass_states(W, U, k_to_end, decay_to_end, state):
+    """Steps 5 and 8, the only loop over chunks; everything that does not depend on the state is precomputed.
+
+    W (None for GLA: no delta correction, Ṽ = U = V), U ``[B·H, N, C, ·]``; k_to_end = (K ⊙ e^{G_C − G})ᵀ
+    ``[B·H, N, K, C]``; decay_to_end = Γ_C ``[B·H, N, K, 1]``; state ``[B·H, K, V]``. Returns the states
+    entering each chunk ``[B·H, N, K, V]``, Ṽ ``[B·H, N, C, V]`` and the final state."""
     entering, corrected = [], []
-    for n in range(U.shape[2]):
+    for n in range(U.shape[1]):
         entering.append(state)
-        v_new = U[:, :, n] if W is None else U[:, :, n] - W[:, :, n] @ state
+        v_new = U[:, n] if W is None else torch.baddbmm(U[:, n], W[:, n], state, alpha=-1.0)  # U − W S
         corrected.append(v_new)
-        state = decay_to_end[:, :, n] * state + k_to_end[:, :, n] @ v_new
-    return torch.stack(entering, dim=2), torch.stack(corrected, dim=2), state
+        state = torch.baddbmm(decay_to_end[:, n] * state, k_to_end[:, n], v_new)
+    return torch.stack(entering, dim=1), torch.stack(corrected, dim=1), state
 
 
 def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
-    """Chunkwise KDA (beta given) or GLA (beta None) on validated inputs, g ``[B, T, H, K]``."""
+    """Chunkwise KDA (beta given) or GLA (beta None) on validated inputs, g ``[B, T, H, K]``.
+
+    All chunks of all heads are one batch ``[B·H·N, C, ·]``; only steps 5 and 8 loop over chunks."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     dtype, (batch, time, heads, key_dim), value_dim = q.dtype, q.shape, v.shape[-1]
-    pad = (-time) % chunk_size  # padded tokens: k = 0, β = 0, g = 0 leave the state unchanged
-    q, k, v, g = (_to_chunks(F.pad(x.float(), (0, 0, 0, 0, 0, pad)), chunk_size) for x in (q, k, v, g))
+    # padded tokens (k = 0, β = 0, g = 0) leave the state unchanged
+    q, k, v, g = (_to_chunks(x.float(), chunk_size) for x in (q, k, v, g))  # [B·H·N, C, ·]
     q = q * scale
-    G = g.cumsum(-2)  # step 1: [B, H, N, C, K], inclusive
-    if beta is None:
-        W, U, A_qk = None, v, decayed_scores(q, k, G, strict=False)  # GLA: no delta steps
+    G = g.cumsum(-2)  # step 1, inclusive
+    decay = G.exp()  # Γ = e^G ≤ 1
+    if beta is None:  # GLA: no delta steps, Ṽ = V
+        W, U, A_qk = None, v, decayed_scores(q, k, G, strict=False)
     else:
-        beta = _to_chunks(F.pad(beta.float(), (0, 0, 0, pad)), chunk_size)  # [B, H, N, C]
+        beta = _to_chunks(beta.float(), chunk_size)  # [B·H·N, C]
         scores = decayed_scores(torch.stack([k, q]), k, G, strict=False)  # steps 2 and 6 share their decays
-        A_kk = scores[0].tril(-1) * beta.unsqueeze(-1)  # step 2 (strictly lower)
+        A_kk = scores[0] * _causal_mask(chunk_size, True, scores) * beta.unsqueeze(-1)  # step 2 (strictly lower)
         A_qk = scores[1]  # step 6
         M = ut_transform(A_kk, beta)  # step 3
-        W, U = M @ (G.exp() * k), M @ v  # step 4
-    state = q.new_zeros(batch, heads, key_dim, value_dim)
+        W, U = M @ (decay * k), M @ v  # step 4
+    state = q.new_zeros(batch * heads, key_dim, value_dim)
     if initial_state is not None:
-        state = state + initial_state.float()
-    entering, v_new, state = _pass_states(W, U, k, G, state)  # steps 5 and 8
-    o = (G.exp() * q) @ entering + A_qk @ v_new  # step 7
-    o = o.movedim(1, 3).reshape(batch, -1, heads, value_dim)[:, :time]
-    return o.to(dtype), (state if output_final_state else None)
+        state = state + initial_state.float().reshape(batch * heads, key_dim, value_dim)
+    per_head = (lambda x: None if x is None else x.unflatten(0, (batch * heads, -1)))  # [B·H, N, ...]
+    k_to_end = (k * torch.exp(G[:, -1:] - G)).mT  # (K ⊙ e^{G_C − G})ᵀ, [B·H·N, K, C]
+    entering, v_new, state = _pass_states(per_head(W), per_head(U), per_head(k_to_end),
+                                          per_head(decay[:, -1:].mT), state)  # steps 5 and 8
+    o = torch.baddbmm(A_qk @ v_new.flatten(0, 1), decay * q, entering.flatten(0, 1))  # step 7
+    o = o.reshape(batch, heads, -1, value_dim).transpose(1, 2)[:, :time]
+    final = state.reshape(batch, heads, key_dim, value_dim) if output_final_state else None
+    return o.to(dtype), final
 
 
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64, *,

@@ -22,7 +22,7 @@ import torch
 
 from k3course.attention.checks import validate
 
-SUB_CHUNK = 8  # block size of the UT transform and of the pairwise (fallback) decayed scores
+SUB_CHUNK = 8  # smallest block of the UT transform, and block of the pairwise (fallback) decayed scores
 SAFE_EXPONENT = 60.0  # e^60 ≈ 1e26: a factor this large times values of order 1 stays far below fp32's 3.4e38
 
 
@@ -107,8 +107,18 @@ def decayed_scores(a, b, G, strict: bool) -> torch.Tensor:
 
 
 def _unit_lower_inverse(A) -> torch.Tensor:
-    """(I + A)^{-1} for strictly lower A ``[..., c, c]``, by forward substitution: X_r = e_r − Σ_{i<r} A_ri X_i."""
+    """(I + A)^{-1} for strictly lower A ``[..., c, c]``, by forward substitution.
+
+    Up to ``SUB_CHUNK`` rows (or c odd), row by row: X_r = e_r − Σ_{i<r} A_ri X_i. Larger, in two block rows:
+    X_1 = (I + A_11)^{-1} and X_2 = (I + A_22)^{-1} (both diagonal blocks at once, the same way), then the
+    second block row's substitution X_21 = −X_2 A_21 X_1, so X = [[X_1, 0], [X_21, X_2]].
+    """
     c = A.shape[-1]
+    if c > SUB_CHUNK and c % 2 == 0:
+        h = c // 2
+        X_1, X_2 = _unit_lower_inverse(torch.stack([A[..., :h, :h], A[..., h:, h:]]))
+        X_21 = -(X_2 @ A[..., h:, :h] @ X_1)
+        return torch.cat([torch.cat([X_1, torch.zeros_like(X_1)], dim=-1), torch.cat([X_21, X_2], dim=-1)], dim=-2)
     eye = torch.eye(c, dtype=A.dtype, device=A.device).expand(*A.shape[:-2], c, c)
     rows = [eye[..., :1, :]]  # row r of X, each [..., 1, c]
     for r in range(1, c):
@@ -119,22 +129,9 @@ def _unit_lower_inverse(A) -> torch.Tensor:
 def ut_transform(A_kk, beta) -> torch.Tensor:
     """M = (I + A_kk)^{-1} Diag(β) by forward substitution. A_kk ``[..., C, C]`` strictly lower, beta ``[..., C]``.
 
-    Blockwise, to keep the loop short: invert the 8×8 diagonal blocks row by row (all at once), then
-    substitute block row by block row, X_p = (I + A_pp)^{-1} (E_p − Σ_{s<p} A_ps X_s).
-    """
-    C = A_kk.shape[-1]
-    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
-    starts = range(0, C, sub)
-    diagonal = torch.stack([A_kk[..., s:s + sub, s:s + sub] for s in starts], dim=-3)  # [..., C/sub, sub, sub]
-    diagonal_inverse = _unit_lower_inverse(diagonal)
-    eye = torch.eye(C, dtype=A_kk.dtype, device=A_kk.device)
-    block_rows = []  # block row p of X = (I + A_kk)^{-1}, each [..., sub, C]
-    for p, s in enumerate(starts):
-        rhs = eye[s:s + sub].expand(*A_kk.shape[:-2], sub, C)
-        if block_rows:
-            rhs = rhs - A_kk[..., s:s + sub, :s] @ torch.cat(block_rows, dim=-2)
-        block_rows.append(diagonal_inverse[..., p, :, :] @ rhs)
-    return torch.cat(block_rows, dim=-2) * beta.unsqueeze(-2)
+    Blockwise, to keep the loop short (see :func:`_unit_lower_inverse`): halves, quarters, … down to 8×8
+    diagonal blocks, all blocks of one size at once, each solved row by row."""
+    return _unit_lower_inverse(A_kk) * beta.unsqueeze(-2)
 
 
 def kda_chunk_step(q, k, v, g, beta, state):

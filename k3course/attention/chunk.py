@@ -59,21 +59,24 @@ def _causal_mask(C: int, strict: bool, like) -> torch.Tensor:
     return torch.ones(C, C, dtype=like.dtype, device=like.device).tril(-1 if strict else 0)
 
 
-def _referenced_scores(a, b, G, strict: bool, sub: int) -> torch.Tensor:
+def _referenced_scores(a, b, G, strict: bool, sub: int):
     """decayed_scores as one matrix product per sub-chunk: with p the sub-chunk's first position,
     e^{G_r − G_i} = e^{G_r − G_p} · e^{G_p − G_i}; the first exponent is ≤ 0 for every row from p on (earlier
     rows are causally masked: clamping keeps them finite), the second is at most the sub-chunk's decay span
-    (≤ ``SAFE_EXPONENT``), checked by the caller."""
-    C = a.shape[-2]
-    blocks = []  # one column block [..., C, sub] per sub-chunk
+    (≤ ``SAFE_EXPONENT``), checked by the caller. ``a`` a tensor or a tuple of tensors (one result each)."""
+    many = isinstance(a, tuple)
+    a = a if many else (a,)
+    C = b.shape[-2]
+    blocks = [[] for _ in a]  # per tensor in a: one column block [..., C, sub] per sub-chunk
     for start in range(0, C, sub):
         ref = G[..., start:start + 1, :]  # [..., 1, K]
-        to_rows = G - ref if start == 0 else (G - ref).clamp(max=0.0)  # ≤ 0
-        rows = a * torch.exp(to_rows)
+        to_rows = torch.exp(G - ref if start == 0 else (G - ref).clamp(max=0.0))  # factors ≤ 1
         cols = b[..., start:start + sub, :] * torch.exp(ref - G[..., start:start + sub, :])  # factors ≤ e^span
-        blocks.append(rows @ cols.transpose(-1, -2))
-    scores = torch.cat(blocks, dim=-1) if len(blocks) > 1 else blocks[0]
-    return scores * _causal_mask(C, strict, scores)
+        for x, x_blocks in zip(a, blocks, strict=True):
+            x_blocks.append((x * to_rows) @ cols.transpose(-1, -2))
+    mask = _causal_mask(C, strict, G)
+    scores = tuple((torch.cat(x_blocks, dim=-1) if len(x_blocks) > 1 else x_blocks[0]) * mask for x_blocks in blocks)
+    return scores if many else scores[0]
 
 
 def _largest_safe_sub_chunk(G) -> int | None:
@@ -89,21 +92,24 @@ def _largest_safe_sub_chunk(G) -> int | None:
     return None
 
 
-def decayed_scores(a, b, G, strict: bool) -> torch.Tensor:
+def decayed_scores(a, b, G, strict: bool):
     """A[r, i] = Σ_d a_rd b_id e^{G_rd − G_id} for i < r (strict) or i ≤ r, else 0.
 
     a, b, G: ``[..., C, K]`` (G the inclusive cumulative log-decay) -> ``[..., C, C]``; ``a`` may carry extra
-    leading dims (e.g. k and q stacked) that share the decay factors. Never forms e^{−G}. When the whole
-    chunk, or sub-chunks of 32, 16 or 8 tokens, each decay by at most ``SAFE_EXPONENT`` (8 always do under
-    K3's bound g ≥ −5), each sub-chunk's column block is one matrix product referenced to its first position;
-    otherwise (e.g. Kimi Linear's unbounded gate at extreme values) pairs inside 8-token sub-chunks are formed
-    one by one so that every exponent is ≤ 0.
+    leading dims, or be a tuple of such tensors (e.g. ``(k, q)``): then one result each, sharing the decay
+    factors. Never forms e^{−G}. When the whole chunk, or sub-chunks of 32, 16 or 8 tokens, each decay by at
+    most ``SAFE_EXPONENT`` (8 always do under K3's bound g ≥ −5), each sub-chunk's column block is one matrix
+    product referenced to its first position; otherwise (e.g. Kimi Linear's unbounded gate at extreme values)
+    pairs inside 8-token sub-chunks are formed one by one so that every exponent is ≤ 0.
     """
     sub = _largest_safe_sub_chunk(G)
     if sub is not None:
         return _referenced_scores(a, b, G, strict, sub)
-    C = a.shape[-2]
-    return _pairwise_scores(a, b, G, strict, SUB_CHUNK if C % SUB_CHUNK == 0 else C)
+    C = b.shape[-2]
+    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+    if isinstance(a, tuple):
+        return tuple(_pairwise_scores(x, b, G, strict, sub) for x in a)
+    return _pairwise_scores(a, b, G, strict, sub)
 
 
 def _unit_lower_inverse(A) -> torch.Tensor:
@@ -199,9 +205,8 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chun
         W, U, A_qk = None, v, decayed_scores(q, k, G, strict=False)
     else:
         beta = _to_chunks(beta.float(), chunk_size)  # [B·H·N, C]
-        scores = decayed_scores(torch.stack([k, q]), k, G, strict=False)  # steps 2 and 6 share their decays
-        A_kk = scores[0] * _causal_mask(chunk_size, True, scores) * beta.unsqueeze(-1)  # step 2 (strictly lower)
-        A_qk = scores[1]  # step 6
+        A_kk, A_qk = decayed_scores((k, q), k, G, strict=False)  # steps 2 and 6 share their decays
+        A_kk = A_kk * _causal_mask(chunk_size, True, A_kk) * beta.unsqueeze(-1)  # step 2 (strictly lower)
         M = ut_transform(A_kk, beta)  # step 3
         W, U = M @ (decay * k), M @ v  # step 4
     state = q.new_zeros(batch * heads, key_dim, value_dim)

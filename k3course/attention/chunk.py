@@ -174,19 +174,27 @@ def _to_chunks(x, chunk_size: int) -> torch.Tensor:
     return x.reshape(-1, chunk_size, *x.shape[4:])
 
 
-def _pass_states(W, U, k_to_end, decay_to_end, state):
-    """Steps 5 and 8, the only loop over chunks; everything that does not depend on the state is precomputed.
+def _pass_states(W, U, k, G, state):
+    """Steps 5 and 8, the only loop over chunks; everything that does not depend on the state is computed
+    before it, so each chunk costs two products: Ṽ = U − W S, then S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
 
-    W (None for GLA: no delta correction, Ṽ = U = V), U ``[B·H, N, C, ·]``; k_to_end = (K ⊙ e^{G_C − G})ᵀ
-    ``[B·H, N, K, C]``; decay_to_end = Γ_C ``[B·H, N, K, 1]``; state ``[B·H, K, V]``. Returns the states
-    entering each chunk ``[B·H, N, K, V]``, Ṽ ``[B·H, N, C, V]`` and the final state."""
+    W (None for GLA: no delta correction, Ṽ = U = V), U ``[..., N, C, ·]``; k, G ``[..., N, C, K]``; state
+    ``[..., K, V]``. Returns the states entering each chunk ``[..., N, K, V]``, Ṽ ``[..., N, C, V]`` and the
+    final state ``[..., K, V]``."""
+    leading = state.shape[:-2]
+    as_batch = (lambda x: None if x is None else x.reshape(-1, *x.shape[-3:]))  # [L, N, ·, ·] for baddbmm
+    decay_to_end = as_batch(G[..., -1:, :].exp().mT)  # Γ_C, [L, N, K, 1]
+    k_to_end = as_batch((k * torch.exp(G[..., -1:, :] - G)).mT)  # [L, N, K, C]
+    W, U, state = as_batch(W), as_batch(U), state.reshape(-1, *state.shape[-2:])
     entering, corrected = [], []
     for n in range(U.shape[1]):
         entering.append(state)
         v_new = U[:, n] if W is None else torch.baddbmm(U[:, n], W[:, n], state, alpha=-1.0)  # U − W S
         corrected.append(v_new)
         state = torch.baddbmm(decay_to_end[:, n] * state, k_to_end[:, n], v_new)
-    return torch.stack(entering, dim=1), torch.stack(corrected, dim=1), state
+    entering, corrected = torch.stack(entering, dim=1), torch.stack(corrected, dim=1)
+    return (entering.reshape(*leading, *entering.shape[1:]), corrected.reshape(*leading, *corrected.shape[1:]),
+            state.reshape(*leading, *state.shape[1:]))
 
 
 def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
@@ -213,9 +221,7 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chun
     if initial_state is not None:
         state = state + initial_state.float().reshape(batch * heads, key_dim, value_dim)
     per_head = (lambda x: None if x is None else x.unflatten(0, (batch * heads, -1)))  # [B·H, N, ...]
-    k_to_end = (k * torch.exp(G[:, -1:] - G)).mT  # (K ⊙ e^{G_C − G})ᵀ, [B·H·N, K, C]
-    entering, v_new, state = _pass_states(per_head(W), per_head(U), per_head(k_to_end),
-                                          per_head(decay[:, -1:].mT), state)  # steps 5 and 8
+    entering, v_new, state = _pass_states(per_head(W), per_head(U), per_head(k), per_head(G), state)  # 5, 8
     o = torch.baddbmm(A_qk @ v_new.flatten(0, 1), decay * q, entering.flatten(0, 1))  # step 7
     o = o.reshape(batch, heads, -1, value_dim).transpose(1, 2)[:, :time]
     final = state.reshape(batch, heads, key_dim, value_dim) if output_final_state else None

@@ -12,7 +12,8 @@ Per chunk of C tokens with state S entering it (one head; G is the in-chunk incl
 8. S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
 
 Everything but the state passing (5 and 8) is batched over all chunks at once. Every exponent is a
-difference G_r − G_i ≤ 0 (or G ≤ 0 itself), so nothing overflows: e^{−G} alone is never formed.
+difference of cumulative log-decays, ≤ 0 (or G ≤ 0 itself) or, for a reference factor, at most the checked
+span ``SAFE_EXPONENT``, so nothing overflows: e^{−G} alone is never formed.
 GDN is KDA with a gate constant over channels; GLA skips the delta steps (Ṽ = V).
 """
 

@@ -167,6 +167,12 @@ class KimiDeltaAttention(_GatedMixer):
         if self.mode == "recurrent":
             return kda_recurrent(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                                  allow_neg_eigval=self.allow_neg_eigval)
+        from k3course.kernels import use_triton  # imported here: importing it picks native vs interpreter
+
+        if use_triton(q.device):  # CUDA, or forced by K3COURSE_KERNELS=triton: the chapter 08 kernels
+            from k3course.kernels.kda import kda_triton
+
+            return kda_triton(q, k, v, g, beta, initial_state, self.chunk_size)
         return kda_chunk(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                          chunk_size=self.chunk_size, allow_neg_eigval=self.allow_neg_eigval)
 

@@ -67,7 +67,9 @@ def grouped_mm(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torc
 
     x_sorted [M, d_in] (rows grouped by expert), weight [E, d_in, d_out], group_offsets [E] int32 cumulative
     block ends (the last equals M) -> [M, d_out].
-    backend: "loop" (one matmul per expert), "torch" (``torch._grouped_mm``), or "auto": torch's grouped GEMM
+    backend: "loop" (one matmul per expert), "torch" (``torch._grouped_mm``), or "auto": chapter 08's
+    one-launch Triton kernel where ``k3course.kernels.use_triton`` says so (on CUDA; the environment variable
+    K3COURSE_KERNELS=triton|torch forces either way), else torch's grouped GEMM
     where it has its fast path (CUDA sm90+, bf16), else the loop. On CPU (torch 2.13) ``torch._grouped_mm``
     runs in fp32 (not bf16), but was measured 1.6× slower than the loop (64 experts, 16k rows, one thread)
     and its backward rejects a non-contiguous output gradient, so the loop is the CPU path.
@@ -79,6 +81,12 @@ def grouped_mm(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torc
         raise ValueError(f"group_offsets must have shape [E] = ({weight.shape[0]},), got {tuple(group_offsets.shape)}")
     if backend not in ("auto", "loop", "torch"):
         raise ValueError(f"backend must be 'auto', 'loop' or 'torch', got {backend!r}")
+    from k3course.kernels import use_triton  # imported here: importing it picks native vs interpreter
+
+    if backend == "auto" and use_triton(x_sorted.device):
+        from k3course.kernels.grouped_gemm import moe_grouped_gemm
+
+        return moe_grouped_gemm(x_sorted, weight, group_offsets)
     use_torch = backend == "torch" or (backend == "auto" and _grouped_mm_available(x_sorted, weight))
     if use_torch:
         return torch._grouped_mm(x_sorted, weight, offs=group_offsets.to(torch.int32))

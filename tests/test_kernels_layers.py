@@ -1,0 +1,103 @@
+"""The layers choose their path with ``k3course.kernels.use_triton``: torch on a CPU, Triton on a GPU, and the
+``K3COURSE_KERNELS`` switch forces either. On a CPU the forced Triton path runs under the interpreter (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import k3course.kernels.grouped_gemm as grouped_gemm_module
+import k3course.kernels.kda as kda_module
+from k3course.attention.kda import KimiDeltaAttention
+from k3course.kernels import TRITON_MODE
+from k3course.moe import LatentMoE
+from k3course.moe.dispatch import grouped_mm
+
+DEVICE = torch.device("cuda" if TRITON_MODE == "native" else "cpu")
+
+
+@pytest.fixture
+def triton_calls(monkeypatch):
+    """Count the calls that reach the Triton entry points (the layers import them at call time)."""
+    calls = {"kda": 0, "grouped_gemm": 0}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(kda_module, "kda_triton", counting("kda", kda_module.kda_triton))
+    monkeypatch.setattr(grouped_gemm_module, "moe_grouped_gemm",
+                        counting("grouped_gemm", grouped_gemm_module.moe_grouped_gemm))
+    return calls
+
+
+def small_kda_layer():
+    torch.manual_seed(0)
+    return KimiDeltaAttention(d_model=32, n_heads=2, head_dim=16, chunk_size=16).to(DEVICE)
+
+
+def test_kda_layer_uses_torch_on_cpu_by_default(monkeypatch, triton_calls):
+    monkeypatch.delenv("K3COURSE_KERNELS", raising=False)
+    x = torch.randn(1, 20, 32, generator=torch.Generator().manual_seed(1))
+    small_kda_layer()(x)
+    assert triton_calls["kda"] == 0
+
+
+def test_kda_layer_forced_triton_matches_forced_torch(monkeypatch, triton_calls):
+    layer = small_kda_layer()
+    x = torch.randn(2, 37, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    monkeypatch.setenv("K3COURSE_KERNELS", "torch")
+    y_torch, state_torch = layer(x)
+    assert triton_calls["kda"] == 0
+    monkeypatch.setenv("K3COURSE_KERNELS", "triton")
+    y_triton, state_triton = layer(x)
+    assert triton_calls["kda"] == 1
+    torch.testing.assert_close(y_triton, y_torch, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state_triton.recurrent, state_torch.recurrent, rtol=1e-4, atol=1e-5)
+
+
+def test_kda_layer_triton_decodes_token_by_token(monkeypatch, triton_calls):
+    """Prefill with the chunk kernels, then one token at a time through the fused decode step (no grad)."""
+    layer = small_kda_layer()
+    x = torch.randn(1, 19, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    monkeypatch.setenv("K3COURSE_KERNELS", "triton")
+    with torch.no_grad():
+        y_whole, _ = layer(x)
+        y_prefix, state = layer(x[:, :16])
+        steps = []
+        for t in range(16, 19):
+            y_t, state = layer(x[:, t:t + 1], state)
+            steps.append(y_t)
+    assert triton_calls["kda"] == 5
+    torch.testing.assert_close(torch.cat([y_prefix, *steps], dim=1), y_whole, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_mm_selects_the_triton_kernel_when_switched(monkeypatch, triton_calls):
+    gen = torch.Generator().manual_seed(4)
+    ends = torch.tensor([3, 3, 11, 16], dtype=torch.int32, device=DEVICE)
+    x, weight = torch.randn(16, 8, generator=gen).to(DEVICE), torch.randn(4, 8, 24, generator=gen).to(DEVICE)
+    monkeypatch.setenv("K3COURSE_KERNELS", "torch")
+    want = grouped_mm(x, weight, ends)
+    assert triton_calls["grouped_gemm"] == 0
+    monkeypatch.setenv("K3COURSE_KERNELS", "triton")
+    torch.testing.assert_close(grouped_mm(x, weight, ends), want, rtol=1e-5, atol=1e-5)
+    assert triton_calls["grouped_gemm"] == 1
+    torch.testing.assert_close(grouped_mm(x, weight, ends, backend="loop"), want, rtol=1e-5, atol=1e-5)
+    assert triton_calls["grouped_gemm"] == 1  # an explicit backend wins over the environment
+
+
+def test_moe_layer_forced_triton_matches_torch_forward_and_backward(monkeypatch, triton_calls):
+    layer = LatentMoE(32, 8, 2, d_expert=16, generator=torch.Generator().manual_seed(5)).to(DEVICE).eval()
+    x = torch.randn(24, 32, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    results = {}
+    for switch in ("torch", "triton"):
+        monkeypatch.setenv("K3COURSE_KERNELS", switch)
+        layer.zero_grad()
+        y = layer(x)
+        y.square().sum().backward()
+        results[switch] = (y.detach(), layer.experts.down.grad.clone())
+    assert triton_calls["grouped_gemm"] >= 2  # gate|up and down projections
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(results["triton"][1], results["torch"][1], rtol=1e-4, atol=1e-5)

@@ -19,6 +19,7 @@ from torch import nn
 
 from k3course.attention.chunk import gdn_chunk, gla_chunk, kda_chunk
 from k3course.attention.recurrent import gdn_recurrent, gla_recurrent, kda_recurrent
+from k3course.norm import rms_norm
 
 KDA_LOWER_BOUND = -5.0  # K3's bounded forget gate: g ∈ (−5, 0), so α ∈ (e^-5, 1)
 
@@ -58,12 +59,6 @@ def kda_gate(z, A_log, dt_bias, lower_bound=KDA_LOWER_BOUND):
     if lower_bound is None:
         return -rate * F.softplus(z + dt_bias)
     return lower_bound * torch.sigmoid(rate * (z + dt_bias))
-
-
-def head_rms_norm(x, weight, eps=1e-6):
-    """RMSNorm over the last dim (one head's channels): x / sqrt(mean(x²) + eps) ⊙ weight; computed in fp32."""
-    normed = x.float() * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
-    return (normed * weight.float()).to(x.dtype)
 
 
 def initial_dt_bias(count: int, lower_bound: float | None, slowest=0.01, fastest=0.5) -> torch.Tensor:
@@ -137,7 +132,7 @@ class _GatedMixer(nn.Module):
                 beta = 2 * beta  # β ∈ (0, 2): I − β k kᵀ may then flip the sign along k
         o, recurrent = self.mix(q, k, self._heads(v), self.log_decay(x), beta,
                                 None if state is None else state.recurrent)
-        o = head_rms_norm(o, self.o_norm_weight, self.norm_eps).flatten(-2)  # [B, T, H·V]
+        o = rms_norm(o, self.o_norm_weight, self.norm_eps).flatten(-2)  # [B, T, H·V]
         y = self.o_proj(torch.sigmoid(self.gate_proj(x)) * o)
         return y, MixerState(conv_q, conv_k, conv_v, recurrent)
 

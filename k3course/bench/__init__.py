@@ -1,2 +1,26 @@
 """Benchmarks, one module per topic, each with ``main(options: list[str]) -> int``; run as
 ``k3course bench <module>``. They print times measured in one run and ratios between them."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def best_seconds(fn, repeats: int = 5, device: torch.device | str | None = None) -> float:
+    """The fastest of ``repeats`` calls of ``fn()``, in seconds: the call least disturbed by other processes.
+
+    On a CUDA ``device`` the GPU is synchronised around each call, so the time covers the kernels, not the launch.
+    """
+    sync = torch.device(device).type == "cuda" if device is not None else False
+    times = []
+    for _ in range(repeats):
+        if sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if sync:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)

@@ -8,13 +8,13 @@ from T = 1024 to 8192 (target ≤ 10× for 8× the length: linear in T), and the
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from k3course.attention.chunk import kda_chunk
 from k3course.attention.recurrent import kda_recurrent
+from k3course.bench import best_seconds
 
 
 def chunk_flops(T: int, d: int, chunk_size: int) -> float:
@@ -27,20 +27,10 @@ def attention_flops(T: int, d: int) -> float:
     return 2 * T * T * d
 
 
-def best_time(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` calls of ``fn()``, in seconds (the least disturbed by other processes)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
     """This machine's fp32 matmul rate, GFLOP/s, from an n×n by n×n product."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n ** 3 / best_time(lambda: a @ b, repeats) / 1e9
+    return 2 * n ** 3 / best_seconds(lambda: a @ b, repeats) / 1e9
 
 
 def kda_inputs(T: int, heads: int = 4, dim: int = 64, seed: int = 0):
@@ -71,13 +61,13 @@ def main(options: list[str]) -> int:
         chunked = {}
         for T in sorted(set(args.lengths) | {args.recurrent_length}):
             inputs = kda_inputs(T, args.heads, args.dim)
-            chunked[T] = best_time(lambda: kda_chunk(*inputs, chunk_size=args.chunk_size), args.repeats)  # noqa: B023
+            chunked[T] = best_seconds(lambda: kda_chunk(*inputs, chunk_size=args.chunk_size), args.repeats)  # noqa: B023
             achieved = args.heads * chunk_flops(T, args.dim, args.chunk_size) / chunked[T] / 1e9
             print(f"chunked   T={T:>6}: {chunked[T] * 1e3:9.1f} ms  {achieved:6.2f} GFLOP/s "
                   f"= {achieved / peak:.1%} of matmul")
         T = args.recurrent_length
         inputs = kda_inputs(T, args.heads, args.dim)
-        recurrent = best_time(lambda: kda_recurrent(*inputs), args.repeats)  # best-of-N, as for chunked
+        recurrent = best_seconds(lambda: kda_recurrent(*inputs), args.repeats)  # best-of-N, as for chunked
         print(f"recurrent T={T:>6}: {recurrent * 1e3:9.1f} ms")
         print(f"recurrent / chunked at T={T}: {recurrent / chunked[T]:.1f}x  (target >= 10x)")
         short, long = min(args.lengths), max(args.lengths)

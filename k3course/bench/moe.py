@@ -10,10 +10,10 @@ oversubscribed, which can slow many small GEMMs (the per-expert loop) by 10x.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from k3course.bench import best_seconds
 from k3course.device import default_device
 from k3course.moe import GLUFFN, LatentMoE
 from k3course.moe.latent import moe_flops_per_token, rms_norm
@@ -36,19 +36,6 @@ def per_token_loop(layer: LatentMoE, x: torch.Tensor) -> torch.Tensor:
             u = u + layer.route_scale * p * (hidden @ experts.down[j])
         rows.append(rms_norm(u, layer.latent_norm, layer.eps) @ layer.up_proj)
     return torch.stack(rows)
-
-
-def _best_seconds(fn, repeats: int, device: torch.device) -> float:
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _options(options: list[str]) -> argparse.Namespace:
@@ -84,11 +71,11 @@ def main(options: list[str]) -> int:
         sorted_out = layer(x)
         loop_out = per_token_loop(layer, x[:loop_tokens])
         error = float((loop_out - sorted_out[:loop_tokens]).abs().max() / sorted_out.abs().max())
-        t_sorted = _best_seconds(lambda: layer(x), args.repeats, device)
-        t_dense = _best_seconds(lambda: dense(x), args.repeats, device)
-        t_loop = _best_seconds(lambda: per_token_loop(layer, x[:loop_tokens]), 1, device) * args.m / loop_tokens
+        t_sorted = best_seconds(lambda: layer(x), args.repeats, device)
+        t_dense = best_seconds(lambda: dense(x), args.repeats, device)
+        t_loop = best_seconds(lambda: per_token_loop(layer, x[:loop_tokens]), 1, device) * args.m / loop_tokens
     params, x_np = layer.reference_params(), x[:loop_tokens].cpu().double().numpy()
-    t_numpy = _best_seconds(lambda: reference.moe_forward(x_np, params, args.k), 1, device) * args.m / loop_tokens
+    t_numpy = best_seconds(lambda: reference.moe_forward(x_np, params, args.k), 1, device) * args.m / loop_tokens
     print(f"latent MoE forward on {device.type}: m={args.m} n={args.n} k={args.k} d={args.d} "
           f"latent={args.latent} d_expert={args.d_expert}, fp32, backend={args.backend}, "
           f"{torch.get_num_threads()} CPU thread(s)")

@@ -3,8 +3,8 @@
 For m tokens with k experts each there are m·k token-slots; slot s = t·k + i holds token t's i-th expert.
 ``sort_by_expert`` gives the permutation that sorts slots by expert (stable, so tokens stay in order within
 an expert) and each expert's block end; ``grouped_mm`` multiplies every block by its expert's weight;
-``unsort`` applies the inverse permutation. ``grouped_mm`` is the single call site for the expert GEMM: a
-Triton kernel can take its place behind the ``backend`` switch.
+``unsort`` applies the inverse permutation. Behind ``grouped_mm``'s ``backend`` switch sit a per-expert
+loop, ``torch._grouped_mm`` and chapter 08's Triton kernel.
 """
 
 from __future__ import annotations
@@ -49,16 +49,38 @@ def _grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype == weight.dtype == torch.bfloat16 and aligned
 
 
+def expert_blocks(group_offsets: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(expert, start, end) of every non-empty block of sorted rows, from group_offsets [E] cumulative ends."""
+    ends = group_offsets.tolist()
+    starts = [0, *ends[:-1]]
+    return [(expert, start, end) for expert, (start, end) in enumerate(zip(starts, ends)) if end > start]
+
+
 def _grouped_mm_loop(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
     """The fallback: one GEMM per expert on its contiguous block of rows, concatenated in block order."""
-    if x_sorted.shape[0] == 0:
-        return x_sorted.new_zeros(0, weight.shape[2])
-    blocks, start = [], 0
-    for expert, end in enumerate(group_offsets.tolist()):
-        if end > start:
-            blocks.append(x_sorted[start:end] @ weight[expert])  # [rows of this expert, d_out]
-        start = end
-    return torch.cat(blocks)
+    blocks = [x_sorted[start:end] @ weight[expert] for expert, start, end in expert_blocks(group_offsets)]
+    return torch.cat(blocks) if blocks else x_sorted.new_zeros(0, weight.shape[2])
+
+
+def grouped_mm_backend(x_sorted: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> str:
+    """Which implementation :func:`grouped_mm` runs: 'triton', 'torch' (``torch._grouped_mm``) or 'loop'.
+
+    backend "loop" or "torch" is taken as asked; "auto" is chapter 08's one-launch Triton kernel where
+    ``k3course.kernels.use_triton`` says so (on CUDA; the environment variable K3COURSE_KERNELS=triton|torch
+    forces either way), else torch's grouped GEMM where it has its fast path (CUDA sm90+, bf16), else the loop.
+    On CPU (torch 2.13) ``torch._grouped_mm`` runs in fp32 (not bf16), but was measured 1.6× slower than the loop
+    (64 experts, 16k rows, one thread) and its backward rejects a non-contiguous output gradient, so the loop is
+    the CPU path.
+    """
+    if backend not in ("auto", "loop", "torch"):
+        raise ValueError(f"backend must be 'auto', 'loop' or 'torch', got {backend!r}")
+    if backend != "auto":
+        return backend
+    from k3course.kernels import use_triton  # imported here: importing it picks native vs interpreter
+
+    if use_triton(x_sorted.device):
+        return "triton"
+    return "torch" if _grouped_mm_available(x_sorted, weight) else "loop"
 
 
 def grouped_mm(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor,
@@ -67,27 +89,19 @@ def grouped_mm(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torc
 
     x_sorted [M, d_in] (rows grouped by expert), weight [E, d_in, d_out], group_offsets [E] int32 cumulative
     block ends (the last equals M) -> [M, d_out].
-    backend: "loop" (one matmul per expert), "torch" (``torch._grouped_mm``), or "auto": chapter 08's
-    one-launch Triton kernel where ``k3course.kernels.use_triton`` says so (on CUDA; the environment variable
-    K3COURSE_KERNELS=triton|torch forces either way), else torch's grouped GEMM
-    where it has its fast path (CUDA sm90+, bf16), else the loop. On CPU (torch 2.13) ``torch._grouped_mm``
-    runs in fp32 (not bf16), but was measured 1.6× slower than the loop (64 experts, 16k rows, one thread)
-    and its backward rejects a non-contiguous output gradient, so the loop is the CPU path.
+    backend: "loop" (one matmul per expert), "torch" (``torch._grouped_mm``), or "auto" (see
+    :func:`grouped_mm_backend`).
     """
     if x_sorted.dim() != 2 or weight.dim() != 3 or x_sorted.shape[1] != weight.shape[1]:
         raise ValueError(f"x_sorted [M, d_in] and weight [E, d_in, d_out] must agree on d_in, got "
                          f"{tuple(x_sorted.shape)} and {tuple(weight.shape)}")
     if group_offsets.shape != (weight.shape[0],):
         raise ValueError(f"group_offsets must have shape [E] = ({weight.shape[0]},), got {tuple(group_offsets.shape)}")
-    if backend not in ("auto", "loop", "torch"):
-        raise ValueError(f"backend must be 'auto', 'loop' or 'torch', got {backend!r}")
-    from k3course.kernels import use_triton  # imported here: importing it picks native vs interpreter
-
-    if backend == "auto" and use_triton(x_sorted.device):
+    chosen = grouped_mm_backend(x_sorted, weight, backend)
+    if chosen == "triton":
         from k3course.kernels.grouped_gemm import moe_grouped_gemm
 
         return moe_grouped_gemm(x_sorted, weight, group_offsets)
-    use_torch = backend == "torch" or (backend == "auto" and _grouped_mm_available(x_sorted, weight))
-    if use_torch:
+    if chosen == "torch":
         return torch._grouped_mm(x_sorted, weight, offs=group_offsets.to(torch.int32))
     return _grouped_mm_loop(x_sorted, weight, group_offsets)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from k3course.moe.dispatch import grouped_mm
+from k3course.moe.dispatch import expert_blocks, grouped_mm, grouped_mm_backend
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -83,6 +83,18 @@ class RoutedExperts(nn.Module):
         return self.gate_up[..., self.hidden:]
 
     def forward(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+        if grouped_mm_backend(x_sorted, self.gate_up, self.backend) == "loop":
+            return self._expert_by_expert(x_sorted, group_offsets)
         gate_up = grouped_mm(x_sorted, self.gate_up, group_offsets, self.backend)  # [M, 2h]
         gate, up = gate_up.split(self.hidden, dim=-1)
         return grouped_mm(self.act(gate, up), self.down, group_offsets, self.backend)  # [M, d_in]
+
+    def _expert_by_expert(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+        """The loop path: each expert's whole FFN on its block before the next expert's, so the block's hidden
+        activations [rows, 2h] are still in cache for the down projection (measured 2x faster on a 2-core CPU
+        than two grouped passes, which write and re-read all M rows of [M, 2h])."""
+        blocks = []
+        for expert, start, end in expert_blocks(group_offsets):
+            gate, up = (x_sorted[start:end] @ self.gate_up[expert]).split(self.hidden, dim=-1)  # [rows, h] each
+            blocks.append(self.act(gate, up) @ self.down[expert])  # [rows, d_in]
+        return torch.cat(blocks) if blocks else x_sorted.new_zeros(0, self.down.shape[2])

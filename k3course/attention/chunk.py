@@ -72,7 +72,8 @@ def _referenced_scores(a, b, G, strict: bool, sub: int):
     for start in range(0, C, sub):
         ref = G[..., start:start + 1, :]  # [..., 1, K]
         to_rows = torch.exp(G - ref if start == 0 else (G - ref).clamp(max=0.0))  # factors ≤ 1
-        cols = b[..., start:start + sub, :] * torch.exp(ref - G[..., start:start + sub, :])  # factors ≤ e^span
+        # e^{G_p − G_i} for the sub-chunk's own rows is 1 / to_rows there (unclamped: G_i − G_p ≤ 0); ≤ e^span
+        cols = b[..., start:start + sub, :] / to_rows[..., start:start + sub, :]
         for x, x_blocks in zip(a, blocks, strict=True):
             x_blocks.append((x * to_rows) @ cols.transpose(-1, -2))
     mask = _causal_mask(C, strict, G)
@@ -176,24 +177,31 @@ def _to_chunks(x, chunk_size: int) -> torch.Tensor:
 
 
 def _pass_states(W, U, k, G, state):
-    """Steps 5 and 8, the only loop over chunks; everything that does not depend on the state is computed
-    before it, so each chunk costs two products: Ṽ = U − W S, then S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
+    """Steps 5 and 8, the only loop over chunks. Substituting step 5 into step 8 makes each chunk an affine map
+    of the state, S ← A S + B, with A = Diag(Γ_C) − K̃ᵀW and B = K̃ᵀU (K̃ = K ⊙ e^{G_C − G}); A and B do not
+    depend on the state, so they are computed for all chunks at once and the loop is one product per chunk.
+    Ṽ = U − W S is then batched over all chunks from the states that entered them.
 
-    W (None for GLA: no delta correction, Ṽ = U = V), U ``[..., N, C, ·]``; k, G ``[..., N, C, K]``; state
-    ``[..., K, V]``. Returns the states entering each chunk ``[..., N, K, V]``, Ṽ ``[..., N, C, V]`` and the
-    final state ``[..., K, V]``."""
+    W (None for GLA: no delta correction, Ṽ = U = V, A = Diag(Γ_C)), U ``[..., N, C, ·]``; k, G
+    ``[..., N, C, K]``; state ``[..., K, V]``. Returns the states entering each chunk ``[..., N, K, V]``,
+    Ṽ ``[..., N, C, V]`` and the final state ``[..., K, V]``."""
     leading = state.shape[:-2]
-    as_batch = (lambda x: None if x is None else x.reshape(-1, *x.shape[-3:]))  # [L, N, ·, ·] for baddbmm
+    as_batch = (lambda x: None if x is None else x.reshape(-1, *x.shape[-3:]))  # [L, N, ·, ·]
     decay_to_end = as_batch(G[..., -1:, :].exp().mT)  # Γ_C, [L, N, K, 1]
-    k_to_end = as_batch((k * torch.exp(G[..., -1:, :] - G)).mT)  # [L, N, K, C]
+    k_to_end = as_batch((k * torch.exp(G[..., -1:, :] - G)).mT)  # K̃ᵀ, [L, N, K, C]
     W, U, state = as_batch(W), as_batch(U), state.reshape(-1, *state.shape[-2:])
-    entering, corrected = [], []
+    increment = k_to_end @ U  # B = K̃ᵀU, [L, N, K, V]
+    if W is not None:
+        transition = torch.diag_embed(decay_to_end.squeeze(-1)) - k_to_end @ W  # A, [L, N, K, K]
+    entering = []
     for n in range(U.shape[1]):
         entering.append(state)
-        v_new = U[:, n] if W is None else torch.baddbmm(U[:, n], W[:, n], state, alpha=-1.0)  # U − W S
-        corrected.append(v_new)
-        state = torch.baddbmm(decay_to_end[:, n] * state, k_to_end[:, n], v_new)
-    entering, corrected = torch.stack(entering, dim=1), torch.stack(corrected, dim=1)
+        if W is None:
+            state = torch.addcmul(increment[:, n], decay_to_end[:, n], state)  # Diag(Γ_C) S + B
+        else:
+            state = torch.baddbmm(increment[:, n], transition[:, n], state)  # A S + B
+    entering = torch.stack(entering, dim=1)  # [L, N, K, V]
+    corrected = U if W is None else U - W @ entering  # Ṽ, [L, N, C, V]
     return (entering.reshape(*leading, *entering.shape[1:]), corrected.reshape(*leading, *corrected.shape[1:]),
             state.reshape(*leading, *state.shape[1:]))
 

@@ -1,8 +1,10 @@
 """``k3course bench kda``: chunked vs recurrent KDA on this machine (fp32, B=1, H=4, K=V=64 by default).
 
-Reports, from one run: the recurrent / chunked time ratio at T = 4096 (target ≥ 10×), the chunked time growth
-from T = 1024 to 8192 (target ≤ 10× for 8× the length: linear in T), and the chunked path's achieved GFLOP/s
-(from the FLOP formula of DESIGN §6) as a fraction of this machine's measured fp32 matmul GFLOP/s.
+Reports, from one run (the chunked lengths and the recurrent rung take turns over ``--rounds`` rounds, so that
+a busy spell of a shared machine slows all of them alike): the recurrent / chunked time ratio at T = 4096
+(target ≥ 10×), the chunked time growth from T = 1024 to 8192 (target ≤ 10× for 8× the length: linear in T),
+and the chunked path's achieved GFLOP/s (from the FLOP formula of DESIGN §6) as a fraction of this machine's
+measured fp32 matmul GFLOP/s.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from k3course.attention.chunk import kda_chunk
 from k3course.attention.recurrent import kda_recurrent
@@ -50,27 +53,31 @@ def main(options: list[str]) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5, help="each time is the best of this many calls")
+    parser.add_argument("--repeats", type=int, default=5, help="calls per round; each time is the best call")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each timing every variant in turn")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args(options)
     if args.threads:
         torch.set_num_threads(args.threads)
+    lengths, T_rec = sorted(set(args.lengths) | {args.recurrent_length}), args.recurrent_length
+    inputs = {T: kda_inputs(T, args.heads, args.dim) for T in lengths}
+    chunked, recurrent = dict.fromkeys(lengths, float("inf")), float("inf")
     with torch.no_grad():
         peak = matmul_gflops()
-        print(f"fp32 matmul (1024²): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads")
-        chunked = {}
-        for T in sorted(set(args.lengths) | {args.recurrent_length}):
-            inputs = kda_inputs(T, args.heads, args.dim)
-            chunked[T] = best_seconds(lambda: kda_chunk(*inputs, chunk_size=args.chunk_size), args.repeats)  # noqa: B023
-            achieved = args.heads * chunk_flops(T, args.dim, args.chunk_size) / chunked[T] / 1e9
-            print(f"chunked   T={T:>6}: {chunked[T] * 1e3:9.1f} ms  {achieved:6.2f} GFLOP/s "
-                  f"= {achieved / peak:.1%} of matmul")
-        T = args.recurrent_length
-        inputs = kda_inputs(T, args.heads, args.dim)
-        recurrent = best_seconds(lambda: kda_recurrent(*inputs), args.repeats)  # best-of-N, as for chunked
-        print(f"recurrent T={T:>6}: {recurrent * 1e3:9.1f} ms")
-        print(f"recurrent / chunked at T={T}: {recurrent / chunked[T]:.1f}x  (target >= 10x)")
-        short, long = min(args.lengths), max(args.lengths)
-        growth = chunked[long] / chunked[short]
-        print(f"chunked time growth T={short} -> {long} ({long // short}x longer): {growth:.1f}x (target <= 10x, 8x)")
+        for _ in tqdm(range(args.rounds), desc="rounds", leave=False):  # interleaved: a busy spell slows all alike
+            for T in lengths:
+                run = lambda: kda_chunk(*inputs[T], chunk_size=args.chunk_size)  # noqa: E731, B023
+                chunked[T] = min(chunked[T], best_seconds(run, args.repeats))
+            recurrent = min(recurrent, best_seconds(lambda: kda_recurrent(*inputs[T_rec]), args.repeats))
+    print(f"fp32 matmul (1024²): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads; chunk size {args.chunk_size}; "
+          f"best of {args.rounds} rounds x {args.repeats} calls")
+    for T in lengths:
+        achieved = args.heads * chunk_flops(T, args.dim, args.chunk_size) / chunked[T] / 1e9
+        print(f"chunked   T={T:>6}: {chunked[T] * 1e3:9.1f} ms  {achieved:6.2f} GFLOP/s "
+              f"= {achieved / peak:.1%} of matmul")
+    print(f"recurrent T={T_rec:>6}: {recurrent * 1e3:9.1f} ms")
+    print(f"recurrent / chunked at T={T_rec}: {recurrent / chunked[T_rec]:.1f}x  (target >= 10x)")
+    short, long = min(args.lengths), max(args.lengths)
+    growth = chunked[long] / chunked[short]
+    print(f"chunked time growth T={short} -> {long} ({long // short}x longer): {growth:.1f}x (target <= 10x, 8x)")
     return 0

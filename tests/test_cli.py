@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -69,8 +70,10 @@ def test_bench_kda_runs_small_and_reports_ratio_and_growth(capsys):
                "--chunk-size", "16", "--repeats", "1", "--rounds", "1"]
     assert main(["bench", "kda", *options]) == 0
     out = capsys.readouterr().out
-    assert _number_after(out, "recurrent / chunked at T=64:") > 0
-    assert _number_after(out, "growth T=64 -> 128 (2x longer):") > 0
+    assert all(_number_after(out, f"chunked   T={T:>6}:") > 0 for T in (64, 128))
+    assert _number_after(out, "recurrent T=    64:") > 0
+    for ratio in ("recurrent / chunked at T=64:", "growth T=64 -> 128 (2x longer):"):
+        assert math.isfinite(_number_after(out, ratio))  # a ratio of two timings: its size is not for a test
 
 
 def test_bench_moe_runs_small_and_its_sorted_forward_matches_the_loop(capsys):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -58,28 +57,3 @@ def test_progress_tabulates_done_not_done_and_failing(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[-2:] for line in lines[:3]] == [["not", "done"], ["99.b", "done"], ["99.c", "failing"]]
     assert lines[-1] == "1 of 3 exercises done"
-
-
-def _number_after(text: str, label: str) -> float:
-    """The number that follows ``label`` in ``text`` (e.g. 'difference from the loop 5.4e-07')."""
-    return float(text.split(label, 1)[1].split()[0].rstrip("x)"))
-
-
-def test_bench_kda_runs_small_and_reports_ratio_and_growth(capsys):
-    options = ["--lengths", "64", "128", "--recurrent-length", "64", "--heads", "1", "--dim", "8",
-               "--chunk-size", "16", "--repeats", "1", "--rounds", "1"]
-    assert main(["bench", "kda", *options]) == 0
-    out = capsys.readouterr().out
-    assert all(_number_after(out, f"chunked   T={T:>6}:") > 0 for T in (64, 128))
-    assert _number_after(out, "recurrent T=    64:") > 0
-    for ratio in ("recurrent / chunked at T=64:", "growth T=64 -> 128 (2x longer):"):
-        assert math.isfinite(_number_after(out, ratio))  # a ratio of two timings: its size is not for a test
-
-
-def test_bench_moe_runs_small_and_its_sorted_forward_matches_the_loop(capsys):
-    options = ["--m", "64", "--n", "8", "--k", "2", "--d", "16", "--latent", "8", "--d-expert", "8",
-               "--loop-tokens", "16", "--repeats", "1", "--rounds", "1"]
-    assert main(["bench", "moe", *options]) == 0
-    out = capsys.readouterr().out
-    assert _number_after(out, "max rel. difference from the loop") < 1e-5
-    assert _number_after(out, "takes") > 0

@@ -308,7 +308,7 @@ def test_bench_runs_small(capsys):
     from k3course.bench.moe import main
 
     options = ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--d-expert", "16",
-               "--repeats", "1", "--loop-tokens", "8"]
+               "--repeats", "1", "--rounds", "1", "--loop-tokens", "8"]
     assert main(options) == 0
     out = capsys.readouterr().out
     assert "faster than the per-token loop" in out and "dense FFN's time" in out

@@ -35,7 +35,7 @@ def unsort(rows_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"rows_sorted has {rows_sorted.shape[0]} rows but order has {order.shape[0]} entries")
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return rows_sorted[inverse]
+    return rows_sorted.index_select(0, inverse)  # index_select: several times faster than [inverse] on CPU
 
 
 def _grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -95,7 +95,7 @@ class MoE(nn.Module):
         """E_{idx_ti}(z_t) for every token-slot, by sort-based dispatch. z [m, w] -> [m, k, w]."""
         m, k = expert_idx.shape
         order, group_offsets = sort_by_expert(expert_idx, self.n_routed)  # [m k], [n]
-        z_sorted = z[order // k]  # [m k, w]: row r is the token of slot order[r]
+        z_sorted = z.index_select(0, order // k)  # [m k, w]: row r is the token of slot order[r]
         out_sorted = self.experts(z_sorted, group_offsets)  # [m k, w]
         return unsort(out_sorted, order).view(m, k, -1)  # back in token order
 

@@ -304,11 +304,13 @@ def test_k3_dispatch_bytes_equal_k2s():
     assert full - latent == 2 * 16 * 3 * 3072 * 3584 - 2 * 2 * 7168 * 3584
 
 
-def test_bench_runs_small(capsys):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_runs_small(capsys, dtype):
     from k3course.bench.moe import main
 
     options = ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--d-expert", "16",
-               "--repeats", "1", "--rounds", "1", "--loop-tokens", "8"]
+               "--repeats", "1", "--rounds", "1", "--loop-tokens", "8", "--dtype", dtype]
     assert main(options) == 0
     out = capsys.readouterr().out
+    assert f"{dtype}, backend=auto" in out
     assert "faster than the per-token loop" in out and "dense FFN's time" in out

@@ -1,6 +1,6 @@
 """``k3course bench moe``: the sort-based latent MoE forward vs a per-token loop and vs a dense FFN.
 
-Defaults: m = 4096 tokens, n = 64 experts, k = 4, d = 256, ℓ = 128, expert width 128, fp32, no grad.
+Defaults: m = 4096 tokens, n = 64 experts, k = 4, d = 256, ℓ = 128, expert width 128, fp32 (``--dtype``), no grad.
 The dense FFN is a GLU at width d whose hidden size gives the same active FLOPs per token as the MoE
 (router + W↓ + W↑ + k experts). Times are the best over ``--rounds`` rounds of ``--repeats`` calls, the
 variants taking turns (robust to other processes on a shared machine); the ratios are what to read.
@@ -11,6 +11,9 @@ The two ratios are tied: the MoE does the dense FFN's FLOPs plus routing and dat
 the dense FFN, and its speed-up over the loop is at most loop / dense. On a 2-core CPU the loop costs about
 0.2 ms a token (some 55 small torch calls, each paying dispatch overhead) and the dense FFN about 16 ms for
 4096 tokens, which caps the speed-up near 50x: 50x over the loop means matching the dense FFN exactly.
+``--dtype bfloat16`` shows the other side: on a CPU with AVX512-BF16 the GEMMs run 4x faster, the loop does not
+(it is overhead), so the MoE beats the loop by >100x, but its routing and data movement, unchanged, are then
+several times the dense FFN's whole time.
 """
 
 from __future__ import annotations
@@ -57,22 +60,23 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
     parser.add_argument("--loop-tokens", type=int, default=512,
                         help="tokens the per-token loop runs on (its time is scaled to m)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and tokens")
     parser.add_argument("--backend", default="auto", choices=["auto", "loop", "torch"], help="grouped_mm backend")
     return parser.parse_args(options)
 
 
 def main(options: list[str]) -> int:
     args = _options(options)
-    device = default_device()
+    device, dtype = default_device(), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     layer = LatentMoE(args.d, args.n, args.k, d_expert=args.d_expert, d_latent=args.latent, generator=generator,
-                      backend=args.backend).to(device).eval()
+                      backend=args.backend).to(device, dtype).eval()
     flops = moe_flops_per_token(args.d, args.n, args.k, args.d_expert, args.latent)
     dense_hidden = round(flops / (6 * args.d))
-    dense = GLUFFN(args.d, dense_hidden, generator=generator).to(device).eval()
-    x = torch.randn(args.m, args.d, generator=generator).to(device)
+    dense = GLUFFN(args.d, dense_hidden, generator=generator).to(device, dtype).eval()
+    x = torch.randn(args.m, args.d, generator=generator).to(device, dtype)
     loop_tokens = min(args.loop_tokens, args.m)
     with torch.no_grad():
         sorted_out = layer(x)
@@ -87,7 +91,7 @@ def main(options: list[str]) -> int:
     params, x_np = layer.reference_params(), x[:loop_tokens].cpu().double().numpy()
     t_numpy = best_seconds(lambda: reference.moe_forward(x_np, params, args.k), 1, device) * args.m / loop_tokens
     print(f"latent MoE forward on {device.type}: m={args.m} n={args.n} k={args.k} d={args.d} "
-          f"latent={args.latent} d_expert={args.d_expert}, fp32, backend={args.backend}, "
+          f"latent={args.latent} d_expert={args.d_expert}, {args.dtype}, backend={args.backend}, "
           f"{torch.get_num_threads()} CPU thread(s)")
     print(f"active FLOPs per token {flops / 1e6:.3f} M; dense GLU FFN hidden {dense_hidden} has the same")
     print(f"per-token loop  {t_loop * 1e3:10.1f} ms  (timed on {loop_tokens} tokens, scaled to {args.m})")

@@ -40,14 +40,20 @@ def _dot(a, b, LOW_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _tile(b, h, T, H, rows, cols, width):
+    """Offsets and mask of the tile rows × cols of a [B, T, H, width] tensor (row = time index, column = channel
+    or position in the chunk) for batch b, head h: rows past T and columns past width are masked."""
+    offsets = ((b * T + rows[:, None]) * H + h) * width + cols[None, :]
+    return offsets, (rows[:, None] < T) & (cols[None, :] < width)
+
+
+@triton.jit
 def _chunk_cumsum_kernel(g_ptr, out_ptr, T, H, K, BT: tl.constexpr, BK: tl.constexpr):
     """One program per (chunk, batch·head): out[t] = Σ_{s in chunk, s ≤ t} g[s], in fp32."""
     chunk, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows = chunk * BT + tl.arange(0, BT)  # [BT] time indices of this chunk
-    cols = tl.arange(0, BK)  # [BK] channels
-    offsets = ((b * T + rows[:, None]) * H + h) * K + cols[None, :]  # [BT, BK], layout [B, T, H, K]
-    mask = (rows[:, None] < T) & (cols[None, :] < K)
+    offsets, mask = _tile(b, h, T, H, rows, tl.arange(0, BK), K)  # [BT, BK] of the [B, T, H, K] layout
     g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offsets, tl.cumsum(g, axis=0), mask=mask)
 
@@ -86,8 +92,7 @@ def _intra_chunk_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, scale,
     local = tl.arange(0, BC)
     for a in tl.static_range(NC):
         rows_a = t0 + a * BC + local  # [BC]
-        mask_a = (rows_a[:, None] < T) & (cols[None, :] < K)
-        offs_a = ((b * T + rows_a[:, None]) * H + h) * K + cols[None, :]
+        offs_a, mask_a = _tile(b, h, T, H, rows_a, cols, K)
         q_a = tl.load(q_ptr + offs_a, mask=mask_a, other=0.0).to(tl.float32)
         k_a = tl.load(k_ptr + offs_a, mask=mask_a, other=0.0).to(tl.float32)
         g_a = tl.load(gc_ptr + offs_a, mask=mask_a, other=0.0)
@@ -97,8 +102,7 @@ def _intra_chunk_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, scale,
         decay_a = tl.exp(tl.where(mask_a, g_a - g_ref[None, :], float("-inf")))  # [BC, BK], entries ≤ 1
         for c in tl.static_range(a):
             rows_c = t0 + c * BC + local
-            mask_c = (rows_c[:, None] < T) & (cols[None, :] < K)
-            offs_c = ((b * T + rows_c[:, None]) * H + h) * K + cols[None, :]
+            offs_c, mask_c = _tile(b, h, T, H, rows_c, cols, K)
             k_c = tl.load(k_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
             g_c = tl.load(gc_ptr + offs_c, mask=mask_c, other=0.0)
             exponent = tl.where(mask_c & (ref_row < T), g_ref[None, :] - g_c, float("-inf"))  # ≤ 0
@@ -128,8 +132,8 @@ def _intra_chunk_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, scale,
 @triton.jit
 def _store_tile(ptr, tile, b, h, T, H, rows, cols, BT: tl.constexpr):
     """Store a tile of a [B, T, H, BT] matrix: row = time index, column = position inside the chunk."""
-    offsets = ((b * T + rows[:, None]) * H + h) * BT + cols[None, :]
-    tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=rows[:, None] < T)
+    offsets, mask = _tile(b, h, T, H, rows, cols, BT)
+    tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -144,25 +148,21 @@ def _wy_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, T, H, K, V
     b, h = bh // H, bh % H
     rows = chunk * BT + tl.arange(0, BT)
     local = tl.arange(0, BT)
-    row_ok = rows < T
     inverse = (local[:, None] == local[None, :]).to(tl.float32)  # starts as I; row r is replaced at step r
     for r in range(1, BT):
         row = chunk * BT + r
         a_r = tl.load(akk_ptr + ((b * T + row) * H + h) * BT + local, mask=row < T, other=0.0)  # [BT] row r of A
         x_r = tl.where(local == r, 1.0, 0.0) - tl.sum(a_r[:, None] * inverse, axis=0)  # A is 0 from column r on
         inverse = tl.where(local[:, None] == r, x_r[None, :], inverse)
-    beta = tl.load(beta_ptr + (b * T + rows) * H + h, mask=row_ok, other=0.0).to(tl.float32)
-    cols = tl.arange(0, BK)
-    mask_k = row_ok[:, None] & (cols[None, :] < K)
-    k_offsets = ((b * T + rows[:, None]) * H + h) * K + cols[None, :]
+    beta = tl.load(beta_ptr + (b * T + rows) * H + h, mask=rows < T, other=0.0).to(tl.float32)
+    k_offsets, mask_k = _tile(b, h, T, H, rows, tl.arange(0, BK), K)
     k = tl.load(k_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
     gc = tl.load(gc_ptr + k_offsets, mask=mask_k, other=0.0)
     w = _dot(inverse, k * tl.exp(gc) * beta[:, None], LOW_PRECISION)
     tl.store(w_ptr + k_offsets, w.to(w_ptr.dtype.element_ty), mask=mask_k)
     for v0 in range(0, V, BV):
         cols_v = v0 + tl.arange(0, BV)
-        mask_v = row_ok[:, None] & (cols_v[None, :] < V)
-        v_offsets = ((b * T + rows[:, None]) * H + h) * V + cols_v[None, :]
+        v_offsets, mask_v = _tile(b, h, T, H, rows, cols_v, V)
         v = tl.load(v_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
         u = _dot(inverse, v * beta[:, None], LOW_PRECISION)
         tl.store(u_ptr + v_offsets, u.to(u_ptr.dtype.element_ty), mask=mask_v)
@@ -190,10 +190,8 @@ def _state_kernel(k_ptr, gc_ptr, w_ptr, u_ptr, h_ptr, vnew_ptr, h0_ptr, ht_ptr, 
         tl.store(h_ptr + ((b * NT + chunk) * H + h) * K * V + state_offsets, state.to(h_ptr.dtype.element_ty),
                  mask=state_mask)
         rows = chunk * BT + tl.arange(0, BT)
-        mask_k = (rows[:, None] < T) & (cols_k[None, :] < K)
-        mask_v = (rows[:, None] < T) & (cols_v[None, :] < V)
-        k_offsets = ((b * T + rows[:, None]) * H + h) * K + cols_k[None, :]
-        v_offsets = ((b * T + rows[:, None]) * H + h) * V + cols_v[None, :]
+        k_offsets, mask_k = _tile(b, h, T, H, rows, cols_k, K)
+        v_offsets, mask_v = _tile(b, h, T, H, rows, cols_v, V)
         w = tl.load(w_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
         v_new = u - _dot(w, state, LOW_PRECISION)  # [BT, BV]
@@ -217,18 +215,16 @@ def _output_kernel(q_ptr, gc_ptr, h_ptr, vnew_ptr, aqk_ptr, o_ptr, scale, T, H, 
     rows = chunk * BT + tl.arange(0, BT)
     cols_k = tl.arange(0, BK)
     cols_v = v_block * BV + tl.arange(0, BV)
-    mask_k = (rows[:, None] < T) & (cols_k[None, :] < K)
-    mask_v = (rows[:, None] < T) & (cols_v[None, :] < V)
-    k_offsets = ((b * T + rows[:, None]) * H + h) * K + cols_k[None, :]
-    v_offsets = ((b * T + rows[:, None]) * H + h) * V + cols_v[None, :]
+    k_offsets, mask_k = _tile(b, h, T, H, rows, cols_k, K)
+    v_offsets, mask_v = _tile(b, h, T, H, rows, cols_v, V)
     q = tl.load(q_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
     gc = tl.load(gc_ptr + k_offsets, mask=mask_k, other=0.0)
     state_offsets = ((b * NT + chunk) * H + h) * K * V + cols_k[:, None] * V + cols_v[None, :]
     state = tl.load(h_ptr + state_offsets, mask=(cols_k[:, None] < K) & (cols_v[None, :] < V),
                     other=0.0).to(tl.float32)
     local = tl.arange(0, BT)
-    aqk = tl.load(aqk_ptr + ((b * T + rows[:, None]) * H + h) * BT + local[None, :], mask=rows[:, None] < T,
-                  other=0.0).to(tl.float32)
+    aqk_offsets, aqk_mask = _tile(b, h, T, H, rows, local, BT)
+    aqk = tl.load(aqk_ptr + aqk_offsets, mask=aqk_mask, other=0.0).to(tl.float32)
     v_new = tl.load(vnew_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
     out = _dot(q * tl.exp(gc) * scale, state, LOW_PRECISION) + _dot(aqk, v_new, LOW_PRECISION)
     tl.store(o_ptr + v_offsets, out.to(o_ptr.dtype.element_ty), mask=mask_v)

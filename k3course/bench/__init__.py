@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 
 def best_seconds(fn, repeats: int = 5, device: torch.device | str | None = None) -> float:
@@ -24,3 +25,16 @@ def best_seconds(fn, repeats: int = 5, device: torch.device | str | None = None)
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def interleaved_best_seconds(calls: dict, rounds: int = 3, device: torch.device | str | None = None) -> dict:
+    """The best time of each call over ``rounds`` rounds in which the calls take turns, so that a busy spell of a
+    shared machine slows all of them alike rather than whichever ran during it.
+
+    calls: name -> (fn, calls per round). Returns name -> seconds (see :func:`best_seconds`).
+    """
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in tqdm(range(rounds), desc="rounds", leave=False):
+        for name, (fn, repeats) in calls.items():
+            best[name] = min(best[name], best_seconds(fn, repeats, device))
+    return best

@@ -13,11 +13,10 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from k3course.attention.chunk import kda_chunk
 from k3course.attention.recurrent import kda_recurrent
-from k3course.bench import best_seconds
+from k3course.bench import best_seconds, interleaved_best_seconds
 
 
 def chunk_flops(T: int, d: int, chunk_size: int) -> float:
@@ -61,14 +60,12 @@ def main(options: list[str]) -> int:
         torch.set_num_threads(args.threads)
     lengths, T_rec = sorted(set(args.lengths) | {args.recurrent_length}), args.recurrent_length
     inputs = {T: kda_inputs(T, args.heads, args.dim) for T in lengths}
-    chunked, recurrent = dict.fromkeys(lengths, float("inf")), float("inf")
+    calls = {T: (lambda T=T: kda_chunk(*inputs[T], chunk_size=args.chunk_size), args.repeats) for T in lengths}
+    calls["recurrent"] = (lambda: kda_recurrent(*inputs[T_rec]), args.repeats)
     with torch.no_grad():
         peak = matmul_gflops()
-        for _ in tqdm(range(args.rounds), desc="rounds", leave=False):  # interleaved: a busy spell slows all alike
-            for T in lengths:
-                run = lambda: kda_chunk(*inputs[T], chunk_size=args.chunk_size)  # noqa: E731, B023
-                chunked[T] = min(chunked[T], best_seconds(run, args.repeats))
-            recurrent = min(recurrent, best_seconds(lambda: kda_recurrent(*inputs[T_rec]), args.repeats))
+        chunked = interleaved_best_seconds(calls, args.rounds)
+    recurrent = chunked.pop("recurrent")
     print(f"fp32 matmul (1024²): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads; chunk size {args.chunk_size}; "
           f"best of {args.rounds} rounds x {args.repeats} calls")
     for T in lengths:

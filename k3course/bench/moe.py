@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from k3course.bench import best_seconds
+from k3course.bench import best_seconds, interleaved_best_seconds
 from k3course.device import default_device
 from k3course.moe import GLUFFN, LatentMoE
 from k3course.moe.latent import moe_flops_per_token, rms_norm
@@ -82,12 +82,11 @@ def main(options: list[str]) -> int:
         sorted_out = layer(x)
         loop_out = per_token_loop(layer, x[:loop_tokens])
         error = float((loop_out - sorted_out[:loop_tokens]).abs().max() / sorted_out.abs().max())
-        t_sorted, t_dense, t_loop = float("inf"), float("inf"), float("inf")
-        for _ in range(args.rounds):  # interleaved, so that a busy spell of the machine slows all three alike
-            t_sorted = min(t_sorted, best_seconds(lambda: layer(x), args.repeats, device))
-            t_dense = min(t_dense, best_seconds(lambda: dense(x), args.repeats, device))
-            t_loop = min(t_loop, best_seconds(lambda: per_token_loop(layer, x[:loop_tokens]), 1, device))
-    t_loop *= args.m / loop_tokens
+        times = interleaved_best_seconds({"sorted": (lambda: layer(x), args.repeats),
+                                          "dense": (lambda: dense(x), args.repeats),
+                                          "loop": (lambda: per_token_loop(layer, x[:loop_tokens]), 1)},
+                                         args.rounds, device)
+    t_sorted, t_dense, t_loop = times["sorted"], times["dense"], times["loop"] * args.m / loop_tokens
     params, x_np = layer.reference_params(), x[:loop_tokens].cpu().double().numpy()
     t_numpy = best_seconds(lambda: reference.moe_forward(x_np, params, args.k), 1, device) * args.m / loop_tokens
     print(f"latent MoE forward on {device.type}: m={args.m} n={args.n} k={args.k} d={args.d} "

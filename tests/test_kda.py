@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3course import debug
 from k3course.attention import gdn_chunk, gdn_recurrent, gla_chunk, gla_recurrent, kda_chunk, kda_recurrent
 from k3course.attention.chunk import decayed_scores, factored_scores, kda_chunk_step, ut_transform
 from k3course.reference import linear_attention as ref
@@ -185,21 +186,28 @@ def test_bad_inputs_get_clear_errors(op):
         op(q, k, v, g, beta.transpose(1, 2))  # heads-first layout
     with pytest.raises(ValueError, match=r"v must be \[B, T, H, V\]"):
         op(q, k, v.transpose(1, 2), g, beta)
-    with pytest.raises(ValueError, match="g is the log-decay"):
-        op(q, k, v, g.abs() + 0.1, beta)
-    with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
-        op(q, k, v, g, beta + 1.5)
-    op(q, k, v, g, beta * 2, allow_neg_eigval=True)  # β ∈ [0, 2] is allowed when asked for
-    with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\]"):
-        op(q, k, v, g, beta + 2.5, allow_neg_eigval=True)
     with pytest.raises(TypeError, match="v has dtype torch.float64"):
         op(q, k, v.double(), g, beta)
-    with pytest.raises(ValueError, match="q contains NaN"):
-        op(q.masked_fill(q > 2, float("nan")), k, v, g, beta)
     with pytest.raises(ValueError, match=r"initial_state must be \[B, H, K, V\]"):
         op(q, k, v, g, beta, initial_state=s0[:, :1])
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         op(q.numpy(), k, v, g, beta)
+
+
+@pytest.mark.parametrize("op", [kda_recurrent, kda_chunk])
+def test_bad_values_get_clear_errors_under_the_debug_switch(op):
+    q, k, v, g, beta, _ = inputs(10, seed=14)
+    op(q, k, v, g.abs() + 0.1, beta)  # value checks are off in the hot path: no host read, no error
+    with debug.value_checks():
+        with pytest.raises(ValueError, match="g is the log-decay"):
+            op(q, k, v, g.abs() + 0.1, beta)
+        with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
+            op(q, k, v, g, beta + 1.5)
+        op(q, k, v, g, beta * 2, allow_neg_eigval=True)  # β ∈ [0, 2] is allowed when asked for
+        with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\]"):
+            op(q, k, v, g, beta + 2.5, allow_neg_eigval=True)
+        with pytest.raises(ValueError, match="q contains NaN"):
+            op(q.masked_fill(q > 2, float("nan")), k, v, g, beta)
 
 
 def test_non_contiguous_inputs_are_accepted():

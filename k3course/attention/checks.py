@@ -4,13 +4,17 @@ Layouts (fla, DESIGN §5): q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; log-decay 
 or ``[B, T, H, K]`` (channel gate), already activated, so g ≤ 0; beta ``[B, T, H]`` after the sigmoid, in
 [0, 1] (or [0, 2] with negative eigenvalues allowed); initial state ``[B, H, K, V]``.
 
-Documented handling: non-contiguous tensors are accepted (the ops only reshape copies); every tensor must
+Value checks (NaN or inf, g > 0, beta out of range) read values back to the host, so they run only under
+the debug switch (:func:`k3course.debug.value_checks` or ``K3COURSE_DEBUG=1``); shape, dtype and device checks
+always run. Documented handling: non-contiguous tensors are accepted (the ops only reshape copies); every tensor must
 share one floating dtype and one device, otherwise a ``TypeError`` / ``ValueError`` names the argument.
 """
 
 from __future__ import annotations
 
 import torch
+
+from k3course import debug
 
 
 def _require_tensor(name: str, x) -> None:
@@ -44,13 +48,25 @@ def _check_shapes(q, k, v, g, beta, gate: str, initial_state) -> None:
                          f"got {tuple(initial_state.shape)}")
 
 
+def _check_values(named: dict, g, beta, allow_neg_eigval: bool) -> None:
+    """The checks that read values (host syncs): finite inputs, g ≤ 0, beta in [0, 1] (or [0, 2])."""
+    for name, x in named.items():
+        _require_finite(name, x)
+    if g is not None and (g > 0).any():
+        raise ValueError("g is the log-decay log(α) and must be ≤ 0 everywhere (got a positive entry)")
+    upper = 2.0 if allow_neg_eigval else 1.0
+    if beta is not None and ((beta < 0).any() or (beta > upper).any()):
+        raise ValueError(f"beta must lie in [0, {upper:g}] (after the sigmoid"
+                         f"{', ×2 with negative eigenvalues' if allow_neg_eigval else ''})")
+
+
 def validate(q, k, v, g=None, beta=None, *, gate: str = "channel", scale=None, initial_state=None,
              allow_neg_eigval: bool = False) -> float:
     """Check the inputs of a linear-attention op and return the scale to use (default ``K ** -0.5``).
 
     gate: ``"channel"`` (g ``[B, T, H, K]``, KDA/GLA) or ``"scalar"`` (g ``[B, T, H]``, GDN).
-    Raises ``TypeError`` (not a tensor, not floating, mixed dtypes) or ``ValueError`` (shapes, device, NaN,
-    g > 0, beta out of range, scale ≤ 0), naming the argument and what was expected.
+    Raises ``TypeError`` (not a tensor, not floating, mixed dtypes) or ``ValueError`` (shapes, device, scale ≤ 0;
+    under the debug switch also NaN, g > 0, beta out of range), naming the argument and what was expected.
     """
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
     named = {name: x for name, x in named.items() if x is not None}
@@ -64,14 +80,8 @@ def validate(q, k, v, g=None, beta=None, *, gate: str = "channel", scale=None, i
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}: put all inputs on one device")
     _check_shapes(q, k, v, g, beta, gate, initial_state)
-    for name, x in named.items():
-        _require_finite(name, x)
-    if g is not None and (g > 0).any():
-        raise ValueError("g is the log-decay log(α) and must be ≤ 0 everywhere (got a positive entry)")
-    upper = 2.0 if allow_neg_eigval else 1.0
-    if beta is not None and ((beta < 0).any() or (beta > upper).any()):
-        raise ValueError(f"beta must lie in [0, {upper:g}] (after the sigmoid"
-                         f"{', ×2 with negative eigenvalues' if allow_neg_eigval else ''})")
+    if debug.enabled():
+        _check_values(named, g, beta, allow_neg_eigval)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not isinstance(scale, int | float) or not scale > 0:
         raise ValueError(f"scale must be a positive number, got {scale!r}")

@@ -55,7 +55,7 @@ def test_kda_layer_forced_triton_matches_forced_torch(monkeypatch, triton_calls)
     y_triton, state_triton = layer(x)
     assert triton_calls["kda"] == 1
     torch.testing.assert_close(y_triton, y_torch, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(state_triton.recurrent, state_torch.recurrent, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state_triton.state, state_torch.state, rtol=1e-4, atol=1e-5)
 
 
 def test_kda_layer_triton_decodes_token_by_token(monkeypatch, triton_calls):

@@ -19,7 +19,7 @@ from k3course.data import IGNORE, mqar
 
 LAYERS = [
     (KimiDeltaAttention, {}),
-    (KimiDeltaAttention, {"lower_bound": None, "full_rank_output_gate": True}),
+    (KimiDeltaAttention, {"lower_bound": None, "output_gate": "low_rank"}),
     (KimiDeltaAttention, {"mode": "recurrent"}),
     (KimiDeltaAttention, {"allow_neg_eigval": True}),
     (GatedDeltaNet, {}),
@@ -39,7 +39,7 @@ def test_token_by_token_decoding_equals_full_forward(cls, kwargs):
         y_t, state = layer(x[:, t:t + 1], state)
         pieces.append(y_t)
     assert_close(torch.cat(pieces, 1).detach(), y_full.detach(), 1e-5, "decoded outputs")
-    assert_close(state.recurrent, state_full.recurrent, 1e-5, "recurrent state")
+    assert_close(state.state, state_full.state, 1e-5, "recurrent state")
     y_a, state_a = layer(x[:, :20])  # prefill then continue with a longer piece
     y_b, _ = layer(x[:, 20:], state_a)
     assert_close(torch.cat([y_a, y_b], 1).detach(), y_full.detach(), 1e-5, "prefill + continue")
@@ -90,7 +90,7 @@ def test_parallel_form_matches_recurrence_and_softmax_attention_is_causal():
 def test_layer_rejects_bad_mode_and_shape():
     with pytest.raises(ValueError, match="mode must be"):
         KimiDeltaAttention(8, 1, 8, mode="fast")
-    with pytest.raises(ValueError, match=r"x must be \[B, T, d_model\]"):
+    with pytest.raises(ValueError, match=r"x must be \[B, T, d_model=8\]"):
         KimiDeltaAttention(8, 1, 8)(torch.randn(3, 8))
 
 

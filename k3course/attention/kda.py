@@ -3,15 +3,19 @@
 DESIGN §6, per head: q, k = L2Norm(SiLU(ShortConv4(W x))); v = SiLU(ShortConv4(W_v x)); β = σ(W_β x);
 a forget gate g ≤ 0; o = op(q, k, v, g, β); y = W_o[σ(gate(x)) ⊙ RMSNorm_head(o)].
 
-``forward(x, state=None)`` returns ``(y, state)``: the state holds the last ``conv_size − 1`` inputs of each
-short convolution and the recurrent state ``[B, H, K, V]``, so feeding a sequence in pieces (down to one token
-at a time) gives the same outputs as feeding it whole.
+``forward(x, cache=None)`` returns ``(y, cache)``: a :class:`KDACache` holding the last ``conv_size − 1`` inputs
+of each short convolution and the fp32 recurrent state ``[B, H, K, V]``, so feeding a sequence in pieces (down to
+one token at a time) gives the same outputs as feeding it whole. A given cache is updated in place and returned.
+
+Path: ``mode="auto"`` runs the chunked op in training and for more than ``chunk_size`` tokens (prefill), and the
+recurrent step otherwise (decoding one token is one step, not a chunk padded to 64), as fla's layers do;
+``"chunk"`` and ``"recurrent"`` force one. Both give the same numbers.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,15 +26,32 @@ from k3course.attention.recurrent import gdn_recurrent, gla_recurrent, kda_recur
 from k3course.norm import rms_norm
 
 KDA_LOWER_BOUND = -5.0  # K3's bounded forget gate: g ∈ (−5, 0), so α ∈ (e^-5, 1)
+MODES = ("auto", "chunk", "recurrent")
+OUTPUT_GATES = ("full", "low_rank")  # K3: full rank; Kimi Linear: low rank
 
 
-class MixerState(NamedTuple):
-    """What a layer carries between calls: conv tails ``[B, conv_size − 1, channels]`` and ``[B, H, K, V]``."""
+@dataclass
+class KDACache:
+    """What a KDA / GDN / decayed-linear-attention layer carries between calls, for a batch of B sequences.
+
+    conv_q, conv_k ``[B, conv_size − 1, H·K]``, conv_v ``[B, conv_size − 1, H·V]``: the last inputs of the short
+    convolutions, in the activation dtype; state ``[B, H, K, V]``: the recurrent memory S, always float32 (as in
+    fla), whatever the activations' dtype; length: tokens seen. Its size does not depend on the length.
+    """
 
     conv_q: torch.Tensor
     conv_k: torch.Tensor
     conv_v: torch.Tensor
-    recurrent: torch.Tensor
+    state: torch.Tensor
+    length: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.state.shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes held: the fp32 state plus the three conv tails (all of it is in use, at any length)."""
+        return sum(t.numel() * t.element_size() for t in (self.conv_q, self.conv_k, self.conv_v, self.state))
 
 
 def short_conv(x, weight, cache=None):
@@ -84,28 +105,63 @@ class ShortConv(nn.Module):
 
 
 class _GatedMixer(nn.Module):
-    """Shared body of the three layers; subclasses define the forget gate and which op mixes the tokens."""
+    """Shared body of the three layers; subclasses define the forget gate and which ops mix the tokens.
+
+    d_model, n_heads, head_dim (K = V); conv_size (4); output_gate "full" (K3: d → H·V) or "low_rank" (Kimi
+    Linear: d → V → H·V, the second map with a bias, as in fla); norm_eps; mode "auto" | "chunk" | "recurrent";
+    chunk_size (16, 32 or 64); allow_neg_eigval (β ∈ (0, 2)).
+    """
 
     uses_beta = True
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int, conv_size: int = 4,
-                 full_rank_output_gate: bool = False, norm_eps: float = 1e-6, mode: str = "chunk",
-                 chunk_size: int = 64, allow_neg_eigval: bool = False):
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, conv_size: int = 4, output_gate: str = "full",
+                 norm_eps: float = 1e-6, mode: str = "auto", chunk_size: int = 64, allow_neg_eigval: bool = False):
         super().__init__()
-        if mode not in ("chunk", "recurrent"):
-            raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
-        self.n_heads, self.head_dim, self.mode, self.chunk_size = n_heads, head_dim, mode, chunk_size
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim),
+                            ("conv_size", conv_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if output_gate not in OUTPUT_GATES:
+            raise ValueError(f"output_gate must be one of {OUTPUT_GATES}, got {output_gate!r}")
+        self.d_model, self.n_heads, self.head_dim, self.conv_size = d_model, n_heads, head_dim, conv_size
+        self.mode, self.chunk_size = mode, chunk_size
         self.norm_eps, self.allow_neg_eigval = norm_eps, allow_neg_eigval
         width = n_heads * head_dim
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d_model, width, bias=False) for _ in range(3))
         self.q_conv, self.k_conv, self.v_conv = (ShortConv(width, conv_size) for _ in range(3))
         self.b_proj = nn.Linear(d_model, n_heads, bias=False) if self.uses_beta else None
-        if full_rank_output_gate:  # K3
+        if output_gate == "full":
             self.gate_proj = nn.Linear(d_model, width, bias=False)
-        else:  # Kimi Linear: low rank, d -> head_dim -> H·V
+        else:
             self.gate_proj = nn.Sequential(nn.Linear(d_model, head_dim, bias=False), nn.Linear(head_dim, width))
         self.o_norm_weight = nn.Parameter(torch.ones(head_dim))
         self.o_proj = nn.Linear(width, d_model, bias=False)
+
+    @classmethod
+    def from_config(cls, cfg, **overrides):
+        """The layer a :class:`k3course.config.K3Config` describes (its kda_* fields); ``overrides`` win."""
+        sizes = dict(d_model=cfg.d_model, n_heads=cfg.kda_n_heads, head_dim=cfg.kda_head_dim,
+                     conv_size=cfg.kda_conv_size, output_gate=cfg.kda_output_gate, **cls._config_fields(cfg))
+        return cls(**{**sizes, **overrides})
+
+    @staticmethod
+    def _config_fields(cfg) -> dict:
+        return {}
+
+    def new_cache(self, batch: int, max_len: int | None = None, device=None, dtype=None) -> KDACache:
+        """An empty cache for ``batch`` sequences (zero conv tails, zero fp32 state). ``max_len`` is accepted for
+        the common layer interface and unused: the cache does not grow. dtype: the activations' (default: the
+        layer's parameters')."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        weight = self.q_proj.weight
+        device, dtype = device or weight.device, dtype or weight.dtype
+        width, tail = self.n_heads * self.head_dim, self.conv_size - 1
+        conv = lambda: torch.zeros(batch, tail, width, device=device, dtype=dtype)
+        state = torch.zeros(batch, self.n_heads, self.head_dim, self.head_dim, device=device, dtype=torch.float32)
+        return KDACache(conv(), conv(), conv(), state)
 
     def _heads(self, x):
         return x.unflatten(-1, (self.n_heads, self.head_dim))  # [B, T, H·D] -> [B, T, H, D]
@@ -113,63 +169,98 @@ class _GatedMixer(nn.Module):
     def log_decay(self, x):
         raise NotImplementedError
 
-    def mix(self, q, k, v, g, beta, initial_state):
-        """The one place the layer calls its op: ``(o [B, T, H, V], final_state [B, H, K, V])``."""
+    def mix(self, q, k, v, g, beta, initial_state, chunked: bool):
+        """The one place the layer calls its op: ``(o [B, T, H, V], final_state [B, H, K, V] fp32)``."""
         raise NotImplementedError
 
-    def forward(self, x, state: MixerState | None = None):
-        """x ``[B, T, d_model]`` -> ``(y [B, T, d_model], MixerState)``; ``state`` continues a sequence."""
-        if x.dim() != 3:
-            raise ValueError(f"x must be [B, T, d_model], got shape {tuple(x.shape)}")
-        q, conv_q = self.q_conv(self.q_proj(x), None if state is None else state.conv_q)
-        k, conv_k = self.k_conv(self.k_proj(x), None if state is None else state.conv_k)
-        v, conv_v = self.v_conv(self.v_proj(x), None if state is None else state.conv_v)
+    def uses_chunked_op(self, n_tokens: int) -> bool:
+        """The path rule: chunked in training or for more than ``chunk_size`` tokens (mode "auto")."""
+        if self.mode != "auto":
+            return self.mode == "chunk"
+        return self.training or n_tokens > self.chunk_size
+
+    def _check_inputs(self, x, cache: KDACache | None) -> None:
+        """Shapes, dtypes and the cache's batch: metadata only, no host read."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be [B, T, d_model={self.d_model}], got {shape}")
+        if x.shape[1] == 0:
+            raise ValueError("x must hold at least one token (T ≥ 1), got T = 0")
+        if cache is None:
+            return
+        if not isinstance(cache, KDACache):
+            raise TypeError(f"cache must be a KDACache (from new_cache) or None, got {type(cache).__name__}")
+        want = (x.shape[0], self.n_heads, self.head_dim, self.head_dim)
+        if tuple(cache.state.shape) != want or cache.conv_q.shape[1] != self.conv_size - 1:
+            raise ValueError(f"cache does not match this layer and batch: expected state {list(want)} "
+                             f"(B = {x.shape[0]}), got {list(cache.state.shape)}")
+        if cache.state.dtype != torch.float32 or cache.conv_q.dtype != x.dtype:
+            raise ValueError(f"cache has conv tails in {cache.conv_q.dtype} and state in {cache.state.dtype}; "
+                             f"expected {x.dtype} (the dtype of x) and torch.float32")
+
+    def forward(self, x, cache: KDACache | None = None):
+        """x ``[B, T, d_model]`` -> ``(y [B, T, d_model], KDACache)``; a given ``cache`` continues its sequences
+        and is updated in place."""
+        self._check_inputs(x, cache)
+        q, conv_q = self.q_conv(self.q_proj(x), None if cache is None else cache.conv_q)
+        k, conv_k = self.k_conv(self.k_proj(x), None if cache is None else cache.conv_k)
+        v, conv_v = self.v_conv(self.v_proj(x), None if cache is None else cache.conv_v)
         q, k = F.normalize(self._heads(q), dim=-1), F.normalize(self._heads(k), dim=-1)
         beta = None
         if self.uses_beta:
             beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
             if self.allow_neg_eigval:
                 beta = 2 * beta  # β ∈ (0, 2): I − β k kᵀ may then flip the sign along k
-        o, recurrent = self.mix(q, k, self._heads(v), self.log_decay(x), beta,
-                                None if state is None else state.recurrent)
+        o, state = self.mix(q, k, self._heads(v), self.log_decay(x), beta,
+                            None if cache is None else cache.state, self.uses_chunked_op(x.shape[1]))
         o = rms_norm(o, self.o_norm_weight, self.norm_eps).flatten(-2)  # [B, T, H·V]
         y = self.o_proj(torch.sigmoid(self.gate_proj(x)) * o)
-        return y, MixerState(conv_q, conv_k, conv_v, recurrent)
+        if cache is None:
+            return y, KDACache(conv_q, conv_k, conv_v, state, x.shape[1])
+        cache.conv_q, cache.conv_k, cache.conv_v, cache.state = conv_q, conv_k, conv_v, state
+        cache.length += x.shape[1]
+        return y, cache
 
 
 class KimiDeltaAttention(_GatedMixer):
     """KDA layer: channel-wise forget gate from a low-rank projection (d -> head_dim -> H·K) plus a bias.
 
     ``lower_bound=-5.0`` is K3's bounded gate g = −5·σ(e^{A_log}(z + dt_bias)); ``lower_bound=None`` is
-    Kimi Linear's g = −e^{A_log}·softplus(z + dt_bias). Keyword options (shared by the three layers):
-    ``conv_size`` (4), ``full_rank_output_gate`` (K3: True; Kimi Linear's low-rank gate: False), ``norm_eps``,
-    ``mode`` ("chunk" for training and prefill, or "recurrent"), ``chunk_size`` (64), ``allow_neg_eigval``.
+    Kimi Linear's g = −e^{A_log}·softplus(z + dt_bias). The defaults are K3's (bounded gate, full-rank output
+    gate); Kimi Linear is ``lower_bound=None, output_gate="low_rank"``. Other options: see the shared body.
+    On CUDA (or with ``K3COURSE_KERNELS=triton``) the op is chapter 08's Triton kernels: the chunk kernels, or
+    the fused decode step for one token at inference.
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, lower_bound: float | None = KDA_LOWER_BOUND,
                  **kwargs):
         super().__init__(d_model, n_heads, head_dim, **kwargs)
+        if lower_bound is not None and not lower_bound < 0:
+            raise ValueError(f"lower_bound must be None or a negative number, got {lower_bound!r}")
         self.lower_bound = lower_bound
         self.f_proj = nn.Sequential(nn.Linear(d_model, head_dim, bias=False),
                                     nn.Linear(head_dim, n_heads * head_dim, bias=False))
         self.A_log = nn.Parameter(torch.zeros(n_heads))
         self.dt_bias = nn.Parameter(initial_dt_bias(n_heads * head_dim, lower_bound).view(n_heads, head_dim))
 
+    @staticmethod
+    def _config_fields(cfg) -> dict:
+        return dict(lower_bound=cfg.kda_lower_bound)
+
     def log_decay(self, x):
         return kda_gate(self._heads(self.f_proj(x)), self.A_log, self.dt_bias, self.lower_bound)
 
-    def mix(self, q, k, v, g, beta, initial_state):
-        if self.mode == "recurrent":
-            return kda_recurrent(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                 allow_neg_eigval=self.allow_neg_eigval)
-        from k3course.kernels import use_triton  # imported here: importing it picks native vs interpreter
+    def mix(self, q, k, v, g, beta, initial_state, chunked: bool):
+        from k3course.kernels import use_triton  # imported here: the attention ops do not depend on the kernels
 
-        if use_triton(q.device):  # CUDA, or forced by K3COURSE_KERNELS=triton: the chapter 08 kernels
+        if use_triton(q.device) and not self.allow_neg_eigval:  # the chapter 08 kernels
             from k3course.kernels.kda import kda_triton
 
             return kda_triton(q, k, v, g, beta, initial_state, self.chunk_size)
-        return kda_chunk(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                         chunk_size=self.chunk_size, allow_neg_eigval=self.allow_neg_eigval)
+        op = kda_chunk if chunked else kda_recurrent
+        extra = dict(chunk_size=self.chunk_size) if chunked else {}
+        return op(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                  allow_neg_eigval=self.allow_neg_eigval, **extra)
 
 
 class GatedDeltaNet(_GatedMixer):
@@ -184,12 +275,11 @@ class GatedDeltaNet(_GatedMixer):
     def log_decay(self, x):
         return -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)  # [B, T, H]
 
-    def mix(self, q, k, v, g, beta, initial_state):
-        if self.mode == "recurrent":
-            return gdn_recurrent(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                 allow_neg_eigval=self.allow_neg_eigval)
-        return gdn_chunk(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                         chunk_size=self.chunk_size, allow_neg_eigval=self.allow_neg_eigval)
+    def mix(self, q, k, v, g, beta, initial_state, chunked: bool):
+        op = gdn_chunk if chunked else gdn_recurrent
+        extra = dict(chunk_size=self.chunk_size) if chunked else {}
+        return op(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                  allow_neg_eigval=self.allow_neg_eigval, **extra)
 
 
 class DecayedLinearAttention(GatedDeltaNet):
@@ -200,8 +290,7 @@ class DecayedLinearAttention(GatedDeltaNet):
 
     uses_beta = False
 
-    def mix(self, q, k, v, g, beta, initial_state):
-        if self.mode == "recurrent":
-            return gla_recurrent(q, k, v, g, initial_state=initial_state, output_final_state=True)
-        return gla_chunk(q, k, v, g, initial_state=initial_state, output_final_state=True,
-                         chunk_size=self.chunk_size)
+    def mix(self, q, k, v, g, beta, initial_state, chunked: bool):
+        op = gla_chunk if chunked else gla_recurrent
+        extra = dict(chunk_size=self.chunk_size) if chunked else {}
+        return op(q, k, v, g, initial_state=initial_state, output_final_state=True, **extra)

@@ -207,8 +207,23 @@ def test_bad_x_shape():
         make()(torch.zeros(7, 16, dtype=torch.float64))
 
 
-def test_mlacache_type_is_exported():
-    assert MLACache.__dataclass_fields__.keys() == {"latent", "rope_key"}
+def test_cache_is_preallocated_filled_in_place_and_grows_by_doubling():
+    module = make().eval()
+    x = seeded_x(batch=2, length=9)
+    y_full, _ = module(x)
+    cache = module.new_cache(2, max_len=4, dtype=torch.float64)
+    buffer = cache._latent
+    pieces = [module(x[:, :3], cache)[0]]
+    assert cache._latent is buffer and cache.length == 3 and cache.capacity == 4  # filled in place
+    for t in range(3, 9):
+        y_t, returned = module(x[:, t:t + 1], cache)
+        assert returned is cache
+        pieces.append(y_t)
+    assert cache.length == 9 and cache.capacity == 16  # 4 -> 8 -> 16
+    np.testing.assert_allclose(torch.cat(pieces, 1).detach().numpy(), y_full.detach().numpy(), rtol=1e-10,
+                               atol=1e-12)
+    per_token = cache.numbers_per_token * 8  # fp64
+    assert cache.nbytes() == 2 * 9 * per_token and cache.allocated_nbytes() == 2 * 16 * per_token
 
 
 def test_full_rank_query_matches_reference():

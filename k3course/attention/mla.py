@@ -22,35 +22,88 @@ The module-level functions count cache sizes for the KV-cache comparison (MHA / 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+DECODE_TOKENS = 64  # at inference, up to this many new tokens attend in the absorbed form (auto path)
 
-@dataclass
+
 class MLACache:
-    """The compressed KV cache of one gated-MLA layer.
+    """The compressed KV cache of one gated-MLA layer, preallocated and filled in place.
+
+    Buffers ``[B, capacity, kv_lora_rank]`` and ``[B, capacity, qk_rope_head_dim]``; the first ``length`` positions
+    are filled. ``latent`` and ``rope_key`` are views of the filled part:
 
     latent:   [B, S, kv_lora_rank]     RMSNorm(c_KV) of every token so far
     rope_key: [B, S, qk_rope_head_dim] the shared rope key (rotated when RoPE is on)
 
     Per token it holds kv_lora_rank + qk_rope_head_dim numbers (576 at K3 size), whatever the head count.
+    :meth:`append` writes new tokens by slice assignment and doubles the capacity when it runs out (never a
+    ``torch.cat`` per token). ``MLACache(latent, rope_key)`` wraps filled tensors (capacity = their length);
+    :meth:`empty` makes a cache with room for ``capacity`` tokens.
     """
 
-    latent: torch.Tensor
-    rope_key: torch.Tensor
+    def __init__(self, latent: torch.Tensor, rope_key: torch.Tensor, length: int | None = None):
+        if latent.dim() != 3 or rope_key.dim() != 3 or latent.shape[:2] != rope_key.shape[:2]:
+            raise ValueError(f"latent [B, S, r] and rope_key [B, S, rope] must agree on B and S, got "
+                             f"{tuple(latent.shape)} and {tuple(rope_key.shape)}")
+        self._latent, self._rope_key = latent, rope_key
+        self.length = latent.shape[1] if length is None else length
+
+    @classmethod
+    def empty(cls, batch: int, capacity: int, kv_lora_rank: int, qk_rope_head_dim: int, device=None,
+              dtype=None) -> MLACache:
+        """A cache for ``batch`` sequences with room for ``capacity`` tokens, none filled."""
+        latent = torch.zeros(batch, capacity, kv_lora_rank, device=device, dtype=dtype)
+        return cls(latent, torch.zeros(batch, capacity, qk_rope_head_dim, device=device, dtype=dtype), 0)
 
     @property
-    def length(self) -> int:
-        """Number of cached tokens S."""
-        return self.latent.shape[1]
+    def latent(self) -> torch.Tensor:
+        return self._latent[:, :self.length]
+
+    @property
+    def rope_key(self) -> torch.Tensor:
+        return self._rope_key[:, :self.length]
+
+    @property
+    def batch_size(self) -> int:
+        return self._latent.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self._latent.shape[1]
 
     @property
     def numbers_per_token(self) -> int:
         """Cached numbers per token (per layer): kv_lora_rank + qk_rope_head_dim."""
-        return self.latent.shape[-1] + self.rope_key.shape[-1]
+        return self._latent.shape[-1] + self._rope_key.shape[-1]
+
+    def nbytes(self) -> int:
+        """Bytes of the filled part, B · length · (kv_lora_rank + rope) · element size: what decoding must hold
+        (and read every step). :meth:`allocated_nbytes` counts the whole preallocated buffer."""
+        return self.batch_size * self.length * self.numbers_per_token * self._latent.element_size()
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of the buffers, filled or not."""
+        return sum(t.numel() * t.element_size() for t in (self._latent, self._rope_key))
+
+    def append(self, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
+        """Write T new tokens' entries at positions length … length + T − 1 (in place, growing by doubling)."""
+        end = self.length + latent.shape[1]
+        if end > self.capacity:
+            self._grow(max(end, 2 * self.capacity))
+        self._latent[:, self.length:end] = latent
+        self._rope_key[:, self.length:end] = rope_key
+        self.length = end
+
+    def _grow(self, capacity: int) -> None:
+        """Reallocate the buffers with room for ``capacity`` tokens, keeping the filled part."""
+        for name in ("_latent", "_rope_key"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], capacity, old.shape[2])
+            new[:, :self.length] = old[:, :self.length]
+            setattr(self, name, new)
 
 
 def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
@@ -110,15 +163,18 @@ def attention_probs(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Te
 class GatedMLA(nn.Module):
     """Gated multi-head latent attention with a compressed KV cache.
 
-    ``forward(x, cache=None, absorbed=False)`` takes x [B, T, d_model] and an optional :class:`MLACache` of
-    earlier tokens, and returns (y [B, T, d_model], the cache extended by these T tokens). Causal: new token t
-    sees every cached token and the new tokens up to t. ``max_cache_len`` (optional) bounds the cache length.
+    ``forward(x, cache=None)`` takes x [B, T, d_model] and an optional :class:`MLACache` of earlier tokens
+    (from :meth:`new_cache`), and returns (y [B, T, d_model], the cache extended by these T tokens: a given cache
+    is filled in place and returned). Causal: new token t sees every cached token and the new tokens up to t.
+    ``absorbed`` picks how to attend: None (auto) uses the absorbed form at inference for at most
+    ``DECODE_TOKENS`` new tokens (decoding) and the naive form otherwise; True / False force one (the same
+    numbers). ``max_cache_len`` (optional) bounds the cache length.
     """
 
     def __init__(self, d_model: int, n_heads: int, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, gated: bool = True, use_rope: bool = False,
-                 rope_theta: float = 10000.0, max_cache_len: int | None = None, eps: float = 1e-6,
-                 device=None, dtype=None):
+                 rope_theta: float = 10000.0, max_cache_len: int | None = None, absorbed: bool | None = None,
+                 eps: float = 1e-6, device=None, dtype=None):
         super().__init__()
         sizes = dict(d_model=d_model, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
                      v_head_dim=v_head_dim, q_lora_rank=1 if q_lora_rank is None else q_lora_rank)
@@ -131,7 +187,10 @@ class GatedMLA(nn.Module):
             raise ValueError(f"qk_rope_head_dim must be even for RoPE (it rotates pairs), got {qk_rope_head_dim}")
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
+        if absorbed not in (None, True, False):
+            raise ValueError(f"absorbed must be None (auto), True or False, got {absorbed!r}")
         factory = dict(device=device, dtype=dtype)
+        self.absorbed = absorbed
         self.n_heads, self.kv_lora_rank = n_heads, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.gated, self.use_rope, self.rope_theta, self.max_cache_len = gated, use_rope, rope_theta, max_cache_len
@@ -197,19 +256,36 @@ class GatedMLA(nn.Module):
 
     # --- the layer ----------------------------------------------------------------------------------------
 
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> MLACache:
+        """An empty cache for ``batch`` sequences with room for ``max_len`` tokens (it grows if more come).
+        device and dtype default to the layer's parameters'."""
+        for name, value in (("batch", batch), ("max_len", max_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        weight = self.kv_down.weight
+        return MLACache.empty(batch, max_len, self.kv_lora_rank, self.qk_rope_head_dim, device or weight.device,
+                              dtype or weight.dtype)
+
+    def uses_absorbed(self, n_tokens: int) -> bool:
+        """The path rule: absorbed when forced, else at inference for at most DECODE_TOKENS new tokens."""
+        if self.absorbed is not None:
+            return self.absorbed
+        return not self.training and n_tokens <= DECODE_TOKENS
+
     def _check_inputs(self, x: torch.Tensor, cache: MLACache | None) -> int:
-        """Validate x and the cache; return the number of cached tokens."""
+        """Validate x and the cache (metadata only, no host read); return the number of cached tokens."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must be [B, T, d_model={self.d_model}], got {shape}")
+        if x.shape[1] == 0:
+            raise ValueError("x must hold at least one token (T ≥ 1), got T = 0")
         if cache is None:
             start = 0
         elif not isinstance(cache, MLACache):
             raise TypeError(f"cache must be an MLACache (or None), got {type(cache).__name__}")
         else:
-            want = (x.shape[0], cache.length)
-            if (tuple(cache.latent.shape) != (*want, self.kv_lora_rank)
-                    or tuple(cache.rope_key.shape) != (*want, self.qk_rope_head_dim)):
+            if (cache.batch_size != x.shape[0] or cache.latent.shape[-1] != self.kv_lora_rank
+                    or cache.rope_key.shape[-1] != self.qk_rope_head_dim):
                 raise ValueError(f"cache does not match this layer and batch: expected latent [B={x.shape[0]}, S, "
                                  f"{self.kv_lora_rank}] and rope_key [B, S, {self.qk_rope_head_dim}], got "
                                  f"{tuple(cache.latent.shape)} and {tuple(cache.rope_key.shape)}")
@@ -222,19 +298,24 @@ class GatedMLA(nn.Module):
         return start
 
     def forward(self, x: torch.Tensor, cache: MLACache | None = None,
-                absorbed: bool = False) -> tuple[torch.Tensor, MLACache]:
-        """y = W_O[σ(W_G x) ⊙ MLA(x)]. x: [B, T, d] -> (y [B, T, d], cache with S + T tokens)."""
+                absorbed: bool | None = None) -> tuple[torch.Tensor, MLACache]:
+        """y = W_O[σ(W_G x) ⊙ MLA(x)]. x: [B, T, d] -> (y [B, T, d], cache with S + T tokens).
+
+        ``absorbed`` overrides the layer's path rule for this call (None: :meth:`uses_absorbed`)."""
         start = self._check_inputs(x, cache)
         positions = torch.arange(start, start + x.shape[1], device=x.device)
         new = self.compress(x, positions)
-        if cache is not None:
-            new = MLACache(torch.cat([cache.latent, new.latent], dim=1), torch.cat([cache.rope_key, new.rope_key], 1))
+        if cache is None:
+            cache = new
+        else:
+            cache.append(new.latent, new.rope_key)
         q_nope, q_rope = self.queries(x, positions)
-        attend = self.attend_absorbed if absorbed else self.attend_naive
-        heads = attend(q_nope, q_rope, new, start).flatten(2)                  # [B, T, H·v]
+        use_absorbed = self.uses_absorbed(x.shape[1]) if absorbed is None else absorbed
+        attend = self.attend_absorbed if use_absorbed else self.attend_naive
+        heads = attend(q_nope, q_rope, cache, start).flatten(2)                # [B, T, H·v]
         if self.gated:
             heads = torch.sigmoid(self.gate(x)) * heads
-        return self.out(heads), new
+        return self.out(heads), cache
 
 
 # --- cache and cost accounting (numbers per token per layer; multiply by bytes per number) -------------------

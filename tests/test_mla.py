@@ -8,7 +8,6 @@ import torch
 
 from k3course.attention.mla import (
     GatedMLA,
-    MLACache,
     decode_step_flops,
     gqa_cache_numbers,
     kda_state_numbers,

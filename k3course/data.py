@@ -1,4 +1,11 @@
-"""Synthetic data for the lessons.
+"""The course's two tasks: byte-level Python source, and multi-query associative recall.
+
+Text: the Python standard library's own ``.py`` files, found through the running interpreter (nothing is
+downloaded), test packages and site-packages excluded, split into train and validation BY FILE with a rule
+on the file's sha256 (so no function is half in each split). Each split is one uint8 array on disk (token =
+byte, vocabulary 256), built once into a cache folder and memory-mapped after; training reads fixed-length
+windows from it. The n-gram and ``lzma`` baselines are scored on the same validation bytes, in bits per byte:
+a model's cross-entropy ℓ (nats per byte) is ℓ / ln 2 bits per byte.
 
 Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"; the synthetic task Kimi Linear uses):
 a sequence first lists key-value pairs, then asks for some of the keys again; at each query the model must
@@ -7,6 +14,17 @@ retrieves them by content, which is what separates the token mixers of chapters 
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import math
+import os
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,3 +57,191 @@ def mqar(n_samples: int, seq_len: int, n_pairs: int, vocab_size: int, seed: int)
         where = 2 * n_pairs + np.sort(rng.choice(seq_len - 2 * n_pairs, size=n_pairs, replace=False))
         tokens[row, where], targets[row, where] = keys[asked], values[asked]
     return torch.from_numpy(tokens), torch.from_numpy(targets)
+
+
+# --- harder MQAR: more pairs than the head dimension ------------------------------------------------------
+
+# Lesson 06 stores 6 pairs in a 32-wide state; here 40 pairs must share the tiny preset's 32-dimensional KDA
+# heads, so keys cannot all be orthogonal and the mixer has to forget and overwrite selectively.
+HARD_MQAR = dict(seq_len=128, n_pairs=40, vocab_size=256)
+
+
+def mqar_hard(n_samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQAR at :data:`HARD_MQAR` (128 tokens, 40 pairs, vocab 256): ``(tokens, targets)`` [N, 128] int64."""
+    return mqar(n_samples, seed=seed, **HARD_MQAR)
+
+
+# --- a byte-level corpus: the Python standard library's own source ----------------------------------------
+
+FILE_SEPARATOR = 0  # byte written between files (NUL never occurs in the stdlib's .py sources)
+VALIDATION_PERCENT = 10  # validation iff (first 64 bits of sha256(relative path), big-endian) mod 100 < 10
+EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+
+
+def stdlib_root() -> Path:
+    """The running interpreter's standard-library folder: ``sysconfig.get_paths()["stdlib"]``."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path | None = None) -> list[str]:
+    """Sorted relative paths of the stdlib's ``.py`` files, test packages and site-packages excluded.
+
+    A file is excluded when any folder on its path is in :data:`EXCLUDED_DIRS` (``test/``, ``tests/``,
+    ``idlelib/idle_test``, ``lib2to3/tests``, ``unittest/test``, ``site-packages`` …).
+    """
+    root = Path(root) if root is not None else stdlib_root()
+    if not root.is_dir():
+        raise FileNotFoundError(f"root: no standard-library folder at {root}")
+    found = []
+    for path in root.rglob("*.py"):
+        relative = path.relative_to(root)
+        if EXCLUDED_DIRS.isdisjoint(relative.parts[:-1]) and path.is_file():
+            found.append(relative.as_posix())
+    return sorted(found)
+
+
+def is_validation(relative_path: str) -> bool:
+    """The by-file split: the first 64 bits of sha256(path) as a big-endian integer, mod 100, < 10.
+
+    ~10% of the files, the same on every machine and Python version (it reads only the relative path).
+    """
+    digest = hashlib.sha256(relative_path.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 100 < VALIDATION_PERCENT
+
+
+def cache_dir() -> Path:
+    """Where built corpora live: ``$K3COURSE_CACHE`` if set, else ``~/.cache/k3course``."""
+    return Path(os.environ.get("K3COURSE_CACHE") or Path.home() / ".cache" / "k3course")
+
+
+@dataclass(frozen=True)
+class ByteCorpus:
+    """Train and validation bytes of the stdlib corpus as read-only memory maps (uint8, token = byte)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    meta: dict
+
+    def split(self, name: str) -> np.ndarray:
+        """``'train'`` or ``'val'``: the split's uint8 token array."""
+        if name not in ("train", "val"):
+            raise ValueError(f"name must be 'train' or 'val', got {name!r}")
+        return self.train if name == "train" else self.val
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temporary name in the same folder, then rename: readers see all of it or nothing."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(handle, "wb") as out:
+        out.write(data)
+    os.replace(temporary, path)
+
+
+def _read_split(root: Path, files: list[str]) -> bytes:
+    """Concatenation of the files' bytes, each followed by FILE_SEPARATOR."""
+    separator = bytes([FILE_SEPARATOR])
+    return b"".join((root / name).read_bytes().replace(separator, b"") + separator for name in files)
+
+
+def stdlib_corpus(root: Path | None = None, cache: Path | None = None) -> ByteCorpus:
+    """The stdlib corpus, built once into ``cache`` (default :func:`cache_dir`) and memory-mapped after.
+
+    The cache folder's name holds a hash of the file list and sizes, so another Python version (or an edited
+    stdlib) builds its own. ``meta.json`` is written last: a half-built cache is rebuilt, never read.
+    """
+    root = Path(root) if root is not None else stdlib_root()
+    files = stdlib_files(root)
+    listing = "\n".join(f"{name}:{(root / name).stat().st_size}" for name in files)
+    key = hashlib.sha256(listing.encode()).hexdigest()[:16]
+    folder = Path(cache or cache_dir()) / f"stdlib-{key}"
+    meta_path = folder / "meta.json"
+    if not meta_path.exists():
+        val_files = [name for name in files if is_validation(name)]
+        train_files = [name for name in files if not is_validation(name)]
+        if not val_files or not train_files:
+            raise ValueError(f"root: {root} has {len(files)} .py files, too few for both splits")
+        folder.mkdir(parents=True, exist_ok=True)
+        sizes = {}
+        for split, names in (("train", train_files), ("val", val_files)):
+            data = _read_split(root, names)
+            _atomic_write(folder / f"{split}.bin", data)
+            sizes[split] = {"files": len(names), "bytes": len(data)}
+        meta = {"root": str(root), "python": sys.version.split()[0], "key": key, "splits": sizes,
+                "val_files": val_files, "rule": "val iff int.from_bytes(sha256(path)[:8], 'big') % 100 < 10"}
+        _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+    meta = json.loads(meta_path.read_text())
+    load = lambda split: np.memmap(folder / f"{split}.bin", dtype=np.uint8, mode="r")
+    return ByteCorpus(load("train"), load("val"), meta)
+
+
+def batch_at(tokens: np.ndarray, index: int, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Batch number ``index`` of a seeded stream: ``(inputs, targets)`` [batch_size, seq_len] int64.
+
+    Start offsets are drawn uniformly from ``[0, len − seq_len − 1)`` by ``default_rng([seed, index])``, so a
+    batch depends only on (seed, index): a resumed run needs nothing but the index (the data position).
+    targets = inputs shifted by one byte.
+    """
+    if len(tokens) < seq_len + 2:
+        raise ValueError(f"seq_len: {seq_len} needs at least {seq_len + 2} tokens, the split has {len(tokens)}")
+    rng = np.random.default_rng([seed, index])
+    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+    windows = np.stack([np.asarray(tokens[s:s + seq_len + 1]) for s in starts]).astype(np.int64)
+    windows = torch.from_numpy(windows)
+    return windows[:, :-1], windows[:, 1:]
+
+
+def eval_windows(tokens: np.ndarray, seq_len: int, n_bytes: int | None) -> torch.Tensor:
+    """Evenly spaced, non-overlapping windows of ``seq_len + 1`` bytes covering ~``n_bytes`` predictions.
+
+    Returns [N, seq_len + 1] int64; ``n_bytes=None`` tiles the whole split. Deterministic (no seed).
+    """
+    n_available = (len(tokens) - 1) // seq_len
+    n_windows = n_available if n_bytes is None else max(1, min(n_available, n_bytes // seq_len))
+    starts = np.linspace(0, (n_available - 1) * seq_len, n_windows).astype(np.int64) // seq_len * seq_len
+    return torch.from_numpy(np.stack([np.asarray(tokens[s:s + seq_len + 1]) for s in starts]).astype(np.int64))
+
+
+# --- baselines --------------------------------------------------------------------------------------------
+
+LOG2 = math.log(2)
+
+
+def ngram_bits_per_byte(train: np.ndarray, val: np.ndarray, order: int, k: float = 0.1) -> float:
+    """Bits per byte of an add-k byte n-gram model fitted on ``train``, scored on ``val``.
+
+    P(c | h) = (n(h c) + k) / (n(h) + 256 k), h = the previous ``order − 1`` bytes (order 1 = unigram).
+    Validation bytes without a full history (the first ``order − 1``) are not scored.
+    """
+    if order not in (1, 2, 3):
+        raise ValueError(f"order must be 1, 2 or 3, got {order}")
+    size = 256 ** order
+    codes = lambda x: sum(np.asarray(x[i:len(x) - order + 1 + i], dtype=np.int64) << (8 * (order - 1 - i))
+                          for i in range(order))
+    counts = np.bincount(codes(train), minlength=size).astype(np.float64)
+    history = counts.reshape(-1, 256).sum(1)
+    val_codes = codes(val)
+    probs = (counts[val_codes] + k) / (history[val_codes >> 8] + 256 * k)
+    return float(-np.log2(probs).mean())
+
+
+def lzma_bits_per_byte(data: np.ndarray) -> float:
+    """8 · len(lzma -9 of data) / len(data): a general-purpose compressor as a reference point."""
+    raw = np.asarray(data).tobytes()
+    return 8 * len(lzma.compress(raw, preset=9)) / len(raw)
+
+
+def baselines(corpus: ByteCorpus, k: float = 0.1) -> dict[str, float]:
+    """Validation bits/byte of unigram, bigram, trigram (add-k) and lzma -9 on the corpus's split.
+
+    k = 0.1 is near the best add-k for the trigram on the stdlib split (Python 3.11: k = 1, 0.1, 0.01, 0.001
+    give 2.71, 2.66, 2.66, 2.68 bits/byte): chosen on validation, so it flatters the baseline, not the model.
+    Cached in the corpus folder next to the bytes (computing them takes a few seconds).
+    """
+    path = Path(corpus.train.filename).parent / f"baselines-k{k}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    result = {f"{name}": ngram_bits_per_byte(corpus.train, corpus.val, order, k)
+              for order, name in ((1, "unigram"), (2, "bigram"), (3, "trigram"))}
+    result["lzma-9"] = lzma_bits_per_byte(corpus.val)
+    _atomic_write(path, json.dumps(result, indent=1).encode())
+    return result

@@ -10,8 +10,8 @@ The accounting methods answer three questions from the dimensions alone (DESIGN 
 - what fraction of the routed experts a token uses (``activation_ratio``);
 - roughly how many FLOPs decoding one token costs at a given context (``decode_flops_per_token``).
 
-``meta_param_count`` counts the same model a second, independent way: it builds one layer of each kind as
-``torch.nn`` modules on the meta device (shapes, no memory) and sums their ``numel``.
+``meta_param_count`` counts the same model a second, independent way: it builds the real ``K3Model`` on the
+meta device (shapes, no memory) and sums its parameters' ``numel`` by component.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class K3Config:
     kda_n_heads: int = 4
     kda_head_dim: int = 32
     kda_conv_size: int = 4  # depthwise causal short convolution on q, k, v
-    kda_output_gate: str = "full"  # K3: full-rank d → H·V; Kimi Linear: low rank d → K → H·V
+    kda_output_gate: str = "full"  # K3: full-rank d → H·V; Kimi Linear: low rank d → K → H·V (with a bias)
+    kda_lower_bound: float | None = -5.0  # K3's bounded gate g ∈ (−5, 0); None: Kimi Linear's unbounded gate
     # (gated) multi-head latent attention
     mla_n_heads: int = 4
     q_lora_rank: int | None = 64  # None: queries projected directly from d_model (Kimi Linear)
@@ -77,10 +78,11 @@ class K3Config:
     router_score: str = "sigmoid"
     route_scale: float = 1.0  # multiplies the renormalised top-k weights
     balancing: str = "quantile"  # quantile (K3), sign (DeepSeek-V3 bias rule), aux_loss (Switch), none
+    z_loss_weight: float = 0.0  # weight of the router z-loss in the training loss (0: off)
     # block structure
     ffn_activation: str = "situ_glu"
     residual: str = "block_attnres"
-    attnres_block_size: int = 2  # decoder layers per Block AttnRes block (K3: 12)
+    attnres_block_size: int = 4  # SUB-layers per Block AttnRes block, 2 per decoder layer (K3: 24 = 12 layers)
     context_length: int = 256  # longest context the model is meant for (tokens)
     tie_embeddings: bool = False
 
@@ -165,17 +167,19 @@ class K3Config:
         _check_dtype_bytes(dtype_bytes)
         return self.n_mla_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
 
-    def recurrent_state_bytes(self, dtype_bytes: int = 2) -> int:
+    def recurrent_state_bytes(self, dtype_bytes: int = 2, state_bytes: int = 4) -> int:
         """Bytes of the KDA state, CONSTANT in the context length.
 
-        Per KDA layer: the state S ∈ R^{H×K×V} plus the short-conv tails, the last ``conv_size − 1`` inputs
-        of the q, k and v convolutions: ``H·K·V + (conv_size − 1)·(2·H·K + H·V)`` numbers.
+        Per KDA layer: the state S ∈ R^{H×K×V}, kept in fp32 (``state_bytes`` = 4) whatever the activations'
+        dtype, plus the short-conv tails, the last ``conv_size − 1`` inputs of the q, k and v convolutions in the
+        activations' dtype: ``H·K·V·state_bytes + (conv_size − 1)·(2·H·K + H·V)·dtype_bytes``.
         """
         _check_dtype_bytes(dtype_bytes)
+        _check_dtype_bytes(state_bytes)
         heads, width = self.kda_n_heads, self.kda_head_dim
-        state = heads * width * width
-        conv_tails = (self.kda_conv_size - 1) * 3 * heads * width
-        return self.n_kda_layers * (state + conv_tails) * dtype_bytes
+        state = heads * width * width * state_bytes
+        conv_tails = (self.kda_conv_size - 1) * 3 * heads * width * dtype_bytes
+        return self.n_kda_layers * (state + conv_tails)
 
     def kv_cache_bytes(self, context: int, dtype_bytes: int = 2) -> int:
         """Decoding memory for one sequence of ``context`` tokens:
@@ -233,7 +237,7 @@ def kda_layer_params(cfg: K3Config) -> int:
 
     q, k, v projections 3·d·HK; depthwise short convs 3·HK·conv_size; β projection d·H;
     forget gate low-rank d·K + K·HK with A_log (H) and dt_bias (HK); output gate d·HK (full) or
-    d·K + K·HK (low rank); per-head output RMSNorm K; output projection HK·d.
+    d·K + K·HK + HK (low rank, the second map with a bias); per-head output RMSNorm K; output projection HK·d.
     """
     _require_config(cfg)
     d, heads, width = cfg.d_model, cfg.kda_n_heads, cfg.kda_head_dim
@@ -245,7 +249,7 @@ def kda_layer_params(cfg: K3Config) -> int:
     if cfg.kda_output_gate == "full":
         output_gate = _linear(d, inner)
     else:
-        output_gate = _linear(d, width) + _linear(width, inner)
+        output_gate = _linear(d, width) + _linear(width, inner) + inner  # the second map has a bias (fla)
     return projections + convs + beta + forget_gate + output_gate + width + _linear(inner, d)
 
 
@@ -336,118 +340,33 @@ def _component_counts(cfg: K3Config) -> dict[str, tuple[int, int]]:
     return components
 
 
-# --- the same count from modules built on the meta device ----------------------------------------------
-
-class _Stacked(nn.Module):
-    """Parameters given by shape only (stacked expert weights, gate biases, norm weights)."""
-
-    def __init__(self, **shapes: tuple[int, ...]):
-        super().__init__()
-        for name, shape in shapes.items():
-            self.register_parameter(name, nn.Parameter(torch.empty(shape, device="meta")))
-
-
-def _meta_linear(d_in: int, d_out: int) -> nn.Linear:
-    return nn.Linear(d_in, d_out, bias=False, device="meta")
-
-
-def _meta_gated_mlp(d_in: int, width: int) -> nn.ModuleDict:
-    return nn.ModuleDict({"gate": _meta_linear(d_in, width), "up": _meta_linear(d_in, width),
-                          "down": _meta_linear(width, d_in)})
-
-
-def _meta_kda(cfg: K3Config) -> nn.Module:
-    d, heads, width = cfg.d_model, cfg.kda_n_heads, cfg.kda_head_dim
-    inner = heads * width
-    conv = lambda: nn.Conv1d(inner, inner, cfg.kda_conv_size, groups=inner, bias=False, device="meta")
-    if cfg.kda_output_gate == "full":
-        output_gate = _meta_linear(d, inner)
-    else:
-        output_gate = nn.Sequential(_meta_linear(d, width), _meta_linear(width, inner))
-    return nn.ModuleDict({
-        "q_proj": _meta_linear(d, inner), "k_proj": _meta_linear(d, inner), "v_proj": _meta_linear(d, inner),
-        "q_conv": conv(), "k_conv": conv(), "v_conv": conv(),
-        "beta_proj": _meta_linear(d, heads),
-        "forget_gate": nn.Sequential(_meta_linear(d, width), _meta_linear(width, inner)),
-        "gate_params": _Stacked(A_log=(heads,), dt_bias=(inner,)),
-        "output_gate": output_gate,
-        "output_norm": nn.RMSNorm(width, device="meta"),
-        "o_proj": _meta_linear(inner, d),
-    })
-
-
-def _meta_mla(cfg: K3Config) -> nn.Module:
-    d, heads = cfg.d_model, cfg.mla_n_heads
-    q_width = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    if cfg.q_lora_rank is None:
-        query = _meta_linear(d, q_width)
-    else:
-        query = nn.Sequential(_meta_linear(d, cfg.q_lora_rank), nn.RMSNorm(cfg.q_lora_rank, device="meta"),
-                              _meta_linear(cfg.q_lora_rank, q_width))
-    modules = {
-        "query": query,
-        "kv_down": _meta_linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
-        "kv_norm": nn.RMSNorm(cfg.kv_lora_rank, device="meta"),
-        "kv_up": _meta_linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
-        "o_proj": _meta_linear(heads * cfg.v_head_dim, d),
-    }
-    if cfg.mla_gated:
-        modules["output_gate"] = _meta_linear(d, heads * cfg.v_head_dim)
-    return nn.ModuleDict(modules)
-
-
-def _meta_moe(cfg: K3Config) -> nn.Module:
-    d, n, width = cfg.d_model, cfg.n_routed_experts, cfg.expert_dim
-    e = _expert_input_dim(cfg)
-    modules = {
-        "router": _meta_linear(d, n),
-        # stacked like a grouped GEMM stores them: [experts, out, in]
-        "experts": _Stacked(gate_up=(n, 2 * width, e), down=(n, e, width)),
-        "shared": _meta_gated_mlp(d, cfg.n_shared_experts * width),
-    }
-    if cfg.latent_dim is not None:
-        modules["down"] = _meta_linear(d, e)
-        modules["latent_norm"] = nn.RMSNorm(e, device="meta")
-        modules["up"] = _meta_linear(e, d)
-    return nn.ModuleDict(modules)
-
+# --- the same count from the real modules, built on the meta device ------------------------------------------
 
 def meta_layer(cfg: K3Config, kind: str) -> nn.Module:
-    """One layer part of ``kind`` ("kda", "mla", "dense_ffn", "moe") as modules on the meta device."""
-    builders = {"kda": _meta_kda, "mla": _meta_mla, "moe": _meta_moe,
-                "dense_ffn": lambda c: _meta_gated_mlp(c.d_model, c.dense_ffn_dim)}
+    """The package's real layer of ``kind`` ("kda", "mla", "dense_ffn", "moe") for ``cfg``, on the meta device."""
     _require_config(cfg)
+    from k3course.attention.kda import KimiDeltaAttention
+    from k3course.attention.mla import GatedMLA
+    from k3course.moe.experts import GLUFFN
+    from k3course.moe.layers import MoE
+
+    builders = {"kda": KimiDeltaAttention.from_config, "mla": GatedMLA.from_config, "moe": MoE.from_config,
+                "dense_ffn": lambda c: GLUFFN(c.d_model, c.dense_ffn_dim, c.ffn_activation)}
     if kind not in builders:
         raise ValueError(f"kind: unknown layer kind {kind!r}; choose one of {', '.join(builders)}")
-    return builders[kind](cfg)
+    with torch.device("meta"):
+        return builders[kind](cfg)
 
 
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def meta_param_count(cfg: K3Config) -> dict[str, int]:
-    """Total parameters counted from meta-device modules: one layer of each kind, times its layer count.
-
-    Returns {part: total} for "kda", "mla", "dense_ffn", "moe", "embeddings" (input + output) and
-    "norms_and_residual", plus "total". Nothing is allocated, so the full K3 is counted in milliseconds.
-    """
+def meta_param_count(cfg: K3Config) -> dict[str, tuple[int, int]]:
+    """{component: (total, active)} counted from :class:`k3course.model.K3Model` built on the meta device
+    (shapes, no memory: the full K3 in seconds), plus "total" and "active" as ints. Equal to
+    :meth:`K3Config.param_count` by construction — a test holds them together for every preset."""
     _require_config(cfg)
-    counts = {
-        "kda": cfg.n_kda_layers * _numel(meta_layer(cfg, "kda")),
-        "mla": cfg.n_mla_layers * _numel(meta_layer(cfg, "mla")),
-        "dense_ffn": cfg.first_k_dense * _numel(meta_layer(cfg, "dense_ffn")),
-        "moe": cfg.n_moe_layers * _numel(meta_layer(cfg, "moe")),
-    }
-    embedding = nn.Embedding(cfg.vocab_size, cfg.d_model, device="meta")
-    head = 0 if cfg.tie_embeddings else _numel(_meta_linear(cfg.d_model, cfg.vocab_size))
-    counts["embeddings"] = _numel(embedding) + head
-    sublayer_norms = 2 * cfg.n_layers + 1  # before attention and before the FFN in each layer, and the final
-    norms = _numel(_Stacked(weight=(sublayer_norms, cfg.d_model)))
-    queries = _numel(_Stacked(query=(sublayer_norms, cfg.d_model))) if cfg.residual == "block_attnres" else 0
-    counts["norms_and_residual"] = norms + queries
-    counts["total"] = sum(counts.values())
-    return counts
+    from k3course.model import K3Model  # the model is built from this config: imported here, not at the top
+
+    parts = K3Model.from_config(cfg, device="meta").param_breakdown()
+    return {**parts, "total": sum(t for t, _ in parts.values()), "active": sum(a for _, a in parts.values())}
 
 
 # --- validation -----------------------------------------------------------------------------------------
@@ -495,6 +414,8 @@ def _check_fields(cfg: K3Config) -> None:
     for field_name in ("mla_gated", "tie_embeddings"):
         if not isinstance(getattr(cfg, field_name), bool):
             raise TypeError(f"{field_name} must be a bool, got {getattr(cfg, field_name)!r}")
+    if isinstance(cfg.z_loss_weight, bool) or not isinstance(cfg.z_loss_weight, int | float) or cfg.z_loss_weight < 0:
+        raise ValueError(f"z_loss_weight must be a number ≥ 0, got {cfg.z_loss_weight!r}")
     if isinstance(cfg.route_scale, bool) or not isinstance(cfg.route_scale, int | float) or cfg.route_scale <= 0:
         raise ValueError(f"route_scale must be a number > 0, got {cfg.route_scale!r}")
     if cfg.first_k_dense > cfg.n_layers:
@@ -503,6 +424,9 @@ def _check_fields(cfg: K3Config) -> None:
         raise ValueError(f"top_k must be ≤ n_routed_experts ({cfg.n_routed_experts}), got {cfg.top_k}")
     if cfg.mla_layers is not None:
         _check_mla_layers(cfg.mla_layers, cfg.n_layers)
+    bound = cfg.kda_lower_bound
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int | float) or not bound < 0):
+        raise ValueError(f"kda_lower_bound must be None or a negative number, got {bound!r}")
 
 
 def _check_mla_layers(mla_layers, n_layers: int) -> None:
@@ -521,7 +445,7 @@ _REFERENCE_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, 
 # heads, head dim 128, low-rank output gate), so a hybrid variant, e.g. preset("kimi-k2").replace(kda_per_mla=3),
 # is a meaningful what-if. They count nothing while every layer is MLA.
 _ALL_MLA_PRENORM = dict(kda_per_mla=0, mla_gated=False, ffn_activation="swiglu", residual="prenorm",
-                        kda_head_dim=128, kda_output_gate="low_rank")
+                        kda_head_dim=128, kda_output_gate="low_rank", kda_lower_bound=None)
 
 _PRESETS: dict[str, dict] = {
     "deepseek-v3": dict(
@@ -535,7 +459,8 @@ _PRESETS: dict[str, dict] = {
         latent_dim=None, dense_ffn_dim=18432, route_scale=2.827, balancing="sign", context_length=131072),
     "kimi-linear-48b": dict(
         name="kimi-linear-48b", vocab_size=163840, d_model=2304, n_layers=27, first_k_dense=1, kda_per_mla=3,
-        kda_n_heads=32, kda_head_dim=128, kda_output_gate="low_rank", mla_n_heads=32, q_lora_rank=None,
+        kda_n_heads=32, kda_head_dim=128, kda_output_gate="low_rank", kda_lower_bound=None, mla_n_heads=32,
+        q_lora_rank=None,
         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_gated=False,
         n_routed_experts=256, top_k=8, n_shared_experts=1, expert_dim=1024, latent_dim=None, dense_ffn_dim=9216,
         route_scale=2.446, balancing="sign", ffn_activation="swiglu", residual="prenorm", context_length=1048576),
@@ -544,13 +469,13 @@ _PRESETS: dict[str, dict] = {
         kda_n_heads=96, kda_head_dim=128, kda_output_gate="full", mla_n_heads=96, **_REFERENCE_MLA, mla_gated=True,
         n_routed_experts=896, top_k=16, n_shared_experts=2, expert_dim=3072, latent_dim=3584,
         dense_ffn_dim=18432, route_scale=1.0, balancing="quantile", ffn_activation="situ_glu",
-        residual="block_attnres", attnres_block_size=12, context_length=1048576),
+        residual="block_attnres", attnres_block_size=24, context_length=1048576),
     "tiny": dict(name="tiny"),
     "small": dict(
         name="small", vocab_size=256, d_model=256, n_layers=8, first_k_dense=1, kda_per_mla=3, kda_n_heads=4,
         kda_head_dim=64, mla_n_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
         v_head_dim=64, n_routed_experts=16, top_k=2, n_shared_experts=1, expert_dim=256, latent_dim=128,
-        dense_ffn_dim=512, attnres_block_size=4, context_length=1024),
+        dense_ffn_dim=512, attnres_block_size=8, context_length=1024),
 }
 
 PRESETS: tuple[str, ...] = tuple(_PRESETS)

@@ -35,14 +35,21 @@ def test_kimi_linear_counts_to_48b_and_its_active_count_is_3b_without_the_embedd
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_meta_device_count_agrees_with_the_analytic_count(name):
+def test_meta_device_count_of_the_real_model_equals_the_analytic_count(name):
     cfg = K3Config.preset(name)
     counts, meta = cfg.param_count(), meta_param_count(cfg)
-    assert meta["total"] == counts.total
-    assert meta["kda"] == counts.components["kda_attention"][0]
-    assert meta["mla"] == counts.components["mla_attention"][0]
-    moe_parts = ("routed_experts", "shared_experts", "latent_projections", "router")
-    assert meta["moe"] == sum(counts.components[part][0] for part in moe_parts)
+    assert meta["total"] == counts.total and meta["active"] == counts.active
+    for component, total_and_active in counts.components.items():
+        assert meta[component] == total_and_active, component
+
+
+@pytest.mark.parametrize("changes", [dict(kda_output_gate="low_rank"), dict(q_lora_rank=None, mla_gated=False),
+                                     dict(latent_dim=None, n_shared_experts=0), dict(tie_embeddings=True),
+                                     dict(residual="prenorm"), dict(top_k=8), dict(first_k_dense=4)])
+def test_meta_count_equals_the_analytic_count_for_every_option(changes):
+    cfg = K3Config.preset("tiny").replace(**changes)
+    meta = meta_param_count(cfg)
+    assert (meta["total"], meta["active"]) == (cfg.param_count().total, cfg.param_count().active)
 
 
 def test_meta_layers_allocate_nothing_and_match_the_per_layer_formulas():
@@ -95,7 +102,7 @@ def test_kv_cache_hybrid_grows_with_mla_layers_only_and_keeps_a_constant_state()
     assert k3.kv_cache_bytes_per_token() == 24 * 576 * 2
     assert k3.all_mla().kv_cache_bytes_per_token() == 93 * 576 * 2
     assert k3.all_mla().recurrent_state_bytes() == 0
-    state = 69 * (96 * 128 * 128 + 3 * 3 * 96 * 128) * 2
+    state = 69 * (96 * 128 * 128 * 4 + 3 * 3 * 96 * 128 * 2)  # fp32 state, bf16 conv tails
     assert k3.recurrent_state_bytes() == state
     assert k3.kv_cache_bytes(0) == state
     assert k3.kv_cache_bytes(1000) - k3.kv_cache_bytes(999) == k3.kv_cache_bytes_per_token()

@@ -1,0 +1,279 @@
+"""The assembled K3: ``K3Model.from_config(cfg)`` builds exactly the decoder a :class:`K3Config` describes.
+
+    h_0 = Embed(tokens)                                                          [B, T, d]
+    for layer i in 0 … L−1 (two sub-layers each, read and written through the residual scheme):
+        a_i = Mixer_i(RMSNorm(read()))       Mixer_i = KDA or gated MLA      (cfg.layer_types())
+        f_i = FFN_i(RMSNorm(read()))         FFN_i   = dense GLU or latent MoE (cfg.ffn_types())
+    logits = LMHead(RMSNorm(final()))                                            [B, T, vocab]
+
+``read()`` is PreNorm's running sum (``residual="prenorm"``) or Block AttnRes's depth attention over the
+embedding and the block sums (``residual="block_attnres"``, one pseudo-query per sub-layer and one for the final
+aggregation). Depth attention mixes the sub-layer outputs of the same token, so decoding needs no cache for it:
+the model's cache is one entry per layer, the KDA state + conv tails or the MLA latent cache
+(:class:`K3Cache`, from :meth:`K3Model.new_cache`).
+
+``forward(tokens, cache=None, targets=None) -> (logits, loss, cache)``: with a cache the tokens continue the
+cached sequences; with targets the loss is the mean next-token cross-entropy (``IGNORE`` = −100 positions
+skipped) plus, in training, the MoE layers' auxiliary losses (Switch aux loss when balancing is "aux_loss",
+router z-loss weighted by ``cfg.z_loss_weight``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3course.attention.kda import KDACache, KimiDeltaAttention
+from k3course.attention.mla import GatedMLA, MLACache
+from k3course.config import K3Config
+from k3course.moe.experts import GLUFFN
+from k3course.moe.layers import MoE
+from k3course.residual import make_residual
+
+IGNORE = -100  # targets at positions without a label (torch's cross-entropy ignore_index)
+INIT_STD = 0.02  # N(0, 0.02²) for projections and the embedding; output projections get 0.02 / √(2L)
+
+
+@dataclass
+class K3Cache:
+    """The decoding cache of a whole model: ``layers[i]`` is layer i's :class:`KDACache` or :class:`MLACache`."""
+
+    layers: list[KDACache | MLACache]
+
+    @property
+    def length(self) -> int:
+        """Tokens cached so far (the same in every layer)."""
+        return self.layers[0].length
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].batch_size
+
+    def nbytes(self) -> int:
+        """Bytes held for decoding: every KDA state and conv tail, and the filled part of every MLA cache."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+class DecoderLayer(nn.Module):
+    """One K3 decoder layer: a token mixer (KDA or gated MLA) and an FFN (dense GLU or MoE), each behind an
+    RMSNorm; the residual scheme decides what each reads (see the module docstring)."""
+
+    def __init__(self, cfg: K3Config, index: int):
+        super().__init__()
+        self.mixer_kind, self.ffn_kind = cfg.layer_types()[index], cfg.ffn_types()[index]
+        self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.mixer = KimiDeltaAttention.from_config(cfg) if self.mixer_kind == "kda" else GatedMLA.from_config(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.ffn = (GLUFFN(cfg.d_model, cfg.dense_ffn_dim, cfg.ffn_activation) if self.ffn_kind == "dense"
+                    else MoE.from_config(cfg))
+
+    def forward(self, stream, cache: KDACache | MLACache | None):
+        """Read, mix, write; read, FFN, write. Returns the layer's (updated) cache."""
+        mixed, cache = self.mixer(self.mixer_norm(stream.read()), cache)
+        stream.write(mixed)
+        stream.write(self.ffn(self.ffn_norm(stream.read())))
+        return cache
+
+
+class K3Model(nn.Module):
+    """The K3 decoder of a :class:`K3Config`, built only from the package's layers (see the module docstring)."""
+
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        if not isinstance(cfg, K3Config):
+            raise TypeError(f"cfg must be a K3Config (e.g. K3Config.preset('tiny')), got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        kind = "block" if cfg.residual == "block_attnres" else "standard"
+        block_size = cfg.attnres_block_size if kind == "block" else None
+        self.residual = make_residual(kind, 2 * cfg.n_layers, cfg.d_model, block_size)
+        self.final_norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.init_weights()
+
+    @classmethod
+    def from_config(cls, cfg: K3Config, device: torch.device | str | None = None) -> K3Model:
+        """Build on ``device`` (``"meta"``: shapes only, no memory, seconds even for the full K3)."""
+        with torch.device(device or "cpu"):
+            return cls(cfg)
+
+    # --- initialisation and optimisation ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, 0.02²) for every projection and the embedding; output projections (the last map of every
+        sub-layer, which writes into the residual stream) N(0, (0.02 / √(2L))²), as in GPT-2. Gates' rates and
+        biases, convolutions, norms and AttnRes queries keep the values their layers start from."""
+        if self.embed.weight.is_meta:
+            return
+        out_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if _is_output_projection(name):
+                param.normal_(0.0, out_std)
+            elif _is_projection(name, param):
+                param.normal_(0.0, INIT_STD)
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups: weight decay on the matrices that map activations, none on norms, biases, gate rates
+        and biases, convolution taps and AttnRes queries."""
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            (decay if _is_projection(name, param) or _is_output_projection(name) else no_decay).append(param)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE modules, in layer order (for the bias update and routing statistics)."""
+        return [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoE)]
+
+    def param_breakdown(self) -> dict[str, tuple[int, int]]:
+        """{component: (total, active per token)} counted from the module tree (the names of
+        ``K3Config.param_count().components``). A token uses top_k of each MoE layer's routed experts."""
+        parts = dict.fromkeys(("embedding", "lm_head", "kda_attention", "mla_attention", "dense_ffn",
+                               "shared_experts", "latent_projections", "router", "norms_and_residual",
+                               "routed_experts"), (0, 0))
+        for name, param in self.named_parameters():
+            component, active = _component_of(self, name, param.numel())
+            total_so_far, active_so_far = parts[component]
+            parts[component] = (total_so_far + param.numel(), active_so_far + active)
+        return parts
+
+    # --- the forward pass ---------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> K3Cache:
+        """An empty cache for ``batch`` sequences of up to ``max_len`` tokens (MLA caches grow if exceeded)."""
+        return K3Cache([layer.mixer.new_cache(batch, max_len, device, dtype) for layer in self.layers])
+
+    def forward(self, tokens: torch.Tensor, cache: K3Cache | None = None, targets: torch.Tensor | None = None):
+        """tokens [B, T] int -> (logits [B, T, vocab], loss or None, cache).
+
+        The returned cache holds these tokens after the cached ones (a given cache is updated in place)."""
+        self._check_inputs(tokens, cache, targets)
+        stream = self.residual.begin(self.embed(tokens))
+        layer_caches = [None] * len(self.layers) if cache is None else cache.layers
+        new_caches = [layer(stream, layer_cache) for layer, layer_cache in zip(self.layers, layer_caches)]
+        hidden = self.final_norm(stream.final())
+        logits = hidden @ self.embed.weight.T if self.lm_head is None else self.lm_head(hidden)
+        loss = None if targets is None else self.loss(logits, targets)
+        if cache is None:
+            cache = K3Cache(new_caches)
+        return logits, loss, cache
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over labelled positions (fp32), plus the MoE auxiliary losses in training."""
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+        if self.training:
+            for moe in self.moe_layers():
+                loss = loss + moe.aux_loss + self.cfg.z_loss_weight * moe.z_loss
+        return loss
+
+    def _check_inputs(self, tokens, cache: K3Cache | None, targets) -> None:
+        """The model boundary: the one place values are checked (token ids in the vocabulary: one host read)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+            shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens must be an int tensor [B, T], got {shape}")
+        if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must hold at least one sequence of at least one token, got shape "
+                             f"{tuple(tokens.shape)}")
+        low, high = torch.aminmax(tokens)
+        if low < 0 or high >= self.cfg.vocab_size:
+            raise ValueError(f"tokens must be ids in [0, vocab_size = {self.cfg.vocab_size}), got ids in "
+                             f"[{int(low)}, {int(high)}]")
+        if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != tokens.shape):
+            raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, got "
+                             f"{tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__}")
+        if cache is None:
+            return
+        if not isinstance(cache, K3Cache) or len(cache.layers) != len(self.layers):
+            raise ValueError(f"cache must be a K3Cache from this model's new_cache ({len(self.layers)} layers)")
+        if cache.batch_size != tokens.shape[0]:
+            raise ValueError(f"cache holds {cache.batch_size} sequences but tokens has batch {tokens.shape[0]}")
+        kinds = [isinstance(c, KDACache) for c in cache.layers]
+        if kinds != [layer.mixer_kind == "kda" for layer in self.layers]:
+            raise ValueError("cache was made by a model with another layer schedule (KDA / MLA per layer)")
+
+    # --- generation ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, seed: int | None = None) -> torch.Tensor:
+        """Continue ``tokens`` [B, T] by ``max_new_tokens`` sampled tokens -> [B, T + max_new_tokens].
+
+        Prefill runs the prompt through once (the chunked KDA path for prompts longer than a chunk), then each
+        new token is one cached step: the KDA recurrent step and absorbed MLA. temperature 0 is greedy; top_k
+        keeps the k most likely tokens; seed makes the sampling reproducible.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int ≥ 0, got {max_new_tokens!r}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be ≥ 0, got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= self.cfg.vocab_size):
+            raise ValueError(f"top_k must be None or an int in [1, vocab_size = {self.cfg.vocab_size}], got {top_k!r}")
+        was_training = self.training
+        self.eval()
+        try:
+            generator = None if seed is None else torch.Generator(tokens.device).manual_seed(seed)
+            cache = self.new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens, device=tokens.device)
+            out, step_input = [tokens], tokens
+            for _ in range(max_new_tokens):
+                logits, _, cache = self(step_input, cache)
+                step_input = sample_next(logits[:, -1], temperature, top_k, generator)  # [B, 1]
+                out.append(step_input)
+            return torch.cat(out, dim=1)
+        finally:
+            self.train(was_training)
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from logits [B, vocab]: argmax when temperature is 0, else softmax(logits / temperature)
+    restricted to the top_k largest. Returns [B, 1] int64."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+
+
+# --- which parameter is what (init, weight decay, accounting) ------------------------------------------------
+
+_OUTPUT_PROJECTIONS = ("mixer.o_proj.weight", "mixer.out.weight", "ffn.down", "ffn.shared.down",
+                       "ffn.experts.down", "ffn.up_proj")
+_NO_DECAY = ("A_log", "dt_bias", "norm", "queries", "conv", "bias")
+
+
+def _is_output_projection(name: str) -> bool:
+    """The last map of a sub-layer (it writes into the residual stream): scaled init."""
+    return name.split(".", 2)[-1] in _OUTPUT_PROJECTIONS
+
+
+def _is_projection(name: str, param: torch.Tensor) -> bool:
+    """A matrix mapping activations (decayed, N(0, 0.02²) init) — not a norm, bias, rate, conv tap or query."""
+    return param.dim() >= 2 and not any(part in name for part in _NO_DECAY)
+
+
+def _component_of(model: K3Model, name: str, numel: int) -> tuple[str, int]:
+    """(component, active numel) of parameter ``name``: routed experts are active top_k / n_routed of the time."""
+    head = name.split(".")[0]
+    if head in ("embed", "lm_head"):
+        return ("embedding" if head == "embed" else "lm_head"), numel
+    if head in ("residual", "final_norm") or name.split(".")[2] in ("mixer_norm", "ffn_norm"):
+        return "norms_and_residual", numel
+    layer = model.layers[int(name.split(".")[1])]
+    if ".mixer." in name:
+        return f"{layer.mixer_kind}_attention", numel
+    if layer.ffn_kind == "dense":
+        return "dense_ffn", numel
+    if ".ffn.experts." in name:
+        return "routed_experts", numel // layer.ffn.n_routed * layer.ffn.top_k
+    if ".ffn.shared." in name:
+        return "shared_experts", numel
+    if name.endswith("ffn.router"):
+        return "router", numel
+    return "latent_projections", numel

@@ -1,0 +1,89 @@
+"""Per-rank functions that tests, the benchmark and notebook 13 run with :func:`k3course.distributed.run_ranks`.
+
+They live in the package because spawned processes import functions by module name. A case is a dict:
+kind 'moe' | 'latent', sizes (d, n, k, d_expert, n_shared), counts (tokens per rank), dedup, seed, and
+optionally hot (a bias that pulls tokens towards the first experts, so ranks receive very uneven loads).
+Every rank builds the same layer and the same global batch from the seed and keeps its own slice of it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from k3course.distributed.ep import ExpertParallelMoE
+from k3course.moe import LatentMoE, MoE
+
+
+def build_layer(case: dict) -> MoE:
+    """The case's layer, in training mode, built from its seed (the same on every rank)."""
+    cls = LatentMoE if case["kind"] == "latent" else MoE
+    generator = torch.Generator().manual_seed(case["seed"])
+    layer = cls(case["d"], case["n"], case["k"], n_shared=case.get("n_shared", 1), d_expert=case["d_expert"],
+                balancing=case.get("balancing", "quantile"), generator=generator)
+    if case.get("hot"):
+        layer.bias[: case["n"] // 4] = case["hot"]
+    return layer.train()
+
+
+def global_batch(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [Σ counts, d], g [Σ counts, d]): the tokens of all ranks, and fixed output weights for the loss Σ g ⊙ y."""
+    generator = torch.Generator().manual_seed(case["seed"] + 1)
+    m = sum(case["counts"])
+    return torch.randn(m, case["d"], generator=generator), torch.randn(m, case["d"], generator=generator)
+
+
+def rank_slice(case: dict, rank: int) -> slice:
+    """The rows of the global batch that ``rank`` holds."""
+    start = sum(case["counts"][:rank])
+    return slice(start, start + case["counts"][rank])
+
+
+def forward_backward(rank: int, world_size: int, case: dict) -> dict:
+    """On one rank: y, the loss Σ g ⊙ y's gradients by parameter name, the routing and the counted traffic."""
+    layer = ExpertParallelMoE.from_moe(build_layer(case), dedup=case.get("dedup", False))
+    x, g = (t[rank_slice(case, rank)] for t in global_batch(case))
+    y = layer(x)
+    (g * y).sum().backward()
+    _, _, expert_idx, _ = layer.route(x)
+    return {"y": y.detach(), "grads": {name: p.grad for name, p in layer.named_parameters()},
+            "expert_idx": expert_idx, "traffic": dict(layer.last_traffic),
+            "local_expert_range": layer.local_expert_range}
+
+
+def balancing_steps(rank: int, world_size: int, case: dict) -> dict:
+    """``case["steps"]`` training steps of this rank's slice, each a forward then :meth:`update_bias`.
+
+    The global batch of step s is drawn with seed + s. Returns per step the scores the update used [m_r, n],
+    the routing [m_r, k], and the bias before and after.
+    """
+    layer = ExpertParallelMoE.from_moe(build_layer(case), histogram_bins=case.get("bins", 256))
+    steps = {"scores": [], "expert_idx": [], "bias_before": [], "bias_after": []}
+    for step in range(case.get("steps", 2)):
+        x, _ = global_batch({**case, "seed": case["seed"] + step})
+        steps["bias_before"].append(layer.bias.clone())
+        with torch.no_grad():
+            layer(x[rank_slice(case, rank)])
+        steps["scores"].append(layer.last_scores)
+        steps["expert_idx"].append(layer.last_expert_idx)
+        layer.update_bias()
+        steps["bias_after"].append(layer.bias.clone())
+    return steps
+
+
+def run_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """Each case in turn, in one process group: 'balancing' cases by :func:`balancing_steps`, others by
+    :func:`forward_backward`."""
+    return [balancing_steps(rank, world_size, case) if case.get("test") == "balancing"
+            else forward_backward(rank, world_size, case) for case in cases]
+
+
+def failing(rank: int, world_size: int, how: str) -> None:
+    """A rank that fails: rank 1 raises (how='raise') or never joins the all-reduce the others wait in ('hang')."""
+    if rank == 1:
+        if how == "raise":
+            raise RuntimeError("rank 1 failed on purpose")
+        time.sleep(3600)
+    dist.all_reduce(torch.ones(1))

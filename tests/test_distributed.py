@@ -1,0 +1,146 @@
+"""Expert parallelism on gloo: P CPU processes give the single-process MoE's outputs, gradients and biases.
+
+Each world size is one spawned group running many cases (spawning costs seconds); the comparisons run here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3course.distributed import (ExpertParallelMoE, RankFailed, combine, dispatch_permutation, expert_ranges, inverse_permutation,
+                                  run_ranks, split_sizes, traffic_bytes)
+from k3course.distributed.workers import build_layer, failing, global_batch, run_cases
+from k3course.moe import MoE, expert_load, quantile_balance_bias, quantile_balance_bias_from_histograms, sign_rule_update
+from k3course.moe.balancing import margin_range
+
+BASE = dict(kind="moe", d=16, n=8, k=3, d_expert=8, seed=0)
+
+
+def _cases(counts: list[int], hot: float = 0.0) -> list[dict]:
+    """MoE and LatentMoE, naive and deduplicated dispatch, then quantile and sign balancing, on these counts."""
+    forward = [{**BASE, "kind": kind, "dedup": dedup, "counts": counts, "hot": hot}
+               for kind in ("moe", "latent") for dedup in (False, True)]
+    balancing = [{**BASE, "test": "balancing", "balancing": rule, "counts": counts, "steps": 2, "bins": 64}
+                 for rule in ("quantile", "sign")]
+    return forward + balancing
+
+
+WORLDS = {2: _cases([9, 14]), 3: _cases([7, 0, 12], hot=0.5), 4: _cases([5, 11, 0, 8], hot=1.0)}
+
+
+@pytest.fixture(scope="module", params=sorted(WORLDS), ids=lambda p: f"P={p}")
+def world(request):
+    """(P, cases, results[rank][case]) from one P-rank gloo group."""
+    cases = WORLDS[request.param]
+    return request.param, cases, run_ranks(run_cases, request.param, cases, timeout_s=240)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _single_process(case: dict) -> tuple[torch.Tensor, MoE]:
+    layer = build_layer(case)
+    x, g = global_batch(case)
+    y = layer(x)
+    (g * y).sum().backward()
+    return y.detach(), layer
+
+
+def test_forward_and_gradients_equal_one_process(world):
+    P, cases, results = world
+    for index, case in enumerate(cases[:4]):
+        y, layer = _single_process(case)
+        got = [rank_results[index] for rank_results in results]
+        assert _relative(torch.cat([r["y"] for r in got]), y) <= 1e-5, case
+        for name, param in layer.named_parameters():
+            if name.startswith("experts."):  # each rank holds the gradient of its own experts
+                for r in got:
+                    start, end = r["local_expert_range"]
+                    assert _relative(r["grads"][name], param.grad[start:end]) <= 1e-5, (case, name)
+            else:  # replicated: the sum of the ranks' contributions (the all-reduce)
+                assert _relative(sum(r["grads"][name] for r in got), param.grad) <= 1e-5, (case, name)
+
+
+def test_a_rank_with_zero_tokens_and_uneven_loads(world):
+    P, cases, results = world
+    counts = cases[0]["counts"]
+    if 0 in counts:
+        assert results[counts.index(0)][0]["y"].shape == (0, BASE["d"])
+    received = [r[0]["traffic"]["combine"] for r in results]  # bytes each rank's experts sent back
+    assert len(set(received)) == P  # every rank received a different number of rows
+
+
+def test_dedup_gives_identical_results(world):
+    P, cases, results = world
+    for naive, dedup in ((0, 1), (2, 3)):
+        for r in results:
+            assert torch.equal(r[naive]["y"], r[dedup]["y"])
+            for name, grad in r[naive]["grads"].items():
+                assert torch.allclose(r[dedup]["grads"][name], grad, rtol=1e-5, atol=1e-6), name
+    sent = [sum(r[index]["traffic"]["dispatch"] for r in results) for index in (0, 1)]
+    assert sent[1] < sent[0]  # with k = 3 of 8 experts some tokens have two experts on one rank
+
+
+def test_counted_bytes_equal_the_accounting(world):
+    P, cases, results = world
+    for index, case in enumerate(cases[:4]):
+        width = case["d"] // 2 if case["kind"] == "latent" else case["d"]
+        for rank, rank_results in enumerate(results):
+            r = rank_results[index]
+            expected = traffic_bytes(r["expert_idx"], case["n"], P, rank, width, 4, dedup=case["dedup"])
+            assert r["traffic"] == expected, (case, rank)
+
+
+def test_bias_identical_on_every_rank_and_equal_to_the_pooled_histogram(world):
+    P, cases, results = world
+    quantile, sign = len(cases) - 2, len(cases) - 1
+    for step in range(2):
+        for index in (quantile, sign):
+            biases = [r[index]["bias_after"][step] for r in results]
+            assert all(torch.equal(b, biases[0]) for b in biases), (index, step)
+        before = results[0][quantile]["bias_before"][step]
+        shards = [r[quantile]["scores"][step] for r in results]
+        k, n, bins = BASE["k"], BASE["n"], cases[quantile]["bins"]
+        pooled = quantile_balance_bias_from_histograms([s for s in shards if s.shape[0]], before, k, bins)
+        assert torch.equal(results[0][quantile]["bias_after"][step], pooled)
+        ranges = [margin_range(s, before, k) for s in shards if s.shape[0]]
+        bin_width = (max(r[1] for r in ranges) - min(r[0] for r in ranges)) / bins
+        exact = quantile_balance_bias(torch.cat(shards), before, k)
+        assert float((pooled - exact).abs().max()) <= bin_width
+        load = expert_load(torch.cat([r[sign]["expert_idx"][step] for r in results]), n)
+        sign_before = results[0][sign]["bias_before"][step]
+        expected = sign_rule_update(sign_before, load, build_layer(cases[sign]).gamma)
+        assert torch.equal(results[0][sign]["bias_after"][step], expected)
+
+
+def test_split_sizes_permutation_and_combine():
+    expert_idx = torch.tensor([[5, 0], [2, 7], [0, 3]])  # 3 tokens, k = 2, n = 8 experts on P = 3 ranks
+    assert expert_ranges(8, 3) == [(0, 3), (3, 6), (6, 8)]
+    assert split_sizes(expert_idx, 8, 3).tolist() == [3, 2, 1]
+    order = dispatch_permutation(expert_idx)
+    assert order.tolist() == [1, 4, 2, 5, 0, 3]  # slots of experts 0, 0, 2, 3, 5, 7
+    assert torch.equal(order[inverse_permutation(order)], torch.arange(6))
+    returned = torch.arange(6.0)[:, None]  # row r came back holding r
+    weights = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.25, 0.75]])
+    assert combine(returned, order, weights).flatten().tolist() == [2.0, 2.0, 2.5]
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="world_size"):
+        expert_ranges(4, 5)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ExpertParallelMoE.from_moe(MoE(8, 4, 2))
+    with pytest.raises(ValueError, match="world_size"):
+        run_ranks(failing, 0, "raise")
+
+
+def test_a_failing_rank_ends_the_others_with_its_error():
+    with pytest.raises(RankFailed, match="(?s)rank 1 failed first.*rank 1 failed on purpose"):
+        run_ranks(failing, 2, "raise", timeout_s=120)
+
+
+def test_a_hanging_rank_ends_the_others_within_the_collective_timeout():
+    with pytest.raises(RankFailed, match="(?is)rank 0 failed first.*timed? ?out"):
+        run_ranks(failing, 2, "hang", timeout_s=120, collective_timeout_s=3)

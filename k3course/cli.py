@@ -1,4 +1,4 @@
-"""The ``k3course`` command: doctor, build-exercises, progress, bench."""
+"""The ``k3course`` command: doctor, build-exercises, progress, bench, train, generate."""
 
 from __future__ import annotations
 
@@ -62,6 +62,35 @@ def _bench(args) -> int:
     return importlib.import_module(f"k3course.bench.{args.name}").main(args.options) or 0
 
 
+def _train(args) -> int:
+    from k3course.checkpoint import CheckpointError
+    from k3course.train import train_command
+
+    try:
+        summary = train_command(args.preset, args.steps, args.out, args.resume, args.device)
+    except (ValueError, OSError, CheckpointError) as error:
+        print(error, file=sys.stderr)
+        return 2
+    trigram = summary["baselines"]["trigram"]
+    print(f"step {summary['step']}: validation {summary['val_bpb']:.3f} bits/byte (byte trigram {trigram:.3f}) "
+          f"in {summary['seconds'] / 60:.1f} min; checkpoints, metrics.jsonl and loss.png in {summary['out']}")
+    return 0
+
+
+def _generate(args) -> int:
+    from k3course.checkpoint import CheckpointError
+    from k3course.train import generate_command
+
+    try:
+        text = generate_command(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                                args.seed)
+    except (ValueError, CheckpointError) as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
 def _doctor(args) -> int:
     from k3course.doctor import main as doctor_main
 
@@ -84,6 +113,21 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="which benchmark (moe, kda, kernels, ...)")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(run=_bench)
+    train = sub.add_parser("train", help="train a K3 preset on the standard library's source bytes")
+    train.add_argument("--preset", default="tiny", help="training preset: tiny (CPU, ≤ 10 min) or small (one GPU)")
+    train.add_argument("--steps", type=int, default=None, help="total optimizer steps of the run")
+    train.add_argument("--out", default=None, help="run folder for checkpoints and metrics (default runs/PRESET)")
+    train.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    train.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    train.set_defaults(run=_train)
+    generate = sub.add_parser("generate", help="continue a prompt with a trained checkpoint")
+    generate.add_argument("--checkpoint", required=True, help="a step-NNNNNN folder, or a run folder (latest)")
+    generate.add_argument("--prompt", default="def ", help="text to continue (UTF-8)")
+    generate.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
+    generate.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    generate.add_argument("--top-k", type=int, default=None, help="sample among the k most likely bytes")
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed")
+    generate.set_defaults(run=_generate)
     return top
 
 

@@ -1,0 +1,136 @@
+"""Checkpoints: one folder per optimizer step, written under a temporary name and renamed when complete.
+
+    out/step-000600/
+        model.safetensors   the weights and buffers (MoE balancing biases included), by name
+        config.json         {"model": K3Config fields, "train": TrainConfig fields, "step": 600}
+        state.pt            optimizer and scheduler state, torch RNG state, step
+
+A folder named ``step-*`` is complete by construction (the rename is the last thing that happens), so a crash
+while saving leaves a ``.tmp-*`` folder that is ignored, never a half-written checkpoint under a good name.
+Anything that cannot be read back, or does not fit the model it is loaded into, raises
+:class:`CheckpointError` naming the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from k3course.config import K3Config
+
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+FILES = ("model.safetensors", "config.json", "state.pt")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that is missing, incomplete, corrupt, or made for another model."""
+
+
+def step_dir(out: Path, step: int) -> Path:
+    """``out/step-NNNNNN``: the folder of the checkpoint taken after ``step`` optimizer steps."""
+    return Path(out) / f"step-{step:06d}"
+
+
+def checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``out`` as (step, folder), oldest first (temporary folders are skipped)."""
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), path) for path in out.iterdir() if (m := STEP_DIR.match(path.name)) and path.is_dir()]
+    return sorted(found)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The folder of the highest step in ``out``, or None when there is none."""
+    found = checkpoints(out)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer, scheduler, config: dict) -> Path:
+    """Write the checkpoint of ``step`` into ``out`` atomically; returns its folder.
+
+    ``config`` is JSON-serialisable ({"model": ..., "train": ...}); the step is added to it. An existing
+    checkpoint of the same step is replaced only once the new one is completely written.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    final = step_dir(out, step)
+    temporary = Path(tempfile.mkdtemp(dir=out, prefix=f".tmp-{final.name}-"))
+    try:
+        safetensors.torch.save_model(model, str(temporary / "model.safetensors"))
+        (temporary / "config.json").write_text(json.dumps({**config, "step": step}, indent=1))
+        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "rng": {"torch": torch.get_rng_state()}, "step": step}
+        if torch.cuda.is_available():
+            state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(state, temporary / "state.pt")
+        _swap_in(temporary, final)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return final
+
+
+def _swap_in(temporary: Path, final: Path) -> None:
+    """Rename ``temporary`` to ``final``; an old ``final`` is moved aside first and deleted after."""
+    if not final.exists():
+        os.rename(temporary, final)
+        return
+    aside = final.with_name(f".old-{final.name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(final, aside)
+    os.rename(temporary, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def read_config(folder: Path) -> dict:
+    """The checkpoint's config.json, with ``model`` turned back into a :class:`K3Config`."""
+    folder = _require_complete(Path(folder))
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        model_fields = {k: tuple(v) if isinstance(v, list) else v for k, v in config["model"].items()}
+        config["model"] = K3Config(**model_fields)
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"checkpoint: {folder}/config.json is unreadable or not a K3 config: {error}") from error
+    return config
+
+
+def load_weights(folder: Path, model: torch.nn.Module) -> None:
+    """Load model.safetensors into ``model`` (strict: every name and shape must match)."""
+    folder = _require_complete(Path(folder))
+    try:
+        missing, unexpected = safetensors.torch.load_model(model, str(folder / "model.safetensors"), strict=False,
+                                                           device=str(next(model.parameters()).device))
+    except (RuntimeError, OSError, safetensors.SafetensorError) as error:
+        raise CheckpointError(f"checkpoint: {folder}/model.safetensors does not fit this model: {error}") from error
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint: {folder} was saved from another model: missing {sorted(missing)}, "
+                              f"unexpected {sorted(unexpected)}")
+
+
+def load_state(folder: Path, optimizer, scheduler) -> int:
+    """Restore optimizer, scheduler and RNG state from state.pt; returns the step to continue from."""
+    folder = _require_complete(Path(folder))
+    try:
+        state = torch.load(folder / "state.pt", weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except (RuntimeError, OSError, KeyError, ValueError) as error:
+        raise CheckpointError(f"checkpoint: {folder}/state.pt is corrupt or from another optimizer: {error}") from error
+    torch.set_rng_state(state["rng"]["torch"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return int(state["step"])
+
+
+def _require_complete(folder: Path) -> Path:
+    missing = [name for name in FILES if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint: {folder} is not a checkpoint folder (missing {', '.join(missing)})")
+    return folder

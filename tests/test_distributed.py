@@ -144,3 +144,13 @@ def test_a_failing_rank_ends_the_others_with_its_error():
 def test_a_hanging_rank_ends_the_others_within_the_collective_timeout():
     with pytest.raises(RankFailed, match="(?is)rank 0 failed first.*timed? ?out"):
         run_ranks(failing, 2, "hang", timeout_s=120, collective_timeout_s=3)
+
+
+def test_bench_ep_prints_bandwidths_and_ratios(capsys):
+    from k3course.bench.ep import main
+
+    assert main(["--ranks", "2", "--m", "64", "--n", "8", "--repeats", "1", "--dedup"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("P=2:") and "GB/s" in line and "x raw" in line
+    ratio = float(line.split("achieves ")[1].split("x")[0])
+    assert 0 < ratio < 100

@@ -17,6 +17,7 @@ norm) get this rank's contribution only: sum (or average) them across ranks as D
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -87,6 +88,7 @@ class ExpertParallelMoE(MoE):
         self.local_expert_range = self.expert_ranges[self.rank]
         self.experts = local_experts(layer.experts, *self.local_expert_range)
         self.last_traffic: dict[str, int] = {}
+        self.last_exchange_seconds, self.time_exchanges = 0.0, False
 
     @classmethod
     def from_moe(cls, moe: MoE, group=None, dedup: bool = False, histogram_bins: int = 256) -> ExpertParallelMoE:
@@ -106,28 +108,48 @@ class ExpertParallelMoE(MoE):
         """E_{idx_ti}(z_t) for every token-slot, the experts living on whichever rank owns them.
 
         z [m, w] (w = d, or ℓ for LatentMoE), expert_idx [m, k] (global expert ids) -> [m, k, w], slot order.
+        Sets ``last_traffic`` and ``last_exchange_seconds`` (wall time in the exchanges, split-size exchange
+        included; on CUDA exact only with ``time_exchanges = True``, which synchronises).
         """
         m, k = expert_idx.shape
         order = dispatch_permutation(expert_idx)  # [m k]: slots by expert, hence by destination rank
-        slot_counts = expert_load(expert_idx, self.n_routed)  # [n]
+        started = self._clock(z)
+        received, recv_counts, send_splits, recv_splits = self._dispatch(z, expert_idx, order)
+        dispatched = self._clock(z)
+        outputs = self._run_local_experts(received, recv_counts)  # [R, w], same order as received
+        computed = self._clock(z)
+        returned = all_to_all(outputs, send_splits, recv_splits, self.group)  # [m k, w] in dispatch order
+        self.last_exchange_seconds = dispatched - started + self._clock(z) - computed
+        self.last_traffic["combine"] = self._remote_bytes(returned, send_splits)  # this rank's slots, back
+        return returned.index_select(0, inverse_permutation(order)).view(m, k, z.shape[1])
+
+    def _dispatch(self, z: torch.Tensor, expert_idx: torch.Tensor, order: torch.Tensor):
+        """Exchange split sizes, then send every slot's row to the rank owning its expert.
+
+        -> (received [R, w] grouped by source rank then local expert, recv_counts [P, E_r] rows per
+        (source, local expert), send_splits, recv_splits); sets ``last_traffic`` dispatch and metadata.
+        """
         sizes = [end - start for start, end in self.expert_ranges]  # experts per rank
         local_size = sizes[self.rank]
+        slot_counts = expert_load(expert_idx, self.n_routed)  # [n]
         recv_counts = exchange_counts(slot_counts, [local_size] * self.world_size, sizes, self.group)
         recv_counts = recv_counts.view(self.world_size, local_size)  # [P, E_r]: from source q for local expert e
         send_splits = split_sizes(expert_idx, self.n_routed, self.world_size).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        traffic = {"metadata": 8 * (self.n_routed - local_size)}
+        self.last_traffic = {"metadata": 8 * (self.n_routed - local_size)}
         if self.dedup:
-            received = self._dispatch_dedup(z, expert_idx, order, send_splits, recv_splits, traffic)
+            received = self._dispatch_dedup(z, expert_idx, order, send_splits, recv_splits)
         else:
-            sent = z.index_select(0, order // k)  # [m k, w]
-            traffic["dispatch"] = self._remote_bytes(sent, send_splits)
+            sent = z.index_select(0, order // expert_idx.shape[1])  # [m k, w]
+            self.last_traffic["dispatch"] = self._remote_bytes(sent, send_splits)
             received = all_to_all(sent, recv_splits, send_splits, self.group)  # [R, w]
-        outputs = self._run_local_experts(received, recv_counts)  # [R, w], same order as received
-        returned = all_to_all(outputs, send_splits, recv_splits, self.group)  # [m k, w] in dispatch order
-        traffic["combine"] = self._remote_bytes(returned, send_splits)  # this rank's slots, back from other ranks
-        self.last_traffic = traffic
-        return returned.index_select(0, inverse_permutation(order)).view(m, k, z.shape[1])
+        return received, recv_counts, send_splits, recv_splits
+
+    def _clock(self, like: torch.Tensor) -> float:
+        """perf_counter, after a CUDA synchronisation when ``time_exchanges`` is set and ``like`` is on a GPU."""
+        if self.time_exchanges and like.is_cuda:
+            torch.cuda.synchronize(like.device)
+        return time.perf_counter()
 
     @torch.no_grad()
     def update_bias(self) -> bool:
@@ -148,7 +170,7 @@ class ExpertParallelMoE(MoE):
         return True
 
     def _dispatch_dedup(self, z: torch.Tensor, expert_idx: torch.Tensor, order: torch.Tensor,
-                        send_splits: list[int], recv_splits: list[int], traffic: dict) -> torch.Tensor:
+                        send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Send each (destination rank, token) pair once, plus per slot the index of its pair's row.
 
         The receiver expands pairs to slots, giving the same [R, w] rows as the naive dispatch.
@@ -165,8 +187,8 @@ class ExpertParallelMoE(MoE):
         recv_index = exchange(index, recv_splits, send_splits, self.group).to(torch.int64)
         source = torch.repeat_interleave(torch.arange(self.world_size, device=device),
                                          torch.tensor(recv_splits, device=device))
-        traffic["dispatch"] = self._remote_bytes(sent, pair_send)
-        traffic["metadata"] += 8 * (self.world_size - 1) + self._remote_bytes(index, send_splits)
+        self.last_traffic["dispatch"] = self._remote_bytes(sent, pair_send)
+        self.last_traffic["metadata"] += 8 * (self.world_size - 1) + self._remote_bytes(index, send_splits)
         start = _exclusive_cumsum(torch.tensor(pair_recv, device=device))
         return rows.index_select(0, recv_index + start[source])
 

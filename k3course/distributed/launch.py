@@ -25,11 +25,14 @@ class RankFailed(RuntimeError):
     """A rank of :func:`run_ranks` raised; the message holds the traceback of the rank that failed first."""
 
 
-def _worker(rank: int, fn, world_size: int, folder: str, args: tuple, collective_timeout_s: float) -> None:
+def _worker(rank: int, fn, world_size: int, folder: str, args: tuple, collective_timeout_s: float,
+            backend: str) -> None:
     """One spawned rank: join the group, run fn(rank, world_size, *args), save its result (or the time and
     traceback of its error), leave the group."""
     torch.set_num_threads(1)  # P processes share the cores: one thread each avoids OpenMP oversubscription
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # rank r drives GPU r
+    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
     try:
         result = fn(rank, world_size, *args)
@@ -41,17 +44,23 @@ def _worker(rank: int, fn, world_size: int, folder: str, args: tuple, collective
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, collective_timeout_s: float = 60.0) -> list:
-    """[fn(0, P, *args), …, fn(P−1, P, *args)], each run in its own process of a P-rank gloo group.
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, collective_timeout_s: float = 60.0,
+              backend: str = "gloo") -> list:
+    """[fn(0, P, *args), …, fn(P−1, P, *args)], each run in its own process of a P-rank process group.
 
+    backend 'gloo' (CPU processes) or 'nccl' (rank r on GPU r; needs P GPUs).
     fn must be importable by name (a function of a module in the package, not of a test file or __main__).
     Raises :class:`RankFailed` with the traceback of the first rank that raised (the others then fail too: their
     peer is gone), and TimeoutError naming the ranks still running after timeout_s seconds.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend 'nccl' needs world_size = {world_size} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory(prefix="k3course_ep_") as folder:
-        context = mp.start_processes(_worker, args=(fn, world_size, folder, args, collective_timeout_s),
+        context = mp.start_processes(_worker, args=(fn, world_size, folder, args, collective_timeout_s, backend),
                                      nprocs=world_size, join=False, start_method="spawn")
         try:
             _join(context, world_size, timeout_s)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
+import re
+import time
+
+import nbformat
 import numpy as np
 import pytest
 import torch
-from helpers import notebooks, wrong_answers
+from helpers import ROOT, notebooks, wrong_answers
 
 from k3course.grading import Case, Exercise, ExerciseFailed, ExerciseNotDone, all_exercises, check, get_exercise
 from k3course.grading.compare import explain_difference
-from k3course.grading.notebooks import check_ids
+from k3course.grading.isolation import ChildCrashed, can_isolate, run_isolated
+from k3course.grading.notebooks import check_ids, execute
 from k3course.grading.registry import _EXERCISES
 
 EXERCISES = sorted(all_exercises())
@@ -64,9 +71,148 @@ def test_failure_names_case_and_index_but_not_expected_values(toy_exercise):
     with pytest.raises(ExerciseFailed) as failure:
         check(toy_exercise, lambda x: x.cumsum(0) * 7.0)
     message = str(failure.value)
-    assert "case 'seeded'" in message and "first bad index (1,)" in message
+    assert "case 'seeded'" in message and "first at index (1,)" in message
     assert "7.25" not in message and "108.75" not in message  # reference values stay hidden
     assert len(message.splitlines()) == 3
+
+
+def test_a_zero_answer_learns_nothing_from_its_message(toy_exercise):
+    with pytest.raises(ExerciseFailed) as failure:
+        check(toy_exercise, torch.zeros_like)
+    message = str(failure.value)
+    assert "108.75" not in message and "109" not in message and "1.09e+02" not in message  # the reference's max
+    assert "50% or more" in message
+
+
+def _zeroed(output):
+    """The reference's output with every number set to zero (same structure, types, shapes and dtypes)."""
+    if isinstance(output, torch.Tensor):
+        return torch.zeros_like(output)
+    if isinstance(output, tuple | list):
+        return type(output)(_zeroed(item) for item in output)
+    return None if output is None else type(output)(0)
+
+
+def _largest_number(output) -> float:
+    if isinstance(output, torch.Tensor):
+        return float(output.abs().max()) if output.numel() else 0.0
+    if isinstance(output, tuple | list):
+        return max((_largest_number(item) for item in output), default=0.0)
+    return abs(float(output)) if isinstance(output, int | float) else 0.0
+
+
+@pytest.mark.parametrize("exercise_id", EXERCISES)
+def test_messages_do_not_reveal_the_expected_maximum(exercise_id):
+    """Answering zeros (the classic probe) fails without the message naming the largest expected value."""
+    exercise = get_exercise(exercise_id)
+    first = exercise.cases()[0]
+    want = exercise.reference(*copy.deepcopy(first.args), **copy.deepcopy(first.kwargs))
+    largest = _largest_number(want)
+    with pytest.raises(ExerciseFailed) as failure:
+        check(exercise_id, lambda *args, **kwargs: _zeroed(want))
+    message = str(failure.value)
+    assert len(message.splitlines()) <= 3, message
+    reason = re.sub(r"\(rtol [^)]*\)", "", message.split("\n", 1)[-1])  # the tolerances are no secret
+    shown = [float(token) for token in re.findall(r"\d+\.\d+(?:e[+-]?\d+)?|\d+e[+-]?\d+", reason)]
+    assert not [x for x in shown if largest and abs(x - largest) <= 0.01 * largest], (
+        f"the message shows the largest expected value ({largest:.3g}): {message}")
+
+
+def test_a_scalar_message_says_how_far_only_in_bands():
+    reason = explain_difference(1.2345, 1.0)
+    assert "10% to 100%" in reason and "0.234" not in reason and "1.0" not in reason
+    assert "more than 100%" in explain_difference(0, 17)
+
+
+def test_none_against_a_tensor_is_one_short_line():
+    reason = explain_difference((torch.ones(3), torch.randn(64, 64)), (torch.ones(3), None))
+    assert reason == "output[1]: expected None, got a Tensor of shape (64, 64)"
+    assert "tensor(" not in explain_difference(torch.randn(64, 64), 3)
+
+
+def peek_at_the_graders_frames(*args, **kwargs):
+    """A cheat: look up the stack for the grader's expected value."""
+    frame = inspect.currentframe().f_back
+    while frame is not None:
+        for name in ("want", "expected", "reference_output"):
+            if name in frame.f_locals:
+                return frame.f_locals[name]
+        frame = frame.f_back
+    raise LookupError("no expected value on the stack")
+
+
+@pytest.mark.parametrize("exercise_id", EXERCISES)
+def test_reading_the_expected_value_from_the_graders_frames_fails(exercise_id):
+    with pytest.raises(ExerciseFailed, match="LookupError: no expected value on the stack"):
+        check(exercise_id, peek_at_the_graders_frames)
+
+
+def test_an_input_changed_in_place_fails_unless_the_exercise_allows_it(toy_exercise):
+    def doubles_in_place(x):
+        return x.mul_(2).cumsum(0) * 7.25 / 2
+
+    with pytest.raises(ExerciseFailed, match=r"changed its input `x` in place"):
+        check(toy_exercise, doubles_in_place)
+    allowed = Exercise("99.toy_in_place", _EXERCISES[toy_exercise].reference, _EXERCISES[toy_exercise].cases,
+                       mutable=("x",))
+    _EXERCISES[allowed.id] = allowed
+    try:
+        check(allowed.id, lambda x: x.mul_(1).cumsum(0) * 7.25)
+    finally:
+        del _EXERCISES[allowed.id]
+
+
+def test_a_learners_long_error_is_cut_to_its_first_line(toy_exercise):
+    def raises_a_page(x):
+        raise ValueError("first line\n" + "more\n" * 50)
+
+    with pytest.raises(ExerciseFailed) as failure:
+        check(toy_exercise, raises_a_page)
+    assert str(failure.value).endswith("raised ValueError: first line")
+
+
+def test_a_forbidden_solver_is_refused_but_forward_substitution_passes():
+    from k3course.attention.chunk import ut_transform
+
+    def by_solver(A_kk, beta):
+        return torch.linalg.inv(torch.eye(A_kk.shape[-1], dtype=A_kk.dtype) + A_kk) * beta.unsqueeze(-2)
+
+    with pytest.raises(ExerciseFailed, match="your code called inv: this exercise asks for forward substitution"):
+        check("07.ut_transform", by_solver)
+    check("07.ut_transform", ut_transform)  # the package's own code may use anything it likes
+
+
+@pytest.mark.skipif(not can_isolate(), reason="needs fork and no initialised CUDA")
+def test_a_crashing_kernel_fails_its_check_quickly_and_names_the_cause():
+    crashing = next(fn for fn in WRONG["08.l2norm_rows"] if fn.__name__ == "l2norm_unmasked_store_crashes")
+    start = time.perf_counter()
+    with pytest.raises(ExerciseFailed, match=r"crashed the process \(SIGSEGV\): most likely a tl.load or tl.store"):
+        check("08.l2norm_rows", crashing)
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.skipif(not can_isolate(), reason="needs fork and no initialised CUDA")
+def test_an_endless_answer_times_out():
+    with pytest.raises(ChildCrashed, match="ran for more than 1 s"):
+        run_isolated(lambda: time.sleep(30), timeout=1)
+    assert run_isolated(lambda: torch.ones(3).sum().item()) == 3.0
+
+
+@pytest.mark.skipif(not can_isolate(), reason="needs fork and no initialised CUDA")
+def test_a_notebook_whose_kernel_crashes_fails_its_check_and_keeps_running(tmp_path):
+    wrong = (ROOT / "tests" / "wrong" / "ch08_triton.py").read_text()
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(wrong),
+        nbformat.v4.new_code_cell("from k3course.grading import check\n"
+                                  'check("08.l2norm_rows", l2norm_unmasked_store_crashes)'),
+        nbformat.v4.new_code_cell("print('the kernel survived')")])
+    path = tmp_path / "crash.ipynb"
+    nbformat.write(nb, path)
+    start = time.perf_counter()
+    ran, results = execute(path, timeout=60)
+    assert time.perf_counter() - start < 60
+    assert results[1].error_name == "ExerciseFailed" and "crashed the process" in results[1].error_value
+    assert results[2].error_name is None and "the kernel survived" in ran.cells[2].outputs[0].text
 
 
 def test_shape_and_dtype_and_type_mismatches_are_named(toy_exercise):

@@ -1,12 +1,23 @@
-"""``check(exercise_id, fn)``: grade a learner's function against the package reference."""
+"""``check(exercise_id, fn)``: grade a learner's function against the package reference.
+
+For every case the learner's function runs first, on its own copy of the inputs; only then is the reference
+computed, so no expected value exists anywhere on the stack while the learner's code runs. After the call the
+inputs are compared with the originals: an answer that changes its inputs in place fails, unless the exercise
+allows it.
+"""
 
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
-from k3course.grading.compare import explain_difference
-from k3course.grading.registry import get_exercise
+import torch
+
+from k3course.grading.compare import describe, explain_difference
+from k3course.grading.forbid import refusing
+from k3course.grading.isolation import ChildCrashed, can_isolate, run_isolated
+from k3course.grading.registry import Case, Exercise, get_exercise
 
 
 class ExerciseNotDone(Exception):
@@ -17,33 +28,92 @@ class ExerciseFailed(AssertionError):
     """Raised when the learner's function runs but disagrees with the reference on some case."""
 
 
-def _call(fn, case) -> Any:
-    return fn(*copy.deepcopy(case.args), **copy.deepcopy(case.kwargs))
+def _first_line(error: BaseException, limit: int = 200) -> str:
+    text = str(error).strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _learner_call(fn, case: Case, exercise: Exercise):
+    """Run ``fn`` on a copy of the case's inputs; return its output and the inputs as it left them."""
+    args, kwargs = copy.deepcopy(case.args), copy.deepcopy(case.kwargs)
+    with refusing(exercise.forbidden):
+        output = fn(*args, **kwargs)
+    return output, args, kwargs
+
+
+def _same(before: Any, after: Any) -> bool:
+    """Exact equality of an input before and after a call (tensors: same dtype, shape and bits)."""
+    if isinstance(before, torch.Tensor):
+        return (isinstance(after, torch.Tensor) and before.dtype == after.dtype and before.shape == after.shape
+                and torch.equal(before, after))
+    if isinstance(before, list | tuple):
+        return (isinstance(after, list | tuple) and len(before) == len(after)
+                and all(_same(b, a) for b, a in zip(before, after)))
+    if isinstance(before, dict):
+        return isinstance(after, dict) and before.keys() == after.keys() and all(
+            _same(before[key], after[key]) for key in before)
+    return before == after
+
+
+def _changed_input(exercise: Exercise, case: Case, args: tuple, kwargs: dict) -> str | None:
+    """The name of the first input the learner's call changed in place (and may not), else None."""
+    names = list(inspect.signature(exercise.reference).parameters)
+    for position, (before, after) in enumerate(zip(case.args, args)):
+        name = names[position] if position < len(names) else f"argument {position + 1}"
+        if name not in exercise.mutable and not _same(before, after):
+            return name
+    for name, before in case.kwargs.items():
+        if name not in exercise.mutable and not _same(before, kwargs[name]):
+            return name
+    return None
+
+
+def _run_learner(fn, case: Case, exercise: Exercise, where: str):
+    """The learner's (output, args, kwargs) for one case; their errors become ExerciseNotDone/ExerciseFailed."""
+    __tracebackhide__ = True
+    try:
+        if exercise.isolate and can_isolate():
+            return run_isolated(lambda: _learner_call(fn, case, exercise))
+        return _learner_call(fn, case, exercise)
+    except NotImplementedError:
+        raise ExerciseNotDone(f"{exercise.id} is not done yet: replace the NotImplementedError stub "
+                              "with your code") from None
+    except ChildCrashed as crash:
+        raise ExerciseFailed(f"{where}: {crash}") from None
+    except Exception as error:  # the learner's bug, reported as a failed case
+        raise ExerciseFailed(f"{where}: your function raised {type(error).__name__}: "
+                             f"{_first_line(error)}") from error
+
+
+def _grade_case(fn, case: Case, exercise: Exercise, n_cases: int) -> None:
+    """Run one case: the learner first, then the inputs, then the reference; raise on the first problem."""
+    __tracebackhide__ = True
+    where = f"{exercise.id}, case '{case.name}'"
+    got, args, kwargs = _run_learner(fn, case, exercise, where)
+    changed = _changed_input(exercise, case, args, kwargs)
+    if changed is not None:
+        raise ExerciseFailed(f"{where}: your function changed its input `{changed}` in place\n"
+                             "  leave inputs unchanged: compute new tensors (x * a, x.clone()) instead of "
+                             "in-place ops (x.mul_(a), x[...] = ..., x += ...)")
+    want = exercise.reference(*copy.deepcopy(case.args), **copy.deepcopy(case.kwargs))
+    reason = explain_difference(got, want, exercise.tolerance)
+    if reason:
+        raise ExerciseFailed(f"{where} ({n_cases} cases in all):\n{reason}")
 
 
 def check(exercise_id: str, fn) -> None:
     """Run ``fn`` on every seeded case of ``exercise_id`` and compare it with the reference.
 
     Success prints one deterministic line. A stub raises :class:`ExerciseNotDone`; a wrong answer raises
-    :class:`ExerciseFailed` whose message names the case and what differs, never the expected values.
+    :class:`ExerciseFailed` whose message (at most three lines) names the case and what differs, never the
+    expected values.
     """
+    __tracebackhide__ = True
     exercise = get_exercise(exercise_id)
     if not callable(fn):
-        raise TypeError(f"fn must be the function you wrote for {exercise_id}, got {type(fn).__name__}")
+        raise TypeError(f"fn must be the function you wrote for {exercise_id}, got {describe(fn)}")
     cases = exercise.cases()
     for case in cases:
-        want = _call(exercise.reference, case)
-        try:
-            got = _call(fn, case)
-        except NotImplementedError:
-            raise ExerciseNotDone(f"{exercise_id} is not done yet: replace the NotImplementedError stub "
-                                  "with your code") from None
-        except Exception as error:  # the learner's bug, reported as a failed case
-            raise ExerciseFailed(f"{exercise_id}, case '{case.name}': your function raised "
-                                 f"{type(error).__name__}: {error}") from error
-        if exercise.normalize is not None:
-            got, want = exercise.normalize(got), exercise.normalize(want)
-        reason = explain_difference(got, want, exercise.tolerance)
-        if reason:
-            raise ExerciseFailed(f"{exercise_id}, case '{case.name}' ({len(cases)} cases in all):\n{reason}")
+        _grade_case(fn, case, exercise, len(cases))
     print(f"{exercise_id}: passed all {len(cases)} cases")

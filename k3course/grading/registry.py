@@ -23,21 +23,38 @@ class Case:
 
 
 @dataclass(frozen=True)
+class Forbidden:
+    """Torch functions an exercise's answer must not call (matched by name), and why, for the message.
+
+    Only calls made from the learner's own code count: torch's and Triton's internals may call anything.
+    """
+
+    names: frozenset[str]
+    why: str
+
+
+@dataclass(frozen=True)
 class Exercise:
     """An exercise the learner solves and :func:`k3course.grading.check` grades.
 
     id:        "NN.name", e.g. "01.topk_route" (NN = chapter).
     reference: the package function the learner's answer is compared with.
     cases:     builds the seeded input cases (called fresh for every check, so inputs can't leak state).
-    normalize: optional map applied to both outputs before comparing (e.g. sort top-k indices per row).
     tolerance: optional {dtype name: (rtol, atol)} overriding the default table for this exercise.
+    mutable:   names of the arguments the exercise allows to change in place (every other input must come
+               back unchanged).
+    forbidden: torch functions the answer must not call (e.g. a triangular solver), or None.
+    isolate:   run the answer in a forked child process, so that a crash (a Triton kernel's unmasked store)
+               or a hang fails the check with a message instead of killing the notebook's kernel.
     """
 
     id: str
     reference: Callable[..., Any]
     cases: Callable[[], list[Case]]
-    normalize: Callable[[Any], Any] | None = None
     tolerance: dict[str, tuple[float, float]] = field(default_factory=dict)
+    mutable: tuple[str, ...] = ()
+    forbidden: Forbidden | None = None
+    isolate: bool = False
 
 
 _EXERCISES: dict[str, Exercise] = {}

@@ -50,8 +50,46 @@ def recurrent_ignoring_initial_state(q, k, v, g, beta, scale=None, initial_state
     return gdn_recurrent(q, k, v, g, beta, scale=scale, output_final_state=output_final_state)
 
 
+
+def delta_in_place(state, q, k, v, beta):
+    """The right update, added to the caller's state in place (state += ...)."""
+    error = v - _read(state, k)
+    state += _outer(beta.unsqueeze(-1) * k, error)
+    return _read(state, q), state
+
+
+def delta_normalises_keys(state, q, k, v, beta):
+    """Normalises k "because KDA does": right for unit keys only (the layer normalises, not the rule)."""
+    k = torch.nn.functional.normalize(k, dim=-1)
+    error = v - _read(state, k)
+    state = state + _outer(beta.unsqueeze(-1) * k, error)
+    return _read(state, q), state
+
+
+def gdn_step_in_float32(state, q, k, v, g, beta):
+    """Casts everything to float32."""
+    state, q, k, v, g, beta = (x.float() for x in (state, q, k, v, g, beta))
+    decayed = g.exp()[..., None, None] * state
+    state = decayed + _outer(beta.unsqueeze(-1) * k, v - _read(decayed, k))
+    return _read(state, q), state
+
+
+def recurrent_state_in_input_dtype(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """Runs the recurrence in the input dtype: a bfloat16 state (fla and the package keep it float32)."""
+    from k3course.attention.recurrent import gdn_step
+
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    state = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
+    outputs = []
+    for t in range(T):
+        o_t, state = gdn_step(state, q[:, t] * scale, k[:, t], v[:, t], g[:, t], beta[:, t])
+        outputs.append(o_t)
+    return torch.stack(outputs, 1), (state if output_final_state else None)
+
+
 WRONG = {
-    "05.delta_step": [delta_without_error, delta_beta_on_value_only],
-    "05.gdn_step": [gdn_decay_after_update, gdn_error_against_undecayed_state],
-    "05.gdn_recurrent": [recurrent_without_scale, recurrent_ignoring_initial_state],
+    "05.delta_step": [delta_without_error, delta_beta_on_value_only, delta_in_place, delta_normalises_keys],
+    "05.gdn_step": [gdn_decay_after_update, gdn_error_against_undecayed_state, gdn_step_in_float32],
+    "05.gdn_recurrent": [recurrent_without_scale, recurrent_ignoring_initial_state, recurrent_state_in_input_dtype],
 }

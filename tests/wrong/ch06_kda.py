@@ -52,8 +52,35 @@ def conv_ignoring_cache(x, weight, cache=None):
     return y, tail
 
 
+
+def kda_normalises_keys(state, q, k, v, g, beta):
+    """Normalises k inside the step: right for unit keys only."""
+    k = F.normalize(k, dim=-1)
+    decayed = g.exp().unsqueeze(-1) * state
+    state = decayed + (beta.unsqueeze(-1) * k).unsqueeze(-1) * (v - _read(decayed, k)).unsqueeze(-2)
+    return _read(state, q), state
+
+
+def gate_naive_softplus(z, A_log, dt_bias, lower_bound=-5.0):
+    """softplus as log(1 + e^x): inf for x > 88 in fp32."""
+    rate = A_log.exp()[:, None]
+    if lower_bound is None:
+        return -rate * torch.log(1 + torch.exp(z + dt_bias))
+    return lower_bound * torch.sigmoid(rate * (z + dt_bias))
+
+
+def conv_zeros_in_float32(x, weight, cache=None):
+    """Pads with torch.zeros(...) of the default dtype: float64 inputs get a float32 result."""
+    width = weight.shape[-1]
+    if cache is None:
+        cache = torch.zeros(x.shape[0], width - 1, x.shape[-1])
+    padded = torch.cat([cache.float(), x.float()], dim=1)
+    y = F.conv1d(padded.transpose(1, 2), weight.float().unsqueeze(1), groups=x.shape[-1]).transpose(1, 2)
+    return y, padded[:, padded.shape[1] - (width - 1):]
+
+
 WRONG = {
-    "06.kda_step": [kda_decay_after_delta, kda_one_rate_per_head],
-    "06.kda_gate": [gate_unbounded_always, gate_without_exp],
-    "06.short_conv": [conv_not_causal, conv_ignoring_cache],
+    "06.kda_step": [kda_decay_after_delta, kda_one_rate_per_head, kda_normalises_keys],
+    "06.kda_gate": [gate_unbounded_always, gate_without_exp, gate_naive_softplus],
+    "06.short_conv": [conv_not_causal, conv_ignoring_cache, conv_zeros_in_float32],
 }

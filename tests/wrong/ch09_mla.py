@@ -63,9 +63,37 @@ def cache_rope_per_head(n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
     return kv_lora_rank + n_heads * qk_rope_head_dim
 
 
+
+def compress_kv_eps_outside_sqrt(x, kv_down_weight, kv_norm_weight, kv_lora_rank):
+    """c / (sqrt(mean c²) + eps): the same as RMSNorm unless the latent is tiny."""
+    compressed = x @ kv_down_weight.T
+    latent = compressed[..., :kv_lora_rank]
+    latent = latent / (latent.square().mean(-1, keepdim=True).sqrt() + 1e-6) * kv_norm_weight
+    return latent, compressed[..., kv_lora_rank:]
+
+
+def probs_softmax_without_max(q_nope, q_rope, k_nope, k_rope):
+    """softmax as e^s / Σ e^s without subtracting the row max: inf / inf = NaN for large scores."""
+    scale = (q_nope.shape[-1] + q_rope.shape[-1]) ** -0.5
+    e = torch.exp(_causal(_scores(q_nope, q_rope, k_nope, k_rope) * scale).float())
+    return e / e.sum(-1, keepdim=True)
+
+
+def probs_in_input_dtype(q_nope, q_rope, k_nope, k_rope):
+    """Softmax in the inputs' dtype (bfloat16 weights; the exercise asks for fp32)."""
+    scale = (q_nope.shape[-1] + q_rope.shape[-1]) ** -0.5
+    return torch.softmax(_causal(_scores(q_nope, q_rope, k_nope, k_rope) * scale), dim=-1)
+
+
+def absorb_query_in_float32(q_nope, k_up):
+    """Casts to float32 whatever the input dtype."""
+    return torch.einsum("bthn,hnr->bthr", q_nope.float(), k_up.float())
+
+
 WRONG = {
-    "09.compress_kv": [compress_kv_norm_includes_rope, compress_kv_no_norm],
-    "09.attention_probs": [probs_scale_nope_only, probs_softmax_over_queries, probs_not_causal],
-    "09.absorb_query": [absorb_query_scaled, absorb_query_first_head],
+    "09.compress_kv": [compress_kv_norm_includes_rope, compress_kv_no_norm, compress_kv_eps_outside_sqrt],
+    "09.attention_probs": [probs_scale_nope_only, probs_softmax_over_queries, probs_not_causal,
+                           probs_softmax_without_max, probs_in_input_dtype],
+    "09.absorb_query": [absorb_query_scaled, absorb_query_first_head, absorb_query_in_float32],
     "09.mla_cache_numbers": [cache_full_keys_and_values, cache_rope_per_head],
 }

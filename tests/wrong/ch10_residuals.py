@@ -67,8 +67,37 @@ def read_full_attnres(embedding, outputs, query, block_size):
     return depth_attention(query, torch.stack([embedding, *outputs]))[0]
 
 
+
+def depth_softmax_without_max(query, sources):
+    """softmax over depth as e^s / Σ e^s: inf / inf = NaN for a large query."""
+    e = torch.exp(_keys(sources) @ query)
+    weights = e / e.sum(0, keepdim=True)
+    return torch.einsum("nbt,nbtd->btd", weights, sources), weights
+
+
+def sources_sum_into_first_output(embedding, outputs, block_size):
+    """Accumulates each block into its first output (total = block[0]; total += ...): changes the caller's list."""
+    sources = [embedding]
+    for start in range(0, len(outputs), block_size):
+        block = outputs[start:start + block_size]
+        total = block[0]
+        for output in block[1:]:
+            total += output
+        sources.append(total)
+    return torch.stack(sources)
+
+
+def read_in_float32(embedding, outputs, query, block_size):
+    """The right read, cast to float32."""
+    from k3course.residual import block_attnres_read
+
+    return block_attnres_read(embedding.float(), [o.float() for o in outputs], query.float(), block_size)
+
+
 WRONG = {
-    "10.depth_attention": [depth_softmax_over_tokens, depth_no_key_norm, depth_scaled_by_sqrt_d],
-    "10.block_sources": [sources_zero_partial, sources_every_output, sources_embedding_in_first_block],
-    "10.block_attnres_read": [read_standard_residual, read_uniform_average, read_full_attnres],
+    "10.depth_attention": [depth_softmax_over_tokens, depth_no_key_norm, depth_scaled_by_sqrt_d,
+                           depth_softmax_without_max],
+    "10.block_sources": [sources_zero_partial, sources_every_output, sources_embedding_in_first_block,
+                         sources_sum_into_first_output],
+    "10.block_attnres_read": [read_standard_residual, read_uniform_average, read_full_attnres, read_in_float32],
 }

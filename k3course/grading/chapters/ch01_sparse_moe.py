@@ -18,13 +18,6 @@ def _scores(m: int, n: int, seed: int, softmax: bool = False) -> torch.Tensor:
     return torch.softmax(logits, -1) if softmax else torch.sigmoid(logits)
 
 
-def _sort_rows_by_expert(output):
-    """Compare routes as sets: order each row's (expert, weight) pairs by expert id."""
-    expert_idx, weights = output
-    order = expert_idx.argsort(dim=1)
-    return expert_idx.gather(1, order), weights.gather(1, order)
-
-
 def _topk_cases() -> list[Case]:
     ties = torch.tensor([[0.5, 0.5, 0.5, 0.2, 0.5], [0.9, 0.3, 0.3, 0.3, 0.1], [0.6, 0.6, 0.6, 0.6, 0.6]])
     return [
@@ -35,6 +28,7 @@ def _topk_cases() -> list[Case]:
         Case("one expert wins every token (bias +10)", (_scores(20, 6, 5), 2, torch.tensor([0, 0, 10.0, 0, 0, 0]))),
         Case("ties: lower index first", (ties, 2)),
         Case("softmax scores, no renormalisation", (_scores(33, 8, 6, softmax=True), 3), {"renormalize": False}),
+        Case("float64 scores: weights keep the scores' dtype", (_scores(19, 8, 7).double(), 3)),
     ]
 
 
@@ -45,6 +39,8 @@ def _dispatch_cases() -> list[Case]:
         Case("m=37, k=3, n=8, expert 5 empty", (empty, 8)),
         Case("one expert takes every token", (torch.full((10, 1), 2), 4)),
         Case("m=1", (torch.tensor([[3, 0, 1]]), 4)),
+        Case("int32 expert ids: order is still int64", (torch.randint(0, 5, (9, 2), generator=_generator(14),
+                                                                       dtype=torch.int32), 5)),
     ]
 
 
@@ -54,7 +50,8 @@ def _unsort_cases() -> list[Case]:
     rows = torch.randn(order.numel(), 5, generator=_generator(9))
     single_order, _ = sort_by_expert(torch.tensor([[2, 0], [1, 2]]), 3)
     return [Case("m=37, k=3, n=8", (rows, order)),
-            Case("4 slots", (torch.arange(4.0)[:, None], single_order))]
+            Case("4 slots", (torch.arange(4.0)[:, None], single_order)),
+            Case("float64 rows keep their dtype", (rows.double(), order))]
 
 
 def _aux_cases() -> list[Case]:
@@ -64,6 +61,7 @@ def _aux_cases() -> list[Case]:
         Case("m=37, n=8, k=2", (probs, topk_route(probs, 2)[0]), {"alpha": 0.01}),
         Case("skewed router, k=4", (skewed, topk_route(skewed, 4)[0])),
         Case("balanced: loss = alpha", (torch.full((8, 4), 0.25), torch.arange(8)[:, None] % 4), {"alpha": 0.1}),
+        Case("float64 probabilities", (probs.double(), topk_route(probs, 2)[0])),
     ]
 
 
@@ -72,10 +70,13 @@ def _sign_cases() -> list[Case]:
     return [
         Case("random load", (0.01 * torch.randn(8, generator=_generator(13)), load, 1e-3)),
         Case("balanced experts stay put", (torch.tensor([0.1, -0.2, 0.0, 0.1]), torch.tensor([5, 5, 3, 7]), 0.05)),
+        Case("mean load 3.25 is not an integer", (torch.zeros(4), torch.tensor([2, 3, 4, 4]), 0.1)),
+        Case("bfloat16 bias keeps its dtype", (torch.tensor([0.5, -0.25, 0.0], dtype=torch.bfloat16),
+                                                torch.tensor([1, 7, 4]), 0.125)),
     ]
 
 
-register(Exercise("01.topk_route", topk_route, _topk_cases, normalize=_sort_rows_by_expert))
+register(Exercise("01.topk_route", topk_route, _topk_cases))
 register(Exercise("01.sort_by_expert", sort_by_expert, _dispatch_cases))
 register(Exercise("01.unsort", unsort, _unsort_cases))
 register(Exercise("01.switch_aux_loss", switch_aux_loss, _aux_cases))

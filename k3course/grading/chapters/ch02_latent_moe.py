@@ -19,6 +19,8 @@ def _situ_cases() -> list[Case]:
         Case("small inputs (close to SwiGLU)", (small[0], small[1])),
         Case("large inputs (the caps bite)", (large[0], 3 * large[1])),
         Case("other betas", (large[0], large[1]), {"beta1": 2.0, "beta2": 10.0}),
+        Case("huge inputs (tanh must not be built from exp)", (1e3 * small[0], 1e3 * small[1])),
+        Case("float64 inputs keep their dtype", (small[0].double(), small[1].double())),
     ]
 
 
@@ -29,7 +31,9 @@ def _combine_cases() -> list[Case]:
     single = (torch.randn(1, 1, 8, generator=g), torch.ones(1, 1), up, norm)
     return [Case("m=13, k=4, latent 8 -> d 16", (out, weights, up, norm)),
             Case("k=1, one token", single),
-            Case("eps = 0.1", (out, weights, up, norm), {"eps": 0.1})]
+            Case("eps = 0.1", (out, weights, up, norm), {"eps": 0.1}),
+            Case("tiny expert outputs (eps inside the square root)", (1e-4 * out, weights, up, norm)),
+            Case("bfloat16 inputs keep their dtype", tuple(t.bfloat16() for t in (out, weights, up, norm)))]
 
 
 def _bytes_cases() -> list[Case]:

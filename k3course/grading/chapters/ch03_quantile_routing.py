@@ -24,10 +24,13 @@ def _ties() -> torch.Tensor:
 
 def _cutoff_cases() -> list[Case]:
     return [
-        Case("m=37, n=8, k=2, with bias", (_skewed_scores(37, 8, 1), 0.1 * torch.randn(8, generator=_generator(2)), 2)),
+        Case("m=37, n=8, k=2, with bias",
+             (_skewed_scores(37, 8, 1), 0.1 * torch.randn(8, generator=_generator(2)), 2)),
         Case("k=1", (_skewed_scores(20, 6, 3), torch.zeros(6), 1)),
         Case("k=n-2", (_skewed_scores(20, 6, 4), 0.2 * torch.randn(6, generator=_generator(5)), 4)),
         Case("ties", (_ties(), torch.zeros(4), 2)),
+        Case("float64 scores keep their dtype",
+             (_skewed_scores(15, 6, 12).double(), torch.zeros(6, dtype=torch.float64), 2)),
     ]
 
 
@@ -38,6 +41,8 @@ def _quantile_cases() -> list[Case]:
         Case("k=1", (_skewed_scores(37, 8, 8), torch.zeros(8), 1)),
         Case("k=n-1", (_skewed_scores(64, 8, 9), torch.zeros(8), 7)),
         Case("ties", (_ties(), torch.zeros(4), 2)),
+        Case("bfloat16 bias: the result keeps the bias dtype",
+             (_skewed_scores(40, 8, 13), 0.1 * torch.randn(8, generator=_generator(14)).bfloat16(), 2)),
     ]
 
 
@@ -48,6 +53,9 @@ def _histogram_cases() -> list[Case]:
         Case("6 experts, 32 bins, q=40", (counts, edges, 40)),
         Case("q=0: the top margin", (counts, edges, 0)),
         Case("small by hand", (torch.tensor([[5, 0, 2], [1, 1, 5]]), torch.tensor([0.0, 1.0, 2.0, 3.0]), 2)),
+        Case("unequal bins (cubic spacing)", (counts, torch.linspace(-1.0, 1.0, 33, dtype=torch.float64) ** 3, 40)),
+        Case("int32 counts, float32 edges (exact in fp32): the result is float64",
+             (counts.to(torch.int32), torch.arange(33.0) / 16 - 1.0, 25)),
     ]
 
 
@@ -56,6 +64,7 @@ def _violation_cases() -> list[Case]:
         Case("random load", (torch.bincount(torch.randint(0, 8, (200,), generator=_generator(11)), minlength=8),)),
         Case("balanced", (torch.tensor([3, 3, 3]),)),
         Case("one expert takes all", (torch.tensor([0, 12, 0, 0]),)),
+        Case("mean load 10/3 is not an integer", (torch.tensor([5, 2, 3]),)),
     ]
 
 

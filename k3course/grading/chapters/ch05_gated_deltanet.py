@@ -9,11 +9,12 @@ from k3course.attention.recurrent import delta_step, gdn_recurrent, gdn_step
 from k3course.grading.registry import Case, Exercise, register
 
 
-def _step_inputs(seed, with_gate):
+def _step_inputs(seed, with_gate, unit_keys=True):
     gen = torch.Generator().manual_seed(seed)
     B, H, K, V = 2, 3, 4, 5
     state = torch.randn(B, H, K, V, generator=gen)
-    q, k = torch.randn(B, H, K, generator=gen), F.normalize(torch.randn(B, H, K, generator=gen), dim=-1)
+    q, k = torch.randn(B, H, K, generator=gen), torch.randn(B, H, K, generator=gen)
+    k = F.normalize(k, dim=-1) if unit_keys else 0.7 * k
     v, beta = torch.randn(B, H, V, generator=gen), torch.rand(B, H, generator=gen)
     if not with_gate:
         return state, q, k, v, beta
@@ -24,22 +25,30 @@ def _delta_cases():
     state, q, k, v, beta = _step_inputs(0, False)
     return [Case("random β", (state, q, k, v, beta)),
             Case("β = 1: the key's value is overwritten", (state, q, k, v, torch.ones_like(beta))),
-            Case("β = 0: nothing is written", (state, q, k, v, torch.zeros_like(beta)))]
+            Case("β = 0: nothing is written", (state, q, k, v, torch.zeros_like(beta))),
+            Case("keys not of unit norm", _step_inputs(6, False, unit_keys=False)),
+            Case("float64 inputs keep their dtype", _as(torch.float64, _step_inputs(7, False)))]
 
 
 def _gdn_step_cases():
     state, q, k, v, g, beta = _step_inputs(1, True)
     return [Case("random gate and β", (state, q, k, v, g, beta)),
             Case("strong decay g = -5", (state, q, k, v, torch.full_like(g, -5.0), beta)),
-            Case("g = 0 is DeltaNet", (state, q, k, v, torch.zeros_like(g), beta))]
+            Case("g = 0 is DeltaNet", (state, q, k, v, torch.zeros_like(g), beta)),
+            Case("keys not of unit norm", _step_inputs(8, True, unit_keys=False)),
+            Case("float64 inputs keep their dtype", _as(torch.float64, _step_inputs(9, True)))]
 
 
-def _sequence_inputs(seed, T):
+def _as(dtype, tensors):
+    return tuple(x.to(dtype) for x in tensors)
+
+
+def _sequence_inputs(seed, T, strength=1.0):
     gen = torch.Generator().manual_seed(seed)
     B, H, K, V = 2, 2, 4, 3
     q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    g, beta = -torch.rand(B, T, H, generator=gen), torch.rand(B, T, H, generator=gen)
+    g, beta = -strength * torch.rand(B, T, H, generator=gen), torch.rand(B, T, H, generator=gen)
     return q, k, v, g, beta
 
 
@@ -48,7 +57,10 @@ def _recurrent_cases():
     return [Case("T = 10, final state", _sequence_inputs(3, 10), {"output_final_state": True}),
             Case("initial and final state", _sequence_inputs(4, 7),
                  {"initial_state": state, "output_final_state": True}),
-            Case("T = 1, explicit scale", _sequence_inputs(5, 1), {"scale": 0.7})]
+            Case("T = 1, explicit scale", _sequence_inputs(5, 1), {"scale": 0.7}),
+            Case("T = 64, strong decay", _sequence_inputs(10, 64, strength=5.0), {"output_final_state": True}),
+            Case("bfloat16 inputs: o in bfloat16, the state in float32", _as(torch.bfloat16, _sequence_inputs(11, 6)),
+                 {"output_final_state": True})]
 
 
 register(Exercise("05.delta_step", delta_step, _delta_cases))

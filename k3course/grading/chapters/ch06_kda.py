@@ -20,7 +20,9 @@ def _step_cases():
     return [Case("random channel gate", (state, q, k, v, g, beta)),
             Case("gate at the lower bound -5", (state, q, k, v, torch.full_like(g, -5.0), beta)),
             Case("channel-constant gate (GDN)", (state, q, k, v, g[..., :1].expand_as(g).contiguous(), beta)),
-            Case("β = 1", (state, q, k, v, g, torch.ones_like(beta)))]
+            Case("β = 1", (state, q, k, v, g, torch.ones_like(beta))),
+            Case("keys not of unit norm", (state, q, 0.6 * torch.randn(B, H, K, generator=gen), v, g, beta)),
+            Case("float64 inputs keep their dtype", tuple(x.double() for x in (state, q, k, v, g, beta)))]
 
 
 def _gate_cases():
@@ -30,7 +32,9 @@ def _gate_cases():
     A_log, dt_bias = torch.randn(H, generator=gen), torch.randn(H, K, generator=gen)
     return [Case("K3 bounded gate", (z, A_log, dt_bias)),
             Case("another lower bound", (z, A_log, dt_bias), {"lower_bound": -2.0}),
-            Case("Kimi Linear unbounded gate", (z, A_log, dt_bias), {"lower_bound": None})]
+            Case("Kimi Linear unbounded gate", (z, A_log, dt_bias), {"lower_bound": None}),
+            Case("large z: softplus must not overflow", (30 * z, A_log, dt_bias), {"lower_bound": None}),
+            Case("float64 inputs keep their dtype", (z.double(), A_log.double(), dt_bias.double()))]
 
 
 def _conv_cases():
@@ -39,7 +43,8 @@ def _conv_cases():
     cache = torch.randn(2, 3, 6, generator=gen)
     return [Case("zeros before t = 0", (x, weight)),
             Case("with the previous inputs as cache", (x, weight, cache)),
-            Case("one token (decoding)", (x[:, :1], weight, cache))]
+            Case("one token (decoding)", (x[:, :1], weight, cache)),
+            Case("float64 inputs keep their dtype (zeros too)", (x.double(), weight.double()))]
 
 
 register(Exercise("06.kda_step", kda_step, _step_cases))

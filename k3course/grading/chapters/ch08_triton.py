@@ -6,9 +6,16 @@ from __future__ import annotations
 import torch
 
 import k3course.kernels  # noqa: F401  (chooses native vs interpreter before any kernel module is imported)
-from k3course.grading.registry import Case, Exercise, register
+from k3course.grading.registry import Case, Exercise, Forbidden, register
 from k3course.kernels.basics import decayed_kk_tile, l2norm_rows
 from k3course.kernels.kda_chunk import chunk_local_cumsum
+
+TORCH_MATH = Forbidden(
+    frozenset({"sum", "cumsum", "exp", "exp2", "log", "sqrt", "rsqrt", "norm", "vector_norm", "normalize", "matmul",
+               "rmatmul", "mm", "bmm", "einsum", "tensordot", "dot", "outer", "pow", "rpow", "square", "mul", "rmul",
+               "div", "rdiv", "truediv", "rtruediv", "add", "radd", "sub", "rsub", "mean", "softmax", "rms_norm",
+               "addmm", "baddbmm", "linear", "tril", "triu"}),
+    "this exercise asks for a Triton kernel: compute in the kernel, and use torch only to allocate the output")
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -22,6 +29,7 @@ def _l2norm_cases() -> list[Case]:
         Case("one row of one", (torch.randn(1, 1, generator=_generator(2)),)),
         Case("a zero row stays zero (eps)", (torch.zeros(2, 12),)),
         Case("large values", (1e3 * torch.randn(3, 7, generator=_generator(3)),)),
+        Case("tiny-norm rows (eps inside the square root)", (1e-4 * torch.randn(4, 24, generator=_generator(4)),)),
     ]
 
 
@@ -35,6 +43,7 @@ def _cumsum_cases() -> list[Case]:
         Case("T = 37 (a partial last chunk), K = 20", (_log_decay(37, 1, 20, 1),), {"chunk_size": 16}),
         Case("T = 1", (_log_decay(1, 2, 16, 2),), {"chunk_size": 32}),
         Case("batch 2, chunk 32", (-torch.rand(2, 40, 2, 8, generator=_generator(3)),), {"chunk_size": 32}),
+        Case("long T = 200, chunk 64, strongest decay", (_log_decay(200, 2, 8, 4),), {"chunk_size": 64}),
     ]
 
 
@@ -51,9 +60,12 @@ def _tile_cases() -> list[Case]:
         Case("far sub-chunks, weak decay", weak, {"row_start": 48, "col_start": 16}),
         Case("strong decay (e^{-G} overflows fp32), K = 20", strong, {"row_start": 48, "col_start": 32}),
         Case("strong decay, adjacent to the start", strong, {"row_start": 16, "col_start": 0}),
+        Case("a 32-wide tile, weak decay", weak, {"row_start": 32, "col_start": 0, "size": 32}),
+        Case("a 32-wide tile at the strongest decay", strong, {"row_start": 32, "col_start": 0, "size": 32}),
     ]
 
 
-register(Exercise("08.l2norm_rows", l2norm_rows, _l2norm_cases))
-register(Exercise("08.chunk_cumsum", chunk_local_cumsum, _cumsum_cases))
-register(Exercise("08.kk_tile", decayed_kk_tile, _tile_cases))
+for exercise_id, reference, cases in (("08.l2norm_rows", l2norm_rows, _l2norm_cases),
+                                      ("08.chunk_cumsum", chunk_local_cumsum, _cumsum_cases),
+                                      ("08.kk_tile", decayed_kk_tile, _tile_cases)):
+    register(Exercise(exercise_id, reference, cases, forbidden=TORCH_MATH, isolate=True))

@@ -22,6 +22,9 @@ def _compress_cases() -> list[Case]:
         cases.append(Case(name, (_randn(g, batch, length, d), weight, norm, rank)))
     x = _randn(g, 1, 4, 8) * 1e3                                       # RMSNorm must undo the scale
     cases.append(Case("large inputs", (x, _randn(g, 6, 8), torch.ones(4), 4)))
+    cases.append(Case("tiny inputs (eps inside the square root)", (x * 1e-7, _randn(g, 6, 8), torch.ones(4), 4)))
+    small = cases[0].args
+    cases.append(Case("float64 inputs keep their dtype", (*(t.double() for t in small[:3]), small[3])))
     return cases
 
 
@@ -33,6 +36,9 @@ def _probs_cases() -> list[Case]:
     for name, (batch, length, heads, nope, rope) in shapes.items():
         cases.append(Case(name, (_randn(g, batch, length, heads, nope), _randn(g, batch, length, heads, rope),
                                  _randn(g, batch, length, heads, nope), _randn(g, batch, length, rope))))
+    large = tuple(20 * t for t in cases[0].args)
+    cases.append(Case("large scores (the softmax must subtract its max)", large))
+    cases.append(Case("bfloat16 inputs: weights in fp32", tuple(t.bfloat16() for t in cases[0].args)))
     return cases
 
 
@@ -40,7 +46,8 @@ def _absorb_cases() -> list[Case]:
     g = torch.Generator().manual_seed(902)
     shapes = {"small": (2, 3, 4, 5, 6), "one head": (1, 2, 1, 8, 3), "rank below nope": (1, 4, 2, 6, 2),
               "K3 ratio 128:512": (1, 2, 2, 4, 16)}
-    return [Case(name, (_randn(g, b, t, h, n), _randn(g, h, n, r))) for name, (b, t, h, n, r) in shapes.items()]
+    cases = [Case(name, (_randn(g, b, t, h, n), _randn(g, h, n, r))) for name, (b, t, h, n, r) in shapes.items()]
+    return [*cases, Case("float64 inputs keep their dtype", tuple(t.double() for t in cases[0].args))]
 
 
 def mla_layer_cache_numbers(n_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,

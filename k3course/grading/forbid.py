@@ -1,0 +1,74 @@
+"""Refuse named torch functions while a learner's answer runs ("don't call a solver", "write it in Triton").
+
+A :class:`torch.overrides.TorchFunctionMode` sees every torch function and tensor method call. A call is
+refused when its name is forbidden and the code that made it is the learner's: frames inside torch and Triton
+(the interpreter moves tensors with torch) are looked through, so only the learner's own calls count.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from k3course.grading.registry import Forbidden
+
+
+class ForbiddenCall(Exception):
+    """The learner's code called a torch function that the exercise rules out."""
+
+
+def _package_dir(module) -> str:
+    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose code may call anything: torch's, Triton's (when installed) and this module's."""
+    dirs = [_package_dir(torch), os.path.abspath(__file__)]
+    try:
+        import triton
+    except ImportError:
+        return tuple(dirs)
+    return (*dirs, _package_dir(triton))
+
+
+def _called_by_learner(library_dirs: tuple[str, ...]) -> bool:
+    """Whether the nearest frame outside torch, Triton and this module is the learner's code."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(library_dirs):
+        frame = frame.f_back
+    return frame is not None
+
+
+def _name(func) -> str:
+    """A torch function's plain name: ``torch.linalg.inv`` -> 'inv', ``Tensor.add_`` -> 'add', ``__rsub__``
+    -> 'rsub'."""
+    name = (getattr(func, "__name__", "") or type(func).__name__).strip("_")
+    return name.removeprefix("linalg_")
+
+
+class _Refuse(TorchFunctionMode):
+    """Raise :class:`ForbiddenCall` when the learner calls a function named in ``rule.names``."""
+
+    def __init__(self, rule: Forbidden):
+        super().__init__()
+        self.rule, self.library_dirs = rule, _library_dirs()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = _name(func)
+        if name in self.rule.names and _called_by_learner(self.library_dirs):
+            raise ForbiddenCall(f"your code called {name}: {self.rule.why}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def refusing(rule: Forbidden | None):
+    """Within the block, the learner's calls of ``rule``'s functions raise :class:`ForbiddenCall`."""
+    if rule is None:
+        yield
+        return
+    with _Refuse(rule):
+        yield

@@ -1,4 +1,4 @@
-"""The ``k3course`` command: doctor, build-exercises, progress, bench, train, generate."""
+"""The ``k3course`` command: doctor, build-exercises, progress, bench, train, generate, experiments."""
 
 from __future__ import annotations
 
@@ -91,6 +91,12 @@ def _generate(args) -> int:
     return 0
 
 
+def _experiments(args) -> int:
+    from k3course.experiments import main as experiments_main
+
+    return experiments_main([args.name])
+
+
 def _doctor(args) -> int:
     from k3course.doctor import main as doctor_main
 
@@ -128,6 +134,9 @@ def parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=None, help="sample among the k most likely bytes")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed")
     generate.set_defaults(run=_generate)
+    experiments = sub.add_parser("experiments", help="re-run a saved experiment of chapter 12 (results as JSON)")
+    experiments.add_argument("name", help="which experiment (mqar-mixers)")
+    experiments.set_defaults(run=_experiments)
     return top
 
 

@@ -46,7 +46,7 @@ class TrainConfig:
     every ``checkpoint_every`` steps (and at the end); 0 turns either off (except at the end).
     """
 
-    steps: int = 1000
+    steps: int = 800
     batch_size: int = 16
     seq_len: int = 128
     grad_accum: int = 1
@@ -56,9 +56,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
-    eval_every: int = 100
+    eval_every: int = 200
     eval_bytes: int = 131072
-    checkpoint_every: int = 250
+    checkpoint_every: int = 200
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -191,3 +191,18 @@ def test_cli_train_then_generate(tmp_path, corpus, monkeypatch, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "5",
                  "--top-k", "3"]) == 0
     assert capsys.readouterr().out.startswith("def ")
+
+
+def test_recall_run_stopped_early_replays_the_first_steps_of_the_full_run():
+    from k3course.experiments import recall_run
+
+    settings = dict(steps=4, batch_size=2, lr=3e-3, warmup_steps=2, d_model=16, n_heads=2)
+    full = recall_run("decayed linear", seed=0, **settings)
+    replay = recall_run("decayed linear", seed=0, stop_after=2, **settings)
+    assert replay["losses"] == full["losses"][:2] and len(full["losses"]) == 4
+    assert 0 <= full["accuracy"] <= 1
+
+
+def test_unknown_experiment_is_a_clear_error(capsys):
+    assert main(["experiments", "nope"]) == 2
+    assert "mqar-mixers" in capsys.readouterr().err

@@ -1,0 +1,103 @@
+"""``k3course experiments NAME``: the runs behind chapter 12's claims, saved as JSON inside the package.
+
+Each experiment is a function of its settings that returns plain data; :func:`main` runs one and writes
+``k3course/results/NAME.json`` with the command that made it, its settings and every run's per-step losses,
+so a saved number can be regenerated (``k3course experiments NAME``) and checked (a test replays the first
+steps of a saved run and must get the saved losses exactly).
+
+mqar-mixers   KDA vs Gated DeltaNet vs decayed linear attention on harder MQAR (40 pairs in 32-dimensional
+              heads: more pairs than a head's state has dimensions), the same small recall model around each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from k3course.attention.recall import MIXERS, RecallModel, recall_accuracy
+from k3course.data import HARD_MQAR, IGNORE, mqar
+from k3course.train import lr_factor
+
+RESULTS = Path(__file__).parent / "results"
+MQAR_SETTINGS = dict(steps=400, batch_size=32, lr=3e-3, warmup_steps=40, d_model=64, n_heads=2, seeds=(0, 1, 2))
+
+
+def recall_run(mixer: str, seed: int, steps: int, batch_size: int, lr: float, warmup_steps: int, d_model: int,
+               n_heads: int, stop_after: int | None = None) -> dict:
+    """Train a :class:`RecallModel` with ``mixer`` on harder MQAR; {"losses", "accuracy", "seconds"}.
+
+    AdamW (no weight decay) at lr · f(step), f = :func:`k3course.train.lr_factor` (warmup, cosine to 0.1);
+    batch ``step`` is ``mqar(..., seed=seed·10⁶ + step)``; accuracy on 256 held-out sequences (seed 10⁹ + seed).
+    ``stop_after`` ends the run early without changing any earlier step (for replaying a saved run).
+    """
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = RecallModel(HARD_MQAR["vocab_size"], mixer, d_model=d_model, n_heads=n_heads)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    factor = functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=steps, min_lr_ratio=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    losses, began = [], time.perf_counter()
+    for step in range(steps if stop_after is None else stop_after):
+        tokens, targets = mqar(batch_size, seed=seed * 10**6 + step, **HARD_MQAR)
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    held_out = mqar(256, seed=10**9 + seed, **HARD_MQAR)
+    return {"losses": losses, "accuracy": recall_accuracy(model, *held_out), "seconds": time.perf_counter() - began}
+
+
+def mqar_mixers(steps: int, batch_size: int, lr: float, warmup_steps: int, d_model: int, n_heads: int,
+                seeds: tuple[int, ...]) -> list[dict]:
+    """Every mixer of :data:`k3course.attention.recall.MIXERS` × every seed: [{"mixer", "seed", ...run}, ...]."""
+    return [{"mixer": mixer, "seed": seed,
+             **recall_run(mixer, seed, steps, batch_size, lr, warmup_steps, d_model, n_heads)}
+            for mixer in MIXERS for seed in seeds]
+
+
+EXPERIMENTS = {"mqar-mixers": (mqar_mixers, MQAR_SETTINGS)}
+
+
+def load(name: str) -> dict:
+    """The saved result of experiment ``name``: {"command", "settings", "runs", "seconds"}."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"name: no saved result for {name!r} at {path}; run `k3course experiments {name}`")
+    return json.loads(path.read_text())
+
+
+def run_experiment(name: str) -> Path:
+    """Run experiment ``name`` with its settings and save the result; returns the JSON file."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"name: unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+    function, settings = EXPERIMENTS[name]
+    began = time.perf_counter()
+    runs = function(**settings)
+    result = {"command": f"k3course experiments {name}", "settings": settings, "runs": runs,
+              "seconds": time.perf_counter() - began, "torch": torch.__version__}
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="k3course experiments", description=__doc__.splitlines()[0])
+    parser.add_argument("name", help=f"one of {', '.join(EXPERIMENTS)}")
+    args = parser.parse_args(argv)
+    try:
+        path = run_experiment(args.name)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(f"saved {path}")
+    return 0

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from k3course import debug
 from k3course.moe import (
     LatentMoE,
     MoE,
@@ -40,6 +41,7 @@ def seeded_scores(m: int, n: int, seed: int, score_fn: str = "sigmoid") -> torch
 ROUTE_CASES = {
     "k=1": dict(m=37, n=8, k=1),
     "k=n-1": dict(m=37, n=8, k=7),
+    "k=n": dict(m=37, n=8, k=8),
     "m=1": dict(m=1, n=5, k=2),
     "softmax, no renormalize": dict(m=33, n=16, k=4, score_fn="softmax", renormalize=False),
     "with bias": dict(m=41, n=16, k=3, bias=True),
@@ -131,6 +133,7 @@ LAYER_CASES = {
     "latent, sigmoid, situ_glu, 2 shared": dict(latent=True, k=2, n_shared=2, activation="situ_glu"),
     "latent, k=1": dict(latent=True, k=1),
     "latent, k=n-1": dict(latent=True, k=7),
+    "latent, k=n": dict(latent=True, k=8),
     "plain, softmax, swiglu, 1 shared": dict(latent=False, k=3, n_shared=1, score_fn="softmax"),
     "plain, k=n-1, route_scale 2.5": dict(latent=False, k=7, route_scale=2.5),
     "one expert takes every token": dict(latent=True, k=1, hot_expert=3),
@@ -199,9 +202,11 @@ def test_bias_updates_in_training_and_is_frozen_in_eval():
     assert layer.update_bias() is False and torch.equal(layer.bias, torch.zeros(8))
     layer.train()
     layer(x)
+    assert layer.routing_stats()["load"].sum() == 64 * 2
     assert layer.update_bias() is True and layer.bias.abs().sum() > 0
     assert layer.update_bias() is False  # the same batch is not applied twice
-    assert layer.routing_stats()["load"].sum() == 64 * 2  # the stats of the last forward stay readable
+    with pytest.raises(RuntimeError, match="since the last update_bias"):
+        layer.routing_stats()  # the record was used and cleared
     assert abs(float(layer.bias.mean())) < 1e-6
     frozen = layer.bias.clone()
     layer.eval()
@@ -242,11 +247,11 @@ def test_config_spellings_of_balancing_are_accepted():
 
 def test_bad_input_names_the_argument():
     scores = seeded_scores(4, 6, seed=15)
-    with pytest.raises(ValueError, match="k must satisfy 1 <= k < n experts = 6, got k = 6"):
-        topk_route(scores, 6)
+    with pytest.raises(ValueError, match="k must satisfy 1 <= k <= n experts = 6, got k = 7"):
+        topk_route(scores, 7)
     with pytest.raises(ValueError, match="got k = 0"):
         topk_route(scores, 0)
-    with pytest.raises(ValueError, match="scores contains NaN"):
+    with pytest.raises(ValueError, match="scores contains NaN"), debug.value_checks():
         topk_route(scores.clone().index_fill_(0, torch.tensor([1]), float("nan")), 2)
     with pytest.raises(ValueError, match=r"scores must have shape \[m tokens, n experts\]"):
         topk_route(scores[0], 2)
@@ -255,19 +260,19 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="k must be an int"):
         topk_route(scores, 2.0)
     with pytest.raises(ValueError, match="top_k must satisfy"):
-        MoE(8, 4, 4)
-    with pytest.raises(ValueError, match="x must have last dimension d_model = 8"):
+        MoE(8, 4, 5)
+    with pytest.raises(ValueError, match=r"x must have shape \[..., d_model = 8\], got \(3, 7\)"):
         MoE(8, 4, 2)(torch.zeros(3, 7))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        MoE(8, 4, 2)(torch.zeros(3, 8, dtype=torch.int64))
     with pytest.raises(ValueError, match="score_fn must be"):
         MoE(8, 4, 2, score_fn="relu")
     with pytest.raises(ValueError, match="activation must be one of"):
         MoE(8, 4, 2, activation="gelu")
-    with pytest.raises(ValueError, match="expert_idx entries must lie in"):
+    with pytest.raises(ValueError, match="expert_idx entries must lie in"), debug.value_checks():
         sort_by_expert(torch.tensor([[0, 4]]), 4)
     with pytest.raises(ValueError, match=r"expert_idx must be an int tensor of shape \[m, k\]"):
         sort_by_expert(torch.tensor([0, 1]), 4)
-    with pytest.raises(ValueError, match="x contains NaN"):
-        MoE(8, 4, 2)(torch.full((3, 8), float("nan")))
     with pytest.raises(ValueError, match="must agree on d_in"):
         grouped_mm(torch.zeros(4, 3), torch.zeros(2, 5, 6), torch.tensor([2, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"group_offsets must have shape \[E\] = \(2,\)"):

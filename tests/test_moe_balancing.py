@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from k3course import debug
 from k3course.moe import (
     bias_from_histogram,
     expert_load,
@@ -129,14 +130,14 @@ def test_aux_loss_alone_balances_the_router_by_moving_its_weights():
 def test_bad_balancing_input_names_the_argument():
     scores = router_scores(seeded(10, 4, 9))
     with pytest.raises(ValueError, match="k must satisfy"):
-        quantile_balance_bias(scores, torch.zeros(4), 4)
+        quantile_balance_bias(scores, torch.zeros(4), 5)
     with pytest.raises(ValueError, match="bias must be a tensor of shape"):
         quantile_balance_bias(scores, torch.zeros(3), 2)
     with pytest.raises(ValueError, match="bins must be a positive int"):
         quantile_balance_bias_from_histograms([scores], torch.zeros(4), 2, bins=0)
     with pytest.raises(ValueError, match="load must have the shape of bias"):
         sign_rule_update(torch.zeros(4), torch.zeros(3), 0.1)
-    with pytest.raises(ValueError, match="probs contains NaN"):
+    with pytest.raises(ValueError, match="probs contains NaN"), debug.value_checks():
         switch_aux_loss(torch.full((2, 4), float("nan")), torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="rule must be"):
         simulate_balancing("adam", 1)

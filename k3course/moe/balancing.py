@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from k3course.moe.routing import _check_bias, _check_k, _check_scores, topk_indices
+from k3course.moe.routing import _check_bias, _check_k, _check_scores
 
 
 def expert_load(expert_idx: torch.Tensor, n: int) -> torch.Tensor:
-    """Token-slots per expert: load_j = #{(t, slot): expert_idx[t, slot] = j}. [m, k] -> [n] int64."""
+    """Token-slots per expert: load_j = #{(t, slot): expert_idx[t, slot] = j}. [m, k] -> [n] int64.
+
+    A scatter-add into n counters (``torch.bincount`` reads the largest index back to the host on a GPU).
+    """
     if expert_idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"expert_idx must be an integer tensor, got dtype {expert_idx.dtype}")
-    return torch.bincount(expert_idx.reshape(-1), minlength=n)
+    flat = expert_idx.reshape(-1).long()
+    return torch.zeros(n, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def switch_aux_loss(probs: torch.Tensor, expert_idx: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -54,9 +58,11 @@ def sign_rule_update(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> to
 
 
 def token_cutoffs(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-    """α_t = the (k+1)-th largest biased score s_t + b of each token. [m, n], [n] -> [m]."""
+    """α_t = the (k+1)-th largest biased score s_t + b of each token (−∞ when k = n). [m, n], [n] -> [m]."""
     biased = scores + bias
-    return biased.gather(1, topk_indices(biased, k + 1)[:, k:]).squeeze(1)
+    if k == scores.shape[1]:  # every expert is chosen: no cutoff to beat
+        return torch.full_like(biased[:, 0], float("-inf"))
+    return torch.topk(biased, k + 1, dim=1).values[:, k]
 
 
 def _check_balance_inputs(scores: torch.Tensor, bias: torch.Tensor, k: int) -> None:
@@ -73,11 +79,14 @@ def quantile_balance_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> t
     b̂_j = −(the (q+1)-th largest over tokens t of the margin s_tj − α_t);  return b̂ − mean(b̂).
     With b̂, expert j beats token t's cutoff for exactly its q best-margin tokens: each expert is filled to
     its target load in one step (up to how the cutoffs move). Order statistics are values, so ties in the
-    scores give the same bias whatever order they are visited in.
+    scores give the same bias whatever order they are visited in. With k = n every expert takes every token
+    whatever the bias: the step returns b − mean(b).
     scores [m, n] (detached), bias [n] -> new bias [n], computed in fp64, returned in bias.dtype.
     """
     _check_balance_inputs(scores, bias, k)
     m, n = scores.shape
+    if k == n:
+        return bias - bias.mean()
     target = (m * k) // n
     scores64, bias64 = scores.detach().double(), bias.detach().double()
     margins = scores64 - token_cutoffs(scores64, bias64, k)[:, None]  # [m, n]
@@ -138,13 +147,15 @@ def quantile_balance_bias_from_histograms(score_shards: list[torch.Tensor], bias
 
     Each rank reports its margin range and a per-expert histogram over shared edges; the histograms are summed
     (the all-reduce) and the quantile read from the pooled histogram. Agrees with
-    :func:`quantile_balance_bias` on the concatenated scores within one bin width.
-    -> new bias [n] in bias.dtype.
+    :func:`quantile_balance_bias` on the concatenated scores within one bin width (and equal to it, b − mean b,
+    when k = n). -> new bias [n] in bias.dtype.
     """
     if not score_shards:
         raise ValueError("score_shards must hold at least one [m_r, n] tensor")
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"bins must be a positive int, got {bins!r}")
+    if k == score_shards[0].shape[-1]:
+        return quantile_balance_bias(score_shards[0], bias, k)
     ranges = [margin_range(shard, bias, k) for shard in score_shards]
     low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)  # all-reduce of min and max
     edges = torch.linspace(low, high, bins + 1, dtype=torch.float64)

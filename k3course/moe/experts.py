@@ -35,22 +35,32 @@ def activation_fn(name: str):
     return ACTIVATIONS[name]
 
 
-def _init(shape: tuple[int, ...], fan_in: int, generator: torch.Generator | None) -> nn.Parameter:
-    return nn.Parameter(torch.randn(shape, generator=generator) / math.sqrt(fan_in))
+def init_weight(shape: tuple[int, ...], fan_in: int, generator: torch.Generator | None = None,
+                device: torch.device | str | None = None) -> nn.Parameter:
+    """W ~ N(0, 1/fan_in) of ``shape`` on ``device`` (default: torch's default device).
+
+    On the meta device the tensor is only allocated: a shape, no values (drawing them costs ~1 s there).
+    """
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type == "meta":
+        return nn.Parameter(torch.empty(shape, device=device))
+    draw_on = generator.device if generator is not None else device
+    return nn.Parameter((torch.randn(shape, generator=generator, device=draw_on) / math.sqrt(fan_in)).to(device))
 
 
 class GLUFFN(nn.Module):
     """A dense gated FFN: y = act(x W_g, x W_u) W_d. Used for shared experts (fused into one wide MLP).
 
-    x [..., d] -> [..., d]; weights gate, up [d, h], down [h, d].
+    x [..., d] -> [..., d]; weights gate, up [d, h], down [h, d]; ``device="meta"`` builds shapes only.
     """
 
-    def __init__(self, d: int, hidden: int, activation: str = "swiglu", generator: torch.Generator | None = None):
+    def __init__(self, d: int, hidden: int, activation: str = "swiglu", generator: torch.Generator | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.act = activation_fn(activation)
-        self.gate = _init((d, hidden), d, generator)
-        self.up = _init((d, hidden), d, generator)
-        self.down = _init((hidden, d), hidden, generator)
+        self.gate = init_weight((d, hidden), d, generator, device)
+        self.up = init_weight((d, hidden), d, generator, device)
+        self.down = init_weight((hidden, d), hidden, generator, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(x @ self.gate, x @ self.up) @ self.down
@@ -65,12 +75,13 @@ class RoutedExperts(nn.Module):
     """
 
     def __init__(self, n: int, d_in: int, hidden: int, activation: str = "swiglu",
-                 generator: torch.Generator | None = None, backend: str = "auto"):
+                 generator: torch.Generator | None = None, backend: str = "auto",
+                 device: torch.device | str | None = None):
         super().__init__()
         self.act = activation_fn(activation)
         self.hidden, self.backend = hidden, backend
-        self.gate_up = _init((n, d_in, 2 * hidden), d_in, generator)
-        self.down = _init((n, hidden, d_in), hidden, generator)
+        self.gate_up = init_weight((n, d_in, 2 * hidden), d_in, generator, device)
+        self.down = init_weight((n, hidden, d_in), hidden, generator, device)
 
     @property
     def gate(self) -> torch.Tensor:

@@ -8,9 +8,7 @@
 Dispatch is sort-based: token-slots are sorted by expert, each expert's GEMM runs on its contiguous block
 (:func:`k3course.moe.dispatch.grouped_mm`), and the outputs are unsorted and weighted. No loop over tokens.
 
-The selection bias is a buffer. In training mode each forward records the routing it used; the training loop
-calls :meth:`MoE.update_bias` after the optimizer step, and the new bias routes the next step. In eval mode
-nothing is recorded and the bias is frozen.
+The selection bias is a buffer, moved by the balancing rule between optimizer steps (see :class:`MoE`).
 """
 
 from __future__ import annotations
@@ -18,12 +16,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3course.moe.balancing import expert_load, quantile_balance_bias, router_z_loss, sign_rule_update, switch_aux_loss
+from k3course.moe.balancing import quantile_balance_bias, router_z_loss, sign_rule_update, switch_aux_loss
 from k3course.moe.dispatch import sort_by_expert, unsort
-from k3course.moe.experts import GLUFFN, RoutedExperts
+from k3course.moe.experts import GLUFFN, RoutedExperts, init_weight
 from k3course.moe.latent import latent_combine
 from k3course.moe.routing import router_scores, topk_route
-from k3course.moe.stats import routing_stats
+from k3course.moe.stats import load_stats
 
 BALANCING = ("quantile", "sign", "aux", None)
 ALIASES = {"aux_loss": "aux", "none": None}  # the spellings K3Config uses
@@ -32,23 +30,42 @@ ALIASES = {"aux_loss": "aux", "none": None}  # the spellings K3Config uses
 class MoE(nn.Module):
     """A routed mixture of experts with optional shared experts and an optional latent projection.
 
-    d_model: width of x; n_routed experts, top_k active per token; n_shared shared experts, fused into one
-    GLU FFN of width n_shared · d_expert (K3: 2 shared); d_expert: inner width of each expert;
-    d_latent: ℓ, the width the routed experts run at (None: full width, no projection);
+    d_model: width of x; n_routed experts, top_k active per token (1 ≤ top_k ≤ n_routed); n_shared shared
+    experts, fused into one GLU FFN of width n_shared · d_expert (K3: 2 shared); d_expert: inner width of each
+    expert; d_latent: ℓ, the width the routed experts run at (None: full width, no projection);
     score_fn 'sigmoid' | 'softmax'; activation 'swiglu' | 'situ_glu'; route_scale multiplies the weights;
     balancing 'quantile' | 'sign' | 'aux' | None (K3Config's 'aux_loss' and 'none' are accepted);
-    gamma: the sign rule's step; aux_alpha: the aux loss weight.
-    x [..., d_model] -> y [..., d_model].
+    gamma: the sign rule's step; aux_alpha: the aux loss weight; device: where the weights live
+    (``"meta"``: shapes only, instant even at K3 size). x [..., d_model] -> y [..., d_model]; zero tokens give
+    an empty y.
+
+    Training with A micro-batches per optimizer step (gradient accumulation)::
+
+        for x_j in micro_batches:                        # j = 1 .. A
+            y_j = moe(x_j)
+            loss_j = task_loss(y_j) + moe.aux_loss + w_z * moe.z_loss   # THIS micro-batch's losses, with grad
+            (loss_j / A).backward()
+        optimizer.step(); optimizer.zero_grad()
+        moe.routing_stats()      # load over all A micro-batches
+        moe.update_bias()        # the balancing rule on all A micro-batches, then the record is cleared
+
+    Each training forward adds its routing to a record: per-expert token-slot counts (the sign rule and the
+    statistics) and, for quantile balancing, the detached router scores [m_j, n] (the quantile step needs the
+    order statistics of all M = Σ_j m_j tokens). ``aux_loss`` (Switch loss, balancing="aux", else 0) and
+    ``z_loss`` (router z-loss) are replaced at every training forward. Eval mode records nothing and the bias
+    stays frozen. Expert parallelism reads :meth:`balancing_statistics`, pools it over ranks, sets the bias
+    and calls :meth:`reset_statistics`.
     """
 
     def __init__(self, d_model: int, n_routed: int, top_k: int, n_shared: int = 0, d_expert: int | None = None,
                  d_latent: int | None = None, score_fn: str = "sigmoid", activation: str = "swiglu",
                  route_scale: float = 1.0, balancing: str | None = "quantile", gamma: float = 1e-3,
                  aux_alpha: float = 1e-2, renormalize: bool = True, eps: float = 1e-6,
-                 generator: torch.Generator | None = None, backend: str = "auto"):
+                 generator: torch.Generator | None = None, backend: str = "auto",
+                 device: torch.device | str | None = None):
         super().__init__()
-        if not 1 <= top_k < n_routed:
-            raise ValueError(f"top_k must satisfy 1 <= top_k < n_routed = {n_routed}, got {top_k}")
+        if not 1 <= top_k <= n_routed:
+            raise ValueError(f"top_k must satisfy 1 <= top_k <= n_routed = {n_routed}, got {top_k}")
         balancing = ALIASES.get(balancing, balancing)
         if balancing not in BALANCING:
             raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
@@ -61,19 +78,21 @@ class MoE(nn.Module):
         self.score_fn, self.route_scale, self.balancing = score_fn, route_scale, balancing
         self.renormalize = renormalize
         self.gamma, self.aux_alpha, self.eps = gamma, aux_alpha, eps
-        self.router = nn.Parameter(torch.randn(d_model, n_routed, generator=generator) / d_model**0.5)
-        self.register_buffer("bias", torch.zeros(n_routed))
+        self.router = init_weight((d_model, n_routed), d_model, generator, device)
+        self.register_buffer("bias", torch.zeros(n_routed, device=device))
         width = d_latent or d_model
-        self.experts = RoutedExperts(n_routed, width, d_expert, activation, generator, backend)
-        self.shared = GLUFFN(d_model, n_shared * d_expert, activation, generator) if n_shared else None
+        self.experts = RoutedExperts(n_routed, width, d_expert, activation, generator, backend, device)
+        self.shared = GLUFFN(d_model, n_shared * d_expert, activation, generator, device) if n_shared else None
         if d_latent is not None:
-            self.down_proj = nn.Parameter(torch.randn(d_model, d_latent, generator=generator) / d_model**0.5)
-            self.up_proj = nn.Parameter(torch.randn(d_latent, d_model, generator=generator) / d_latent**0.5)
-            self.latent_norm = nn.Parameter(torch.ones(d_latent))
-        self.aux_loss = torch.zeros(())  # the Switch loss of the last training forward (balancing="aux")
-        self.z_loss = torch.zeros(())  # the router z-loss of the last training forward (any balancing)
-        self.last_scores: torch.Tensor | None = None
-        self.last_expert_idx: torch.Tensor | None = None
+            self.down_proj = init_weight((d_model, d_latent), d_model, generator, device)
+            self.up_proj = init_weight((d_latent, d_model), d_latent, generator, device)
+            self.latent_norm = nn.Parameter(torch.ones(d_latent, device=device))
+        self.aux_loss = torch.zeros((), device=device)  # Switch loss of the last training forward (balancing="aux")
+        self.z_loss = torch.zeros((), device=device)  # router z-loss of the last training forward
+        self.register_buffer("recorded_load", torch.zeros(n_routed, dtype=torch.int64, device=device),
+                             persistent=False)  # token-slots per expert since the last update
+        self.recorded_tokens = 0  # tokens since the last update
+        self.recorded_scores: list[torch.Tensor] = []  # quantile balancing: detached scores [m_j, n] per forward
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> MoE:
@@ -97,13 +116,11 @@ class MoE(nn.Module):
         order, group_offsets = sort_by_expert(expert_idx, self.n_routed)  # [m k], [n]
         z_sorted = z.index_select(0, order // k)  # [m k, w]: row r is the token of slot order[r]
         out_sorted = self.experts(z_sorted, group_offsets)  # [m k, w]
-        return unsort(out_sorted, order).view(m, k, -1)  # back in token order
+        return unsort(out_sorted, order).view(m, k, z.shape[1])  # back in token order
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have last dimension d_model = {self.d_model}, got shape {tuple(x.shape)}")
-        if torch.isnan(x).any():
-            raise ValueError("x contains NaN")
+        """y = shared(x) + routed(x), x [..., d_model] -> [..., d_model]; records the routing in training."""
+        self._check_input(x)
         flat = x.reshape(-1, self.d_model)  # [m, d]
         logits, scores, expert_idx, weights = self.route(flat)
         weights = self.route_scale * weights
@@ -118,31 +135,68 @@ class MoE(nn.Module):
             self._record(logits, scores, expert_idx)
         return y.view(x.shape)
 
+    def _check_input(self, x: torch.Tensor) -> None:
+        """Shape and dtype only (no value is read: NaN scans belong to the model boundary / k3course.debug)."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.d_model:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape [..., d_model = {self.d_model}], got {shape}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+
     def _record(self, logits: torch.Tensor, scores: torch.Tensor, expert_idx: torch.Tensor) -> None:
-        """Keep what the balancing rule needs (detached), and the aux loss (with its gradient) when used."""
-        self.last_scores, self.last_expert_idx = scores.detach(), expert_idx
-        if self.balancing == "aux":
-            probs = scores / scores.sum(-1, keepdim=True)
-            self.aux_loss = switch_aux_loss(probs, expert_idx, self.aux_alpha)
+        """This micro-batch's losses (with grad), and its routing added to the record (detached, no host read).
+
+        With zero tokens the losses are 0 (a mean over no tokens would be NaN) and nothing is added.
+        """
+        m = logits.shape[0]
+        if m == 0:
+            self.z_loss = self.aux_loss = logits.sum()  # 0, still connected to the router for backward
+            return
         self.z_loss = router_z_loss(logits)
+        if self.balancing == "aux":
+            self.aux_loss = switch_aux_loss(scores / scores.sum(-1, keepdim=True), expert_idx, self.aux_alpha)
+        flat = expert_idx.reshape(-1)
+        self.recorded_load.scatter_add_(0, flat, torch.ones_like(flat))
+        self.recorded_tokens += m
+        if self.balancing == "quantile":
+            self.recorded_scores.append(scores.detach())
+
+    def balancing_statistics(self) -> dict:
+        """What the balancing rule reads, over the training forwards since the last update (or reset).
+
+        {"tokens": M (int), "load": [n] int64 token-slots per expert (Σ = M·k), "scores": [M, n] detached
+        router scores for balancing="quantile", else None}. Load sums over ranks; scores are pooled as
+        margin histograms (:func:`k3course.moe.quantile_balance_bias_from_histograms`).
+        """
+        scores = None
+        if self.balancing == "quantile":
+            scores = (torch.cat(self.recorded_scores) if self.recorded_scores
+                      else self.bias.new_zeros(0, self.n_routed))
+        return {"tokens": self.recorded_tokens, "load": self.recorded_load.clone(), "scores": scores}
+
+    def reset_statistics(self) -> None:
+        """Clear the record (the training loop's :meth:`update_bias` does this after using it)."""
+        self.recorded_load.zero_()
+        self.recorded_tokens = 0
+        self.recorded_scores = []
 
     @torch.no_grad()
     def update_bias(self) -> bool:
-        """Move the bias by the balancing rule, from the last training forward; True when it changed.
+        """Move the bias by the balancing rule on every micro-batch since the last update, then clear the record.
 
-        quantile: b ← quantile_balance_bias(s, b, k); sign: b ← b − γ sign(load − mean load);
-        aux / None: the bias stays 0. Does nothing in eval mode or before any training forward.
+        quantile: b ← quantile_balance_bias(s, b, k) on the scores s [M, n] of all M recorded tokens;
+        sign: b ← b − γ sign(load − mean load) on the summed load; aux / None: the bias stays 0.
+        Returns True when the bias moved. In eval mode, or with nothing recorded, nothing happens (False).
         """
-        if not self.training or self.last_scores is None or self.balancing not in ("quantile", "sign"):
+        if not self.training or self.recorded_tokens == 0:
             return False
+        statistics = self.balancing_statistics()
+        self.reset_statistics()
         if self.balancing == "quantile":
-            new_bias = quantile_balance_bias(self.last_scores, self.bias, self.top_k)
-        else:
-            load = expert_load(self.last_expert_idx, self.n_routed)
-            new_bias = sign_rule_update(self.bias, load, self.gamma)
-        self.bias.copy_(new_bias)
-        self.last_scores = None  # a second call before the next forward must not apply the same batch again
-        return True
+            self.bias.copy_(quantile_balance_bias(statistics["scores"], self.bias, self.top_k))
+        elif self.balancing == "sign":
+            self.bias.copy_(sign_rule_update(self.bias, statistics["load"], self.gamma))
+        return self.balancing in ("quantile", "sign")
 
     def reference_params(self) -> dict:
         """The weights as fp64 NumPy arrays under the names :func:`k3course.reference.moe.moe_forward` reads."""
@@ -158,10 +212,13 @@ class MoE(nn.Module):
         return params
 
     def routing_stats(self) -> dict:
-        """Load, max-violation and entropy of the last training forward's routing (see :func:`routing_stats`)."""
-        if self.last_expert_idx is None:
-            raise RuntimeError("routing_stats needs a forward in training mode first")
-        return routing_stats(self.last_expert_idx, self.n_routed)
+        """Load, max-violation and entropy of the routing recorded since the last update (all micro-batches).
+
+        {'load': [n] counts, 'max_violation': float, 'entropy': float, 'tokens': int}; see :func:`load_stats`.
+        """
+        if self.recorded_tokens == 0:
+            raise RuntimeError("routing_stats needs a forward in training mode since the last update_bias()")
+        return {**load_stats(self.recorded_load.clone()), "tokens": self.recorded_tokens}
 
 
 class LatentMoE(MoE):

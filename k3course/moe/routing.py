@@ -1,8 +1,14 @@
-"""Routing: scores from router logits, and top-k selection with a bias that steers selection only."""
+"""Routing: scores from router logits, and top-k selection with a bias that steers selection only.
+
+1 ≤ k ≤ n everywhere (k = n sends every token to every expert). The checks here read shapes and dtypes only;
+NaN scans read values back to the host, so they run only under :func:`k3course.debug.value_checks`.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from k3course import debug
 
 
 def _check_scores(scores: torch.Tensor, name: str = "scores") -> None:
@@ -12,22 +18,22 @@ def _check_scores(scores: torch.Tensor, name: str = "scores") -> None:
         raise ValueError(f"{name} must have shape [m tokens, n experts], got shape {tuple(scores.shape)}")
     if not scores.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {scores.dtype}")
-    if torch.isnan(scores).any():
+    if debug.enabled() and torch.isnan(scores).any():
         raise ValueError(f"{name} contains NaN")
 
 
 def _check_k(k: int, n: int, name: str = "k") -> None:
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"{name} must be an int, got {type(k).__name__}")
-    if not 1 <= k < n:
-        raise ValueError(f"{name} must satisfy 1 <= {name} < n experts = {n}, got {name} = {k}")
+    if not 1 <= k <= n:
+        raise ValueError(f"{name} must satisfy 1 <= {name} <= n experts = {n}, got {name} = {k}")
 
 
 def _check_bias(bias: torch.Tensor, n: int) -> None:
     if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
         shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
         raise ValueError(f"bias must be a tensor of shape [n experts] = ({n},), got {shape}")
-    if torch.isnan(bias).any():
+    if debug.enabled() and torch.isnan(bias).any():
         raise ValueError("bias contains NaN")
 
 
@@ -43,17 +49,22 @@ def router_scores(logits: torch.Tensor, score_fn: str = "sigmoid") -> torch.Tens
 def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     """The k largest entries of each row, largest first; ties go to the lower expert index.
 
-    ``torch.topk`` is fast but does not promise an order among equal values, so rows with a tie among their
-    k + 1 largest entries are redone with a stable descending sort (which keeps the lower index first).
+    ``torch.topk`` gives the k-th largest value v_t but does not promise which of several equal entries it
+    picks, so the choice is rebuilt from v_t without a host read:
+        chosen_tj = [x_tj > v_t]  or  [x_tj = v_t and j among the first (k − #{x_t > v_t}) such j]
+    then the k chosen indices are ordered by value, ties by index (a stable sort of k entries per row).
     values [m, n] -> [m, k] int64.
     """
-    top = torch.topk(values, min(k + 1, values.shape[1]), dim=-1)  # sorted, largest first
-    tied = (top.values[:, 1:] == top.values[:, :-1]).any(dim=1)  # [m]
-    expert_idx = top.indices[:, :k]
-    if tied.any():
-        expert_idx = expert_idx.clone()
-        expert_idx[tied] = torch.sort(values[tied], dim=-1, descending=True, stable=True).indices[:, :k]
-    return expert_idx
+    m, n = values.shape
+    kth = torch.topk(values, k, dim=-1).values[:, -1:]  # [m, 1]: v_t
+    above, at = values > kth, values == kth  # [m, n]
+    room = k - above.sum(1, keepdim=True)  # [m, 1]: how many of the v_t ties are taken
+    chosen = above | (at & (at.cumsum(1) <= room))  # [m, n], exactly k per row
+    slot = torch.where(chosen, chosen.cumsum(1) - 1, k)  # chosen index j goes to column (its rank by index)
+    columns = torch.arange(n, device=values.device).expand(m, n)
+    by_index = torch.zeros(m, k + 1, dtype=torch.int64, device=values.device).scatter_(1, slot, columns)[:, :k]
+    by_value = torch.sort(values.gather(1, by_index), dim=1, descending=True, stable=True).indices  # [m, k]
+    return by_index.gather(1, by_value)
 
 
 def topk_route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,

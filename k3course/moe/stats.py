@@ -22,7 +22,11 @@ def load_entropy(load: torch.Tensor) -> float:
     return float(-(nonzero * nonzero.log()).sum() / math.log(load.numel()))
 
 
-def routing_stats(expert_idx: torch.Tensor, n: int) -> dict:
-    """{'load': [n] counts, 'max_violation': float, 'entropy': float} for one batch of routing decisions."""
-    load = torch.bincount(expert_idx.reshape(-1), minlength=n)
+def load_stats(load: torch.Tensor) -> dict:
+    """{'load': [n] counts, 'max_violation': float, 'entropy': float} from per-expert token-slot counts."""
     return {"load": load, "max_violation": max_violation(load), "entropy": load_entropy(load)}
+
+
+def routing_stats(expert_idx: torch.Tensor, n: int) -> dict:
+    """:func:`load_stats` of one batch of routing decisions expert_idx [m, k]."""
+    return load_stats(torch.bincount(expert_idx.reshape(-1), minlength=n))

@@ -36,6 +36,7 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
 
 def _learner_call(fn, case: Case, exercise: Exercise):
     """Run ``fn`` on a copy of the case's inputs; return its output and the inputs as it left them."""
+    __tracebackhide__ = True
     args, kwargs = copy.deepcopy(case.args), copy.deepcopy(case.kwargs)
     with refusing(exercise.forbidden):
         output = fn(*args, **kwargs)
@@ -71,7 +72,7 @@ def _changed_input(exercise: Exercise, case: Case, args: tuple, kwargs: dict) ->
 
 def _run_learner(fn, case: Case, exercise: Exercise, where: str):
     """The learner's (output, args, kwargs) for one case; their errors become ExerciseNotDone/ExerciseFailed."""
-    __tracebackhide__ = True
+    __tracebackhide__ = True  # IPython leaves the grader's frames out of the learner's traceback
     try:
         if exercise.isolate and can_isolate():
             return run_isolated(lambda: _learner_call(fn, case, exercise))
@@ -86,20 +87,21 @@ def _run_learner(fn, case: Case, exercise: Exercise, where: str):
                              f"{_first_line(error)}") from error
 
 
-def _grade_case(fn, case: Case, exercise: Exercise, n_cases: int) -> None:
-    """Run one case: the learner first, then the inputs, then the reference; raise on the first problem."""
-    __tracebackhide__ = True
+def _grade_case(fn, case: Case, exercise: Exercise, n_cases: int) -> Exception | None:
+    """Run one case: the learner first, then the inputs, then the reference; the first problem, or None."""
     where = f"{exercise.id}, case '{case.name}'"
-    got, args, kwargs = _run_learner(fn, case, exercise, where)
+    try:
+        got, args, kwargs = _run_learner(fn, case, exercise, where)
+    except (ExerciseNotDone, ExerciseFailed) as failure:
+        return failure
     changed = _changed_input(exercise, case, args, kwargs)
     if changed is not None:
-        raise ExerciseFailed(f"{where}: your function changed its input `{changed}` in place\n"
-                             "  leave inputs unchanged: compute new tensors (x * a, x.clone()) instead of "
-                             "in-place ops (x.mul_(a), x[...] = ..., x += ...)")
+        return ExerciseFailed(f"{where}: your function changed its input `{changed}` in place\n"
+                              "  leave inputs unchanged: compute new tensors (x * a, x.clone()) instead of "
+                              "in-place ops (x.mul_(a), x[...] = ..., x += ...)")
     want = exercise.reference(*copy.deepcopy(case.args), **copy.deepcopy(case.kwargs))
     reason = explain_difference(got, want, exercise.tolerance)
-    if reason:
-        raise ExerciseFailed(f"{where} ({n_cases} cases in all):\n{reason}")
+    return ExerciseFailed(f"{where} ({n_cases} cases in all):\n{reason}") if reason else None
 
 
 def check(exercise_id: str, fn) -> None:
@@ -115,5 +117,7 @@ def check(exercise_id: str, fn) -> None:
         raise TypeError(f"fn must be the function you wrote for {exercise_id}, got {describe(fn)}")
     cases = exercise.cases()
     for case in cases:
-        _grade_case(fn, case, exercise, len(cases))
+        failure = _grade_case(fn, case, exercise, len(cases))
+        if failure is not None:  # raised from here: your traceback shows your code, not the grader's
+            raise failure.with_traceback(None)
     print(f"{exercise_id}: passed all {len(cases)} cases")

@@ -7,6 +7,7 @@ learner reads what probably happened within seconds.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import pickle
 import signal
@@ -35,6 +36,7 @@ def _child(send, call: Callable[[], Any]) -> None:
     die with the child.
     """
     torch.set_num_threads(1)
+    faulthandler.disable()  # a crash here is expected and reported by the parent, not dumped to stderr
     try:
         message = pickle.dumps(("returned", call()))
     except BaseException as error:  # noqa: BLE001  (everything goes back to the parent, to be reported)

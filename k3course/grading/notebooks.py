@@ -6,6 +6,7 @@ Used by ``k3course progress`` and by the grading-contract tests.
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,11 @@ def check_ids(source: str) -> tuple[str, ...]:
 
 
 def execute(path: Path, timeout: int = 600) -> tuple[nbformat.NotebookNode, list[CellResult]]:
-    """Run the notebook at ``path`` top to bottom (errors don't stop it); return it and one result per cell."""
+    """Run the notebook at ``path`` top to bottom (errors don't stop it); return it and one result per cell.
+
+    The kernel process's own stderr (import-time warnings from native libraries) is discarded so that it
+    doesn't interleave with the caller's output; what the cells print, warnings included, is in the outputs.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path: no notebook at {path}")
@@ -61,7 +66,7 @@ def execute(path: Path, timeout: int = 600) -> tuple[nbformat.NotebookNode, list
     kernel = KernelManager(kernel_name="python3", kernel_spec_manager=_CurrentInterpreter())
     client = NotebookClient(nb, km=kernel, timeout=timeout, allow_errors=True,
                             resources={"metadata": {"path": str(path.parent)}})
-    client.execute()
+    client.execute(stderr=subprocess.DEVNULL)
     results = []
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":

@@ -11,7 +11,7 @@ import torch
 from k3course.distributed import (ExpertParallelMoE, RankFailed, combine, dispatch_permutation, expert_ranges, inverse_permutation,
                                   run_ranks, split_sizes, traffic_bytes)
 from k3course.distributed.workers import build_layer, failing, global_batch, run_cases
-from k3course.moe import MoE, expert_load, quantile_balance_bias, quantile_balance_bias_from_histograms, sign_rule_update
+from k3course.moe import MoE, quantile_balance_bias, quantile_balance_bias_from_histograms, sign_rule_update
 from k3course.moe.balancing import margin_range
 
 BASE = dict(kind="moe", d=16, n=8, k=3, d_expert=8, seed=0)
@@ -109,10 +109,26 @@ def test_bias_identical_on_every_rank_and_equal_to_the_pooled_histogram(world):
         bin_width = (max(r[1] for r in ranges) - min(r[0] for r in ranges)) / bins
         exact = quantile_balance_bias(torch.cat(shards), before, k)
         assert float((pooled - exact).abs().max()) <= bin_width
-        load = expert_load(torch.cat([r[sign]["expert_idx"][step] for r in results]), n)
+        load = sum(r[sign]["load"][step] for r in results)
         sign_before = results[0][sign]["bias_before"][step]
         expected = sign_rule_update(sign_before, load, build_layer(cases[sign]).gamma)
         assert torch.equal(results[0][sign]["bias_after"][step], expected)
+
+
+def test_bias_after_an_update_matches_one_process_on_the_concatenated_batch(world):
+    P, cases, results = world
+    for index, tolerance in ((len(cases) - 2, "one bin"), (len(cases) - 1, "exact")):
+        layer = build_layer(cases[index])
+        layer(global_batch(cases[index])[0])
+        layer.update_bias()
+        got = results[0][index]["bias_after"][0]
+        if tolerance == "exact":  # the sign rule: integer loads, summed exactly
+            assert torch.equal(got, layer.bias)
+        else:
+            shards = [r[index]["scores"][0] for r in results if r[index]["scores"][0].shape[0]]
+            ranges = [margin_range(s, torch.zeros(BASE["n"]), BASE["k"]) for s in shards]
+            bin_width = (max(r[1] for r in ranges) - min(r[0] for r in ranges)) / cases[index]["bins"]
+            assert float((got - layer.bias).abs().max()) <= bin_width
 
 
 def test_split_sizes_permutation_and_combine():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from k3course.moe.balancing import bias_from_histogram, expert_load, margin_histogram, margin_range
+from k3course.moe.balancing import bias_from_histogram, margin_histogram, margin_range
 
 
 def pooled_margin_edges(scores: torch.Tensor, bias: torch.Tensor, k: int, bins: int, group=None) -> torch.Tensor:
@@ -39,8 +39,8 @@ def pooled_quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, bins:
     return bias_from_histogram(counts, edges, int(tokens) * k // scores.shape[1]).to(bias.dtype)
 
 
-def pooled_load(expert_idx: torch.Tensor, n: int, group=None) -> torch.Tensor:
-    """load_j summed over the ranks: token-slots of all ranks routed to expert j. [m_r, k] -> [n] int64."""
-    load = expert_load(expert_idx, n)
-    dist.all_reduce(load, group=group)
-    return load
+def pooled_load(load: torch.Tensor, group=None) -> torch.Tensor:
+    """load_j summed over the ranks: the token-slots of all ranks routed to expert j. [n] int64 -> [n] int64."""
+    total = load.clone()
+    dist.all_reduce(total, group=group)
+    return total

@@ -153,20 +153,26 @@ class ExpertParallelMoE(MoE):
 
     @torch.no_grad()
     def update_bias(self) -> bool:
-        """:meth:`MoE.update_bias` on the tokens of ALL ranks; every rank ends with the same bias.
+        """:meth:`MoE.update_bias` on the tokens of ALL ranks since the last update; every rank gets the same bias.
 
         quantile: read off the all-reduced margin histograms (``histogram_bins`` bins, default 256);
-        sign: b ← b − γ sign(load − mean load), load all-reduced. A collective: call it on every rank together.
+        sign: b ← b − γ sign(load − mean load), load all-reduced. A collective: call it on every rank together
+        (a rank that recorded no token takes part with empty statistics).
         """
-        if not self.training or self.last_scores is None or self.balancing not in ("quantile", "sign"):
+        if not self.training or self.balancing not in ("quantile", "sign"):
+            return False
+        statistics = self.balancing_statistics()
+        self.reset_statistics()
+        tokens = torch.tensor(statistics["tokens"], device=self.bias.device)
+        dist.all_reduce(tokens, group=self.group)
+        if int(tokens) == 0:
             return False
         if self.balancing == "quantile":
-            new_bias = pooled_quantile_bias(self.last_scores, self.bias, self.top_k, self.histogram_bins, self.group)
+            new_bias = pooled_quantile_bias(statistics["scores"], self.bias, self.top_k, self.histogram_bins,
+                                            self.group)
         else:
-            load = pooled_load(self.last_expert_idx, self.n_routed, self.group)
-            new_bias = sign_rule_update(self.bias, load, self.gamma)
+            new_bias = sign_rule_update(self.bias, pooled_load(statistics["load"], self.group), self.gamma)
         self.bias.copy_(new_bias)
-        self.last_scores = None  # a second call before the next forward must not apply the same batch again
         return True
 
     def _dispatch_dedup(self, z: torch.Tensor, expert_idx: torch.Tensor, order: torch.Tensor,

@@ -57,17 +57,18 @@ def balancing_steps(rank: int, world_size: int, case: dict) -> dict:
     """``case["steps"]`` training steps of this rank's slice, each a forward then :meth:`update_bias`.
 
     The global batch of step s is drawn with seed + s. Returns per step the scores the update used [m_r, n],
-    the routing [m_r, k], and the bias before and after.
+    this rank's load per expert [n], and the bias before and after.
     """
     layer = ExpertParallelMoE.from_moe(build_layer(case), histogram_bins=case.get("bins", 256))
-    steps = {"scores": [], "expert_idx": [], "bias_before": [], "bias_after": []}
+    steps = {"scores": [], "load": [], "bias_before": [], "bias_after": []}
     for step in range(case.get("steps", 2)):
         x, _ = global_batch({**case, "seed": case["seed"] + step})
         steps["bias_before"].append(layer.bias.clone())
         with torch.no_grad():
             layer(x[rank_slice(case, rank)])
-        steps["scores"].append(layer.last_scores)
-        steps["expert_idx"].append(layer.last_expert_idx)
+        statistics = layer.balancing_statistics()
+        steps["scores"].append(statistics["scores"])
+        steps["load"].append(statistics["load"])
         layer.update_bias()
         steps["bias_after"].append(layer.bias.clone())
     return steps

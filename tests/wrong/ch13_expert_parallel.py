@@ -1,0 +1,74 @@
+"""Plausible wrong answers for chapter 13."""
+
+import torch
+
+
+def splits_count_tokens_not_slots(expert_idx, n_experts, world_size):
+    """One per (token, rank) pair: what deduplication sends, not the slots."""
+    block = -(-n_experts // world_size)
+    owner = expert_idx // block
+    pairs = torch.unique(owner * expert_idx.shape[0] + torch.arange(expert_idx.shape[0])[:, None])
+    return torch.bincount(pairs // expert_idx.shape[0], minlength=world_size)
+
+
+def splits_with_equal_blocks_rounded_up(expert_idx, n_experts, world_size):
+    """Blocks of ceil(n / P) experts: wrong whenever P does not divide n."""
+    block = -(-n_experts // world_size)
+    return torch.bincount((expert_idx // block).reshape(-1), minlength=world_size)
+
+
+def splits_per_expert(expert_idx, n_experts, world_size):
+    return torch.bincount(expert_idx.reshape(-1), minlength=n_experts)
+
+
+def permutation_sorted_descending(expert_idx):
+    return torch.sort(expert_idx.reshape(-1), descending=True, stable=True).indices
+
+
+def permutation_token_major(expert_idx):
+    """Slots grouped by token, then expert: not contiguous per expert."""
+    m, k = expert_idx.shape
+    within = torch.sort(expert_idx, dim=1, stable=True).indices
+    return (torch.arange(m)[:, None] * k + within).reshape(-1)
+
+
+def permutation_sorted_by_token_index_last(expert_idx):
+    """Sort on expert · m − token: experts in order, but tokens reversed within an expert."""
+    m, k = expert_idx.shape
+    key = expert_idx * m - torch.arange(m)[:, None]
+    return torch.sort(key.reshape(-1), stable=True).indices
+
+
+def inverse_is_the_permutation(order):
+    return order.clone()
+
+
+def inverse_reversed(order):
+    return order.flip(0)
+
+
+def combine_without_unsorting(returned, order, weights):
+    m, k = weights.shape
+    return torch.einsum("mk,mkw->mw", weights, returned.view(m, k, -1))
+
+
+def combine_gathers_with_order(returned, order, weights):
+    """Uses the permutation where its inverse belongs."""
+    m, k = weights.shape
+    return torch.einsum("mk,mkw->mw", weights, returned[order].view(m, k, -1))
+
+
+def combine_forgets_the_weights(returned, order, weights):
+    m, k = weights.shape
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return returned[inverse].view(m, k, -1).sum(1)
+
+
+WRONG = {
+    "13.split_sizes": [splits_count_tokens_not_slots, splits_with_equal_blocks_rounded_up, splits_per_expert],
+    "13.dispatch_permutation": [permutation_sorted_descending, permutation_token_major,
+                                permutation_sorted_by_token_index_last],
+    "13.inverse_permutation": [inverse_is_the_permutation, inverse_reversed],
+    "13.combine": [combine_without_unsorting, combine_gathers_with_order, combine_forgets_the_weights],
+}

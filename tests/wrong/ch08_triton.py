@@ -11,6 +11,58 @@ import triton.language as tl
 import k3course.kernels  # noqa: F401  (first: picks the interpreter on CPU before any @triton.jit)
 
 
+@triton.jit
+def _scale_add_alpha_on_y_kernel(x_ptr, y_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x, y = tl.load(x_ptr + offsets, mask=mask, other=0.0), tl.load(y_ptr + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + offsets, x + alpha * y, mask=mask)
+
+
+def scale_add_alpha_on_y(x, y, alpha, block=64):
+    """Scales the wrong vector: x + alpha · y."""
+    out = torch.empty_like(x)
+    _scale_add_alpha_on_y_kernel[(triton.cdiv(x.numel(), block),)](x, y, out, alpha, x.numel(), BLOCK=block)
+    return out
+
+
+def scale_add_one_program(x, y, alpha, block=64):
+    """Launches one program whatever n: only the first block is computed."""
+    out = torch.zeros_like(x)
+    _scale_add_alpha_on_y_kernel[(1,)](y, x, out, alpha, x.numel(), BLOCK=block)  # (y, x) swapped back: α·x + y
+    return out
+
+
+def scale_add_in_torch(x, y, alpha, block=64):
+    """The right values, in torch."""
+    return alpha * x + y
+
+
+@triton.jit
+def _matmul_one_k_tile_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    depth = tl.arange(0, BK)
+    a = tl.load(a_ptr + rows[:, None] * K + depth[None, :], mask=(rows[:, None] < M) & (depth[None, :] < K), other=0.0)
+    b = tl.load(b_ptr + depth[:, None] * N + cols[None, :], mask=(depth[:, None] < K) & (cols[None, :] < N), other=0.0)
+    tl.store(c_ptr + rows[:, None] * N + cols[None, :], tl.dot(a, b, input_precision="ieee"),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def matmul_without_the_k_loop(a, b, block=16):
+    """One tile of depth per output tile: right only when K ≤ block."""
+    (M, K), N = a.shape, b.shape[1]
+    c = torch.empty(M, N, dtype=torch.float32)
+    _matmul_one_k_tile_kernel[(triton.cdiv(M, block), triton.cdiv(N, block))](a.contiguous(), b.contiguous(), c,
+                                                                            M, N, K, BM=block, BN=block, BK=block)
+    return c
+
+
+def matmul_in_torch(a, b, block=16):
+    """The right product, in torch."""
+    return a @ b
+
+
 def l2norm_in_torch(x):
     """The right values, written in torch instead of a kernel."""
     return x / (x.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
@@ -109,6 +161,8 @@ def l2norm_unmasked_store_crashes(x):
 
 
 WRONG = {
+    "08.scale_add": [scale_add_alpha_on_y, scale_add_one_program, scale_add_in_torch],
+    "08.matmul": [matmul_without_the_k_loop, matmul_in_torch],
     "08.l2norm_rows": [l2norm_in_torch, l2norm_eps_outside_sqrt, l2norm_unmasked_store_crashes],
     "08.chunk_cumsum": [cumsum_one_chunk_for_all],
     "08.kk_tile": [tile_factored_naively, tile_always_16_wide, tile_in_torch],

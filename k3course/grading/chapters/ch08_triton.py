@@ -1,5 +1,6 @@
-"""Chapter 08 (Triton): a masked row-wise kernel, the in-chunk cumulative decay, one tile of the intra-chunk
-product. The references are the package's Triton kernels; inputs are small fp32 tensors (the interpreter is slow)."""
+"""Chapter 08 (Triton): masked load/store, a row-wise reduction, a tiled matmul, the in-chunk cumulative decay,
+one tile of the intra-chunk product. The references are the package's Triton kernels; inputs are small fp32
+tensors (the interpreter is slow)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 import k3course.kernels  # noqa: F401  (chooses native vs interpreter before any kernel module is imported)
 from k3course.grading.registry import Case, Exercise, Forbidden, register
-from k3course.kernels.basics import decayed_kk_tile, l2norm_rows
+from k3course.kernels.basics import decayed_kk_tile, l2norm_rows, matmul, scale_add
 from k3course.kernels.kda_chunk import chunk_local_cumsum
 
 TORCH_MATH = Forbidden(
@@ -20,6 +21,27 @@ TORCH_MATH = Forbidden(
 
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def _scale_add_cases() -> list[Case]:
+    x, y = torch.randn(2, 300, generator=_generator(10))
+    return [
+        Case("n = 64, one full block", (x[:64], y[:64], 2.0)),
+        Case("n = 100: the last block runs past the end", (x[:100], y[:100], -0.5)),
+        Case("n = 1", (x[:1], y[:1], 3.0)),
+        Case("n = 300, block 128", (x, y, 0.25), {"block": 128}),
+    ]
+
+
+def _matmul_cases() -> list[Case]:
+    g = _generator(11)
+    return [
+        Case("16 x 16 times 16 x 16: one tile", (torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g))),
+        Case("K = 40: the loop over K", (torch.randn(16, 40, generator=g), torch.randn(40, 16, generator=g))),
+        Case("ragged edges, 20 x 37 times 37 x 18",
+             (torch.randn(20, 37, generator=g), torch.randn(37, 18, generator=g))),
+        Case("32-wide tiles", (torch.randn(40, 64, generator=g), torch.randn(64, 33, generator=g)), {"block": 32}),
+    ]
 
 
 def _l2norm_cases() -> list[Case]:
@@ -65,7 +87,9 @@ def _tile_cases() -> list[Case]:
     ]
 
 
-for exercise_id, reference, cases in (("08.l2norm_rows", l2norm_rows, _l2norm_cases),
+for exercise_id, reference, cases in (("08.scale_add", scale_add, _scale_add_cases),
+                                      ("08.l2norm_rows", l2norm_rows, _l2norm_cases),
+                                      ("08.matmul", matmul, _matmul_cases),
                                       ("08.chunk_cumsum", chunk_local_cumsum, _cumsum_cases),
                                       ("08.kk_tile", decayed_kk_tile, _tile_cases)):
     register(Exercise(exercise_id, reference, cases, forbidden=TORCH_MATH, isolate=True))

@@ -1,0 +1,146 @@
+"""The assembled K3: its module tree is the config's accounting, cached decoding equals the full forward,
+every parameter learns, and bad input is named."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from k3course.config import K3Config
+from k3course.model import IGNORE, K3Cache, K3Model
+
+SCHEDULES = {"hybrid": {}, "all-kda": dict(mla_layers=()), "all-mla": dict(kda_per_mla=0)}
+PROMPTS = (1, 63, 64, 65, 130)
+
+
+def tiny_model(seed: int = 0, **changes) -> K3Model:
+    torch.manual_seed(seed)
+    return K3Model.from_config(K3Config.preset("tiny").replace(**changes)).eval()
+
+
+def decode_logits(model: K3Model, tokens: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Prefill tokens[:, :prompt] into a fresh cache, then feed the rest one token at a time (the cache is made
+    for fewer tokens than come, so the MLA caches also grow)."""
+    cache = model.new_cache(tokens.shape[0], prompt + 1)
+    logits, _, cache = model(tokens[:, :prompt], cache)
+    steps = [logits]
+    for t in range(prompt, tokens.shape[1]):
+        logits, _, cache = model(tokens[:, t:t + 1], cache)
+        steps.append(logits)
+    assert cache.length == tokens.shape[1]
+    return torch.cat(steps, dim=1)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("name", ["kimi-k3", "kimi-k2", "deepseek-v3", "kimi-linear-48b"])
+def test_reference_models_build_on_meta_with_exactly_the_accounted_parameters(name):
+    cfg = K3Config.preset(name)
+    start = time.perf_counter()
+    model = K3Model.from_config(cfg, device="meta")
+    assert time.perf_counter() - start < 30  # seconds, not the minutes a real allocation would take
+    count = cfg.param_count()
+    assert sum(p.numel() for p in model.parameters()) == count.total
+    assert sum(active for _, active in model.param_breakdown().values()) == count.active
+    assert [layer.mixer_kind for layer in model.layers] == list(cfg.layer_types())
+    assert [layer.ffn_kind for layer in model.layers] == list(cfg.ffn_types())
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prefill_then_decode_equals_the_full_forward(schedule, batch):
+    model = tiny_model(**SCHEDULES[schedule])
+    tokens = torch.randint(0, 256, (batch, 134), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, _, _ = model(tokens)
+        for prompt in PROMPTS:
+            decoded = decode_logits(model, tokens[:, :prompt + 4], prompt)  # prefill, then 4 decode steps
+            assert relative_error(decoded, full[:, :prompt + 4]) <= 1e-4, f"prompt {prompt}"
+
+
+def test_decode_equals_forward_on_the_triton_path(monkeypatch):
+    monkeypatch.setenv("K3COURSE_KERNELS", "triton")
+    model = tiny_model(seed=2)
+    tokens = torch.randint(0, 256, (3, 67), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full, _, _ = model(tokens)
+        for prompt in (1, 65):
+            decoded = decode_logits(model, tokens[:, :prompt + 2], prompt)
+            assert relative_error(decoded, full[:, :prompt + 2]) <= 1e-4, f"prompt {prompt}"
+
+
+def test_decoding_takes_the_recurrent_step_and_the_absorbed_form():
+    model = tiny_model()
+    kda, mla = model.layers[0].mixer, model.layers[-1].mixer
+    assert not kda.uses_chunked_op(1) and kda.uses_chunked_op(65)
+    assert mla.uses_absorbed(1) and not mla.uses_absorbed(65)
+    model.train()
+    assert kda.uses_chunked_op(1) and not mla.uses_absorbed(1)  # training always takes the chunked, naive form
+
+
+def test_one_backward_reaches_every_parameter_with_finite_gradients():
+    model = tiny_model().train()
+    tokens = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(4))
+    _, loss, _ = model(tokens[:, :-1], targets=tokens[:, 1:])
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.5  # an untrained model is near uniform
+    loss.backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, f"{name} gets no gradient"
+
+
+def test_ignored_targets_do_not_count_and_tied_embeddings_share_the_table():
+    model = tiny_model(tie_embeddings=True)
+    assert model.lm_head is None
+    tokens = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(5))
+    targets = tokens.clone()
+    targets[:, :5] = IGNORE
+    logits, loss, _ = model(tokens, targets=targets)
+    expected = torch.nn.functional.cross_entropy(logits[:, 5:].flatten(0, 1), tokens[:, 5:].flatten())
+    torch.testing.assert_close(loss, expected)
+
+
+def test_generate_is_seeded_and_greedy_generation_is_the_argmax_continuation():
+    model = tiny_model()
+    prompt = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(6))
+    a = model.generate(prompt, 6, temperature=0.8, top_k=20, seed=3)
+    assert a.shape == (2, 13) and torch.equal(a[:, :7], prompt)
+    assert torch.equal(a, model.generate(prompt, 6, temperature=0.8, top_k=20, seed=3))
+    greedy = model.generate(prompt, 3, temperature=0)
+    sequence = prompt
+    for _ in range(3):
+        sequence = torch.cat([sequence, model(sequence)[0][:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(greedy, sequence)
+    assert torch.equal(model.generate(prompt, 0), prompt)
+
+
+def test_cache_bytes_are_the_tensors_held():
+    model = tiny_model()
+    cfg = model.cfg
+    cache = model.new_cache(2, 50)
+    model(torch.zeros(2, 50, dtype=torch.long), cache)
+    assert isinstance(cache, K3Cache) and cache.length == 50
+    assert cache.nbytes() == 2 * cfg.kv_cache_bytes(50, dtype_bytes=4)
+
+
+def test_bad_input_is_named():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="tokens must be ids in"):
+        model(torch.tensor([[0, 256]]))
+    with pytest.raises(ValueError, match="tokens must be ids in"):
+        model(torch.tensor([[-1, 3]]))
+    with pytest.raises(ValueError, match=r"tokens must be an int tensor \[B, T\]"):
+        model(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="cache holds 2 sequences"):
+        model(torch.zeros(3, 1, dtype=torch.long), model.new_cache(2, 8))
+    other = tiny_model(mla_layers=())
+    with pytest.raises(ValueError, match="another layer schedule"):
+        model(torch.zeros(2, 1, dtype=torch.long), other.new_cache(2, 8))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), -1)
+    with pytest.raises(ValueError, match="targets must have the shape of tokens"):
+        model(torch.zeros(1, 4, dtype=torch.long), targets=torch.zeros(1, 3, dtype=torch.long))

@@ -57,16 +57,30 @@ def _same(before: Any, after: Any) -> bool:
     return before == after
 
 
+def _named_inputs(exercise: Exercise, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The inputs of one call by parameter name (positions named after the reference's signature)."""
+    names = list(inspect.signature(exercise.reference).parameters)
+    named = {names[i] if i < len(names) else f"argument {i + 1}": value for i, value in enumerate(args)}
+    return {**named, **kwargs}
+
+
 def _changed_input(exercise: Exercise, case: Case, args: tuple, kwargs: dict) -> str | None:
     """The name of the first input the learner's call changed in place (and may not), else None."""
-    names = list(inspect.signature(exercise.reference).parameters)
-    for position, (before, after) in enumerate(zip(case.args, args)):
-        name = names[position] if position < len(names) else f"argument {position + 1}"
-        if name not in exercise.mutable and not _same(before, after):
+    after = _named_inputs(exercise, args, kwargs)
+    for name, before in _named_inputs(exercise, case.args, case.kwargs).items():
+        if name not in exercise.mutable and not _same(before, after[name]):
             return name
-    for name, before in case.kwargs.items():
-        if name not in exercise.mutable and not _same(before, kwargs[name]):
-            return name
+    return None
+
+
+def _mutated_difference(exercise: Exercise, learner: dict, reference: dict) -> str | None:
+    """For inputs the exercise updates in place: how the learner's differ from the reference's after the call."""
+    for name in exercise.mutable:
+        if name in reference:
+            reason = explain_difference(learner[name], reference[name], exercise.tolerance,
+                                        f"`{name}` after the call (it is updated in place)")
+            if reason:
+                return reason
     return None
 
 
@@ -99,8 +113,10 @@ def _grade_case(fn, case: Case, exercise: Exercise, n_cases: int) -> Exception |
         return ExerciseFailed(f"{where}: your function changed its input `{changed}` in place\n"
                               "  leave inputs unchanged: compute new tensors (x * a, x.clone()) instead of "
                               "in-place ops (x.mul_(a), x[...] = ..., x += ...)")
-    want = exercise.reference(*copy.deepcopy(case.args), **copy.deepcopy(case.kwargs))
-    reason = explain_difference(got, want, exercise.tolerance)
+    reference_args, reference_kwargs = copy.deepcopy(case.args), copy.deepcopy(case.kwargs)
+    want = exercise.reference(*reference_args, **reference_kwargs)
+    reason = explain_difference(got, want, exercise.tolerance) or _mutated_difference(
+        exercise, _named_inputs(exercise, args, kwargs), _named_inputs(exercise, reference_args, reference_kwargs))
     return ExerciseFailed(f"{where} ({n_cases} cases in all):\n{reason}") if reason else None
 
 

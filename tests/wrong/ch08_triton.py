@@ -63,6 +63,22 @@ def matmul_in_torch(a, b, block=16):
     return a @ b
 
 
+def decode_returns_a_new_state(q, k, v, g, beta, state, scale=None):
+    """The right outputs and state, but advanced on a copy: the caller's state never moves."""
+    from k3course.kernels.kda_decode import kda_decode_triton
+
+    return kda_decode_triton(q, k, v, g, beta, state.clone(), scale)
+
+
+def decode_in_torch(q, k, v, g, beta, state, scale=None):
+    """The recurrence in torch (the package's), copied into the state: right values, no kernel."""
+    from k3course.attention.recurrent import kda_recurrent
+
+    o, final = kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True)
+    state.copy_(final)
+    return o, state
+
+
 def l2norm_in_torch(x):
     """The right values, written in torch instead of a kernel."""
     return x / (x.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
@@ -161,6 +177,7 @@ def l2norm_unmasked_store_crashes(x):
 
 
 WRONG = {
+    "08.kda_decode": [decode_returns_a_new_state, decode_in_torch],
     "08.scale_add": [scale_add_alpha_on_y, scale_add_one_program, scale_add_in_torch],
     "08.matmul": [matmul_without_the_k_loop, matmul_in_torch],
     "08.l2norm_rows": [l2norm_in_torch, l2norm_eps_outside_sqrt, l2norm_unmasked_store_crashes],

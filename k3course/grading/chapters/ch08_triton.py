@@ -10,6 +10,7 @@ import k3course.kernels  # noqa: F401  (chooses native vs interpreter before any
 from k3course.grading.registry import Case, Exercise, Forbidden, register
 from k3course.kernels.basics import decayed_kk_tile, l2norm_rows, matmul, scale_add
 from k3course.kernels.kda_chunk import chunk_local_cumsum
+from k3course.kernels.kda_decode import kda_decode_triton
 
 TORCH_MATH = Forbidden(
     frozenset({"sum", "cumsum", "exp", "exp2", "log", "sqrt", "rsqrt", "norm", "vector_norm", "normalize", "matmul",
@@ -87,6 +88,26 @@ def _tile_cases() -> list[Case]:
     ]
 
 
+def _decode_inputs(B: int, T: int, H: int, K: int, V: int, seed: int, strength: float = 1.0, unit_keys=True):
+    g = _generator(seed)
+    q, k = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)
+    k = torch.nn.functional.normalize(k, dim=-1) if unit_keys else 0.6 * k
+    v, gate = torch.randn(B, T, H, V, generator=g), -strength * torch.rand(B, T, H, K, generator=g)
+    return q, k, v, gate, torch.rand(B, T, H, generator=g), torch.randn(B, H, K, V, generator=g)
+
+
+def _decode_cases() -> list[Case]:
+    return [
+        Case("one token, K = V = 16", _decode_inputs(1, 1, 2, 16, 16, 20)),
+        Case("K = 20, V = 12 (masked)", _decode_inputs(2, 1, 1, 20, 12, 21)),
+        Case("three tokens in one call", _decode_inputs(1, 3, 2, 16, 8, 22)),
+        Case("the strongest decay, keys not of unit norm", _decode_inputs(1, 2, 1, 16, 16, 23, 5.0, False)),
+        Case("explicit scale", _decode_inputs(1, 1, 1, 8, 8, 24), {"scale": 0.5}),
+    ]
+
+
+register(Exercise("08.kda_decode", kda_decode_triton, _decode_cases, mutable=("state",), forbidden=TORCH_MATH,
+                  isolate=True))
 for exercise_id, reference, cases in (("08.scale_add", scale_add, _scale_add_cases),
                                       ("08.l2norm_rows", l2norm_rows, _l2norm_cases),
                                       ("08.matmul", matmul, _matmul_cases),

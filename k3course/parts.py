@@ -1,0 +1,123 @@
+"""Run the real model with your own chapter functions in place of the package's, and see where it departs.
+
+The model calls a few key functions by name from their modules; :func:`use_parts` points those names at your
+functions for the duration of a ``with`` block (and always restores them)::
+
+    with use_parts(topk_route=my_topk_route, depth_attention=my_depth_attention):
+        logits, _, _ = model(tokens)
+
+:func:`compare` runs the model twice on the same tokens and weights — the package's parts, then yours — and
+reports, sub-layer by sub-layer in execution order, how far each output is from the reference, and the first
+one that departs.
+
+Where each part runs: ``topk_route`` and ``router_scores`` in every MoE layer; ``ut_transform`` in the chunked
+KDA path (training, and inference on more than a chunk of tokens); ``kda_step`` in the recurrent KDA path
+(inference on up to a chunk of tokens, i.e. decoding); ``depth_attention`` in every Block AttnRes read.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+# part name -> (module, attribute) the model looks the function up in at call time
+PARTS: dict[str, tuple[str, str]] = {
+    "topk_route": ("k3course.moe.layers", "topk_route"),
+    "router_scores": ("k3course.moe.layers", "router_scores"),
+    "ut_transform": ("k3course.attention.chunk", "ut_transform"),
+    "kda_step": ("k3course.attention.recurrent", "kda_step"),
+    "depth_attention": ("k3course.residual", "depth_attention"),
+}
+
+
+@contextmanager
+def use_parts(**functions: Callable) -> Iterator[None]:
+    """Inside the block the model calls ``functions[name]`` wherever it would call the package's ``name``
+    (one of :data:`PARTS`); each must take and return what the package's function does."""
+    unknown = sorted(set(functions) - set(PARTS))
+    if unknown:
+        raise ValueError(f"unknown part(s) {unknown}; the model's swappable parts are {sorted(PARTS)}")
+    for name, fn in functions.items():
+        if not callable(fn):
+            raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
+    originals = {}
+    try:
+        for name, fn in functions.items():
+            module = importlib.import_module(PARTS[name][0])
+            originals[name] = (module, getattr(module, PARTS[name][1]))
+            setattr(module, PARTS[name][1], fn)
+        yield
+    finally:
+        for name, (module, original) in originals.items():
+            setattr(module, PARTS[name][1], original)
+
+
+@dataclass(frozen=True)
+class Departure:
+    """One sub-layer's output under your parts vs the reference: max |Δ| / max |reference|."""
+
+    name: str
+    relative_error: float
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Every sub-layer's departure in execution order, then the logits; ``first`` is the earliest above tol."""
+
+    rows: list[Departure]
+    tol: float
+
+    @property
+    def first(self) -> Departure | None:
+        return next((row for row in self.rows if not row.relative_error <= self.tol), None)
+
+    def __str__(self) -> str:
+        lines = [f"{row.name:<22} {row.relative_error:9.2e}  {'' if row.relative_error <= self.tol else '<- departs'}"
+                 for row in self.rows]
+        verdict = ("your parts reproduce the model" if self.first is None
+                   else f"first departure: {self.first.name}")
+        return "\n".join([*lines, verdict])
+
+
+def compare(model: torch.nn.Module, tokens: torch.Tensor, tol: float = 1e-4, **functions: Callable) -> Comparison:
+    """Run ``model`` on ``tokens`` with the package's parts and with ``functions`` (see :func:`use_parts`) and
+    report, for each decoder sub-layer (``layers.i.mixer``, ``layers.i.ffn``) and the logits, the relative
+    difference of the outputs. The model runs in eval mode with no gradient; its training flag is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            reference = _sublayer_outputs(model, tokens)
+            with use_parts(**functions):
+                yours = _sublayer_outputs(model, tokens)
+    finally:
+        model.train(was_training)
+    rows = [Departure(name, _relative_error(yours[name], reference[name])) for name in reference]
+    return Comparison(rows, tol)
+
+
+def _sublayer_outputs(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: output} of every mixer and FFN in execution order, then "logits", from one forward pass."""
+    outputs: dict[str, torch.Tensor] = {}
+    hooks = []
+    for index, layer in enumerate(model.layers):
+        for part in ("mixer", "ffn"):
+            name = f"layers.{index}.{part}"
+            record = lambda module, args, out, name=name: outputs.__setitem__(
+                name, out[0] if isinstance(out, tuple) else out)
+            hooks.append(getattr(layer, part).register_forward_hook(record))
+    try:
+        outputs["logits"] = model(tokens)[0]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return outputs
+
+
+def _relative_error(mine: torch.Tensor, reference: torch.Tensor) -> float:
+    scale = reference.abs().max().clamp_min(torch.finfo(reference.dtype).tiny)
+    return ((mine - reference).abs().max() / scale).item()

@@ -1,0 +1,95 @@
+"""The learner's parts inside the real model: use_parts swaps them in (and restores them), compare finds the
+first sub-layer where a wrong part departs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3course.attention import chunk, recurrent
+from k3course.config import K3Config
+from k3course.model import K3Model
+from k3course.moe import routing
+from k3course.parts import PARTS, compare, use_parts
+from k3course.residual import depth_attention
+
+KDA_STEP, UT_TRANSFORM = recurrent.kda_step, chunk.ut_transform  # the package's, before any swap
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return K3Model.from_config(K3Config.preset("tiny")).eval()
+
+
+def tokens(length: int) -> torch.Tensor:
+    return torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(length))
+
+
+def counting(fn, calls: dict, name: str):
+    def wrapped(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def test_every_part_is_called_by_the_model_and_restored_after(model):
+    calls = {}
+    originals = {"topk_route": routing.topk_route, "router_scores": routing.router_scores,
+                 "ut_transform": chunk.ut_transform, "kda_step": recurrent.kda_step,
+                 "depth_attention": depth_attention}
+    assert set(originals) == set(PARTS)
+    with use_parts(**{name: counting(fn, calls, name) for name, fn in originals.items()}):
+        model(tokens(70))  # chunked path: ut_transform
+        model(tokens(5))  # recurrent path: kda_step
+    assert set(calls) == set(PARTS), f"never called: {set(PARTS) - set(calls)}"
+    report = compare(model, tokens(70), **originals)
+    assert report.first is None and max(row.relative_error for row in report.rows) == 0
+
+
+def lowest_scores_route(scores, k, bias=None, renormalize=True):
+    """A wrong router: the k LOWEST biased scores."""
+    return routing.topk_route(-scores, k, None if bias is None else -bias, renormalize)
+
+
+def kda_step_without_decay(state, q, k, v, g, beta):
+    return KDA_STEP(state, q, k, v, torch.zeros_like(g), beta)
+
+
+def ut_transform_without_beta(A_kk, beta):
+    return UT_TRANSFORM(A_kk, torch.ones_like(beta))
+
+
+def depth_attention_uniform(query, sources, eps=1e-6):
+    """A wrong depth attention: the plain mean over sources (ignores the query)."""
+    return sources.mean(0), torch.full(sources.shape[:-1], 1 / sources.shape[0], dtype=sources.dtype)
+
+
+@pytest.mark.parametrize("part, wrong, length, first", [
+    ("topk_route", lowest_scores_route, 20, "layers.1.ffn"),  # layer 0 is dense: the first MoE is layer 1
+    ("kda_step", kda_step_without_decay, 20, "layers.0.mixer"),  # short input at inference: recurrent path
+    ("ut_transform", ut_transform_without_beta, 70, "layers.0.mixer"),  # longer than a chunk: chunked path
+])
+def test_compare_names_the_first_sub_layer_a_wrong_part_changes(model, part, wrong, length, first):
+    report = compare(model, tokens(length), **{part: wrong})
+    assert report.first is not None and report.first.name == first
+    assert all(row.relative_error == 0 for row in report.rows[:[r.name for r in report.rows].index(first)])
+    assert "first departure: " + first in str(report)
+
+
+def test_a_wrong_depth_attention_departs_once_the_queries_have_trained(model):
+    trained = K3Model.from_config(model.cfg)
+    trained.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        trained.residual.queries.normal_()  # zero queries ARE a uniform average: give them values first
+    report = compare(trained, tokens(10), depth_attention=depth_attention_uniform)
+    assert report.first is not None and report.first.name == "layers.0.ffn"  # the first read over two sources
+
+
+def test_bad_parts_are_named(model):
+    with pytest.raises(ValueError, match="unknown part"):
+        with use_parts(top_k=lowest_scores_route):
+            pass
+    with pytest.raises(TypeError, match="kda_step must be a function"):
+        with use_parts(kda_step=3):
+            pass

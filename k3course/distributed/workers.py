@@ -1,7 +1,8 @@
 """Per-rank functions that tests, the benchmark and notebook 13 run with :func:`k3course.distributed.run_ranks`.
 
 They live in the package because spawned processes import functions by module name. A case is a dict:
-kind 'moe' | 'latent', sizes (d, n, k, d_expert, n_shared), counts (tokens per rank), dedup, seed, and
+kind 'moe' | 'latent', sizes (d, n, k, d_expert, n_shared), counts (tokens per rank), dedup, seed, dtype
+(a torch dtype name, default 'float32'), and
 optionally hot (a bias that pulls tokens towards the first experts, so ranks receive very uneven loads).
 Every rank builds the same layer and the same global batch from the seed and keeps its own slice of it.
 """
@@ -43,8 +44,9 @@ def rank_slice(case: dict, rank: int) -> slice:
 
 def forward_backward(rank: int, world_size: int, case: dict) -> dict:
     """On one rank: y, the loss Σ g ⊙ y's gradients by parameter name, the routing and the counted traffic."""
-    layer = ExpertParallelMoE.from_moe(build_layer(case), dedup=case.get("dedup", False))
-    x, g = (t[rank_slice(case, rank)] for t in global_batch(case))
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    layer = ExpertParallelMoE.from_moe(build_layer(case).to(dtype), dedup=case.get("dedup", False))
+    x, g = (t[rank_slice(case, rank)].to(dtype) for t in global_batch(case))
     y = layer(x)
     (g * y).sum().backward()
     _, _, expert_idx, _ = layer.route(x)

@@ -5,6 +5,8 @@ Each experiment is a function of its settings that returns plain data; :func:`ma
 so a saved number can be regenerated (``k3course experiments NAME``) and checked (a test replays the first
 steps of a saved run and must get the saved losses exactly).
 
+tiny-default  ``k3course train`` with its defaults (the tiny K3, 800 steps on the stdlib bytes): per-step metrics,
+              validation bits/byte against the n-gram and lzma baselines of the same split, a generated sample.
 mqar-mixers   KDA vs Gated DeltaNet vs decayed linear attention on harder MQAR (40 pairs in 32-dimensional
               heads: more pairs than a head's state has dimensions), the same small recall model around each.
 """
@@ -64,11 +66,36 @@ def mqar_mixers(steps: int, batch_size: int, lr: float, warmup_steps: int, d_mod
             for mixer in MIXERS for seed in seeds]
 
 
-EXPERIMENTS = {"mqar-mixers": (mqar_mixers, MQAR_SETTINGS)}
+def summarise_run(out: Path, prompt: str = "def ", max_new_tokens: int = 300) -> dict:
+    """What a finished ``k3course train`` run in ``out`` shows: its metrics, the corpus it read, the baselines of
+    that corpus, and a sample from its last checkpoint (temperature 0.8, top-k 20, seed 0)."""
+    from k3course import data, train
+
+    corpus = data.stdlib_corpus()
+    model = train.load_model(out)
+    sample = train.generate_text(model, prompt, max_new_tokens, temperature=0.8, top_k=20, seed=0)
+    return {"metrics": train._Metrics.read(out), "corpus": {"key": corpus.meta["key"], "python": corpus.meta["python"],
+            "splits": corpus.meta["splits"]}, "baselines": data.baselines(corpus), "prompt": prompt, "sample": sample,
+            "torch_threads": torch.get_num_threads()}
+
+
+def tiny_default() -> dict:
+    """``k3course train`` (preset tiny, defaults) in a temporary folder, summarised by :func:`summarise_run`."""
+    import tempfile
+
+    from k3course import train
+
+    with tempfile.TemporaryDirectory() as folder:
+        began = time.perf_counter()
+        train.train_command("tiny", out=Path(folder) / "run", progress=False)
+        return {**summarise_run(Path(folder) / "run"), "train_seconds": time.perf_counter() - began}
+
+
+EXPERIMENTS = {"tiny-default": (tiny_default, {}), "mqar-mixers": (mqar_mixers, MQAR_SETTINGS)}
 
 
 def load(name: str) -> dict:
-    """The saved result of experiment ``name``: {"command", "settings", "runs", "seconds"}."""
+    """The saved result of experiment ``name``: {"command", "settings", "result", "seconds", "torch"}."""
     path = RESULTS / f"{name}.json"
     if not path.exists():
         raise FileNotFoundError(f"name: no saved result for {name!r} at {path}; run `k3course experiments {name}`")
@@ -81,8 +108,7 @@ def run_experiment(name: str) -> Path:
         raise ValueError(f"name: unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
     function, settings = EXPERIMENTS[name]
     began = time.perf_counter()
-    runs = function(**settings)
-    result = {"command": f"k3course experiments {name}", "settings": settings, "runs": runs,
+    result = {"command": f"k3course experiments {name}", "settings": settings, "result": function(**settings),
               "seconds": time.perf_counter() - began, "torch": torch.__version__}
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"

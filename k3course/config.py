@@ -114,13 +114,14 @@ class K3Config:
     # --- layer schedule ---------------------------------------------------------------------------------
 
     def layer_types(self) -> tuple[str, ...]:
-        """``"kda"`` or ``"mla"`` for each layer, in order."""
-        mla = set(self._mla_layer_indices())
-        return tuple("mla" if i in mla else "kda" for i in range(self.n_layers))
+        """``"kda"`` or ``"mla"`` for each layer, in order (``mla_layers`` when given, else the ratio)."""
+        if self.mla_layers is not None:
+            return tuple("mla" if i in self.mla_layers else "kda" for i in range(self.n_layers))
+        return layer_schedule(self.n_layers, self.kda_per_mla, self.first_k_dense)[0]
 
     def ffn_types(self) -> tuple[str, ...]:
         """``"dense"`` for the first ``first_k_dense`` layers, ``"moe"`` after."""
-        return tuple("dense" if i < self.first_k_dense else "moe" for i in range(self.n_layers))
+        return layer_schedule(self.n_layers, self.kda_per_mla, self.first_k_dense)[1]
 
     @property
     def n_mla_layers(self) -> int:
@@ -133,15 +134,6 @@ class K3Config:
     @property
     def n_moe_layers(self) -> int:
         return self.n_layers - self.first_k_dense
-
-    def _mla_layer_indices(self) -> tuple[int, ...]:
-        if self.mla_layers is not None:
-            return self.mla_layers
-        if self.kda_per_mla == 0:
-            return tuple(range(self.n_layers))
-        period = self.kda_per_mla + 1
-        every_period = range(period - 1, self.n_layers, period)
-        return tuple(sorted(set(every_period) | {self.n_layers - 1}))
 
     # --- accounting -------------------------------------------------------------------------------------
 
@@ -203,6 +195,21 @@ class K3Config:
         mla = self.n_mla_layers * 2 * self.mla_n_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim) * context
         kda = self.n_kda_layers * 7 * self.kda_n_heads * self.kda_head_dim ** 2
         return weights + mla + kda
+
+
+def layer_schedule(n_layers: int, kda_per_mla: int, first_k_dense: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The layer plan: (mixer per layer, FFN per layer).
+
+    Mixers: with r = kda_per_mla, layer i is "mla" when (i + 1) is a multiple of r + 1 or i is the last layer,
+    "kda" otherwise (r = 0: every layer "mla"). FFNs: "dense" for i < first_k_dense, "moe" after.
+    K3 (93 layers, r = 3, 1 dense): KDA KDA KDA MLA … MLA, 69 KDA + 24 MLA, layer 0 dense.
+    """
+    if kda_per_mla == 0:
+        mixers = ("mla",) * n_layers
+    else:
+        mixers = tuple("mla" if (i + 1) % (kda_per_mla + 1) == 0 or i == n_layers - 1 else "kda"
+                       for i in range(n_layers))
+    return mixers, tuple("dense" if i < first_k_dense else "moe" for i in range(n_layers))
 
 
 @dataclass(frozen=True)

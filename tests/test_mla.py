@@ -257,6 +257,6 @@ def test_kda_state_count_agrees_with_k3config():
 
     k3 = K3Config.preset("kimi-k3")
     per_layer = kda_state_numbers(k3.kda_n_heads, k3.kda_head_dim, k3.kda_head_dim, k3.kda_conv_size)
-    assert k3.n_kda_layers * per_layer * 2 == k3.recurrent_state_bytes(dtype_bytes=2)
+    assert k3.n_kda_layers * per_layer * 2 == k3.recurrent_state_bytes(dtype_bytes=2, state_bytes=2)
     per_token = mla_cache_numbers(k3.kv_lora_rank, k3.qk_rope_head_dim)
     assert k3.n_mla_layers * per_token * 2 == k3.kv_cache_bytes_per_token()

@@ -90,20 +90,26 @@ class MLACache:
 
     def append(self, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
         """Write T new tokens' entries at positions length … length + T − 1 (in place, growing by doubling)."""
-        end = self.length + latent.shape[1]
-        if end > self.capacity:
-            self._grow(max(end, 2 * self.capacity))
-        self._latent[:, self.length:end] = latent
-        self._rope_key[:, self.length:end] = rope_key
+        self._latent, end = write_rows(self._latent, self.length, latent)
+        self._rope_key, _ = write_rows(self._rope_key, self.length, rope_key)
         self.length = end
 
-    def _grow(self, capacity: int) -> None:
-        """Reallocate the buffers with room for ``capacity`` tokens, keeping the filled part."""
-        for name in ("_latent", "_rope_key"):
-            old = getattr(self, name)
-            new = old.new_zeros(old.shape[0], capacity, old.shape[2])
-            new[:, :self.length] = old[:, :self.length]
-            setattr(self, name, new)
+
+def write_rows(buffer: torch.Tensor, length: int, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Append rows to a preallocated cache buffer: buffer[:, length : length + T] = rows.
+
+    buffer [B, capacity, w] with its first ``length`` positions filled; rows [B, T, w]. When they fit, the
+    buffer is written in place and returned; otherwise a buffer of capacity max(length + T, 2·capacity) is
+    allocated, the filled part copied over, and the rows written there (amortised O(1) per token, like a
+    Python list). Returns (buffer, length + T).
+    """
+    end = length + rows.shape[1]
+    if end > buffer.shape[1]:
+        grown = buffer.new_zeros(buffer.shape[0], max(end, 2 * buffer.shape[1]), buffer.shape[2])
+        grown[:, :length] = buffer[:, :length]
+        buffer = grown
+    buffer[:, length:end] = rows
+    return buffer, end
 
 
 def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:

@@ -70,6 +70,18 @@ def test_ties_go_to_the_lower_index():
     assert torch.allclose(weights, torch.full((2, 2), 0.5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_topk_indices_is_a_stable_descending_sort_for_negative_tied_and_signed_zero_values(dtype):
+    from k3course.moe.routing import topk_indices
+
+    coarse = (4 * torch.randn(50, 12, generator=torch.Generator().manual_seed(20))).round() / 4  # many ties
+    special = torch.tensor([[0.0, -0.0, -1.0, float("inf"), -0.0, 0.0, float("-inf"), -1.0] + [0.5] * 4])
+    for values in (coarse.to(dtype), special.to(dtype)):
+        for k in (1, 5, 12):
+            want = torch.sort(values.double(), dim=1, descending=True, stable=True).indices[:, :k]
+            assert torch.equal(topk_indices(values, k), want)
+
+
 def test_bias_steers_selection_but_not_weights():
     scores = seeded_scores(50, 8, seed=3)
     bias = torch.zeros(8)

@@ -49,22 +49,21 @@ def router_scores(logits: torch.Tensor, score_fn: str = "sigmoid") -> torch.Tens
 def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     """The k largest entries of each row, largest first; ties go to the lower expert index.
 
-    ``torch.topk`` gives the k-th largest value v_t but does not promise which of several equal entries it
-    picks, so the choice is rebuilt from v_t without a host read:
-        chosen_tj = [x_tj > v_t]  or  [x_tj = v_t and j among the first (k − #{x_t > v_t}) such j]
-    then the k chosen indices are ordered by value, ties by index (a stable sort of k entries per row).
+    ``torch.topk`` does not promise which of several equal entries it picks, so it runs on keys that are
+    all different and order like (value, −index):
+        key_tj = 2³² · bits(x_tj) + (n − 1 − j)
+    where bits maps a float32 to an int32 of the same order (sign flip of the magnitude bits for negative
+    values; −0 is made +0 first). One top-k on int64 keys, no host read. fp64 values take a stable sort.
     values [m, n] -> [m, k] int64.
     """
-    m, n = values.shape
-    kth = torch.topk(values, k, dim=-1).values[:, -1:]  # [m, 1]: v_t
-    above, at = values > kth, values == kth  # [m, n]
-    room = k - above.sum(1, keepdim=True)  # [m, 1]: how many of the v_t ties are taken
-    chosen = above | (at & (at.cumsum(1) <= room))  # [m, n], exactly k per row
-    slot = torch.where(chosen, chosen.cumsum(1) - 1, k)  # chosen index j goes to column (its rank by index)
-    columns = torch.arange(n, device=values.device).expand(m, n)
-    by_index = torch.zeros(m, k + 1, dtype=torch.int64, device=values.device).scatter_(1, slot, columns)[:, :k]
-    by_value = torch.sort(values.gather(1, by_index), dim=1, descending=True, stable=True).indices  # [m, k]
-    return by_index.gather(1, by_value)
+    if values.dtype == torch.float64:
+        return torch.sort(values, dim=1, descending=True, stable=True).indices[:, :k]
+    bits = (values.float() + 0.0).view(torch.int32)  # bf16 / fp16 widen exactly; + 0.0 turns −0 into +0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order == float order
+    n = values.shape[1]
+    lower_first = torch.arange(n - 1, -1, -1, device=values.device)
+    keys = (ordered.long() << 32) | lower_first  # [m, n] int64, all different within a row
+    return torch.topk(keys, k, dim=1).indices
 
 
 def topk_route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,

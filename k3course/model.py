@@ -32,7 +32,7 @@ from k3course.attention.mla import GatedMLA, MLACache
 from k3course.config import K3Config
 from k3course.moe.experts import GLUFFN
 from k3course.moe.layers import MoE
-from k3course.residual import make_residual
+from k3course.residual import block_attnres_read, make_residual
 
 IGNORE = -100  # targets at positions without a label (torch's cross-entropy ignore_index)
 INIT_STD = 0.02  # N(0, 0.02²) for projections and the embedding; output projections get 0.02 / √(2L)
@@ -226,6 +226,22 @@ class K3Model(nn.Module):
             return torch.cat(out, dim=1)
         finally:
             self.train(was_training)
+
+
+def attnres_decoder_layer(embedding: torch.Tensor, outputs: list[torch.Tensor], queries: torch.Tensor,
+                          block_size: int, mixer, ffn, mixer_norm, ffn_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer in Block AttnRes order, from the outputs so far (what :class:`DecoderLayer` does
+    through the residual stream):
+
+        a = mixer(mixer_norm(read(queries[0]; v_0, blocks of outputs)))
+        f = ffn(ffn_norm(read(queries[1]; v_0, blocks of outputs + [a])))      the FFN reads the mixer's output
+
+    embedding [B, T, D]; outputs: earlier sub-layer outputs, each [B, T, D]; queries [2, D]; block_size in
+    sub-layers; mixer, ffn, norms: [B, T, D] -> [B, T, D]. Returns (a, f).
+    """
+    mixed = mixer(mixer_norm(block_attnres_read(embedding, outputs, queries[0], block_size)))
+    fed = ffn(ffn_norm(block_attnres_read(embedding, [*outputs, mixed], queries[1], block_size)))
+    return mixed, fed
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,

@@ -144,3 +144,23 @@ def test_bad_input_is_named():
         model.generate(torch.zeros(1, 2, dtype=torch.long), -1)
     with pytest.raises(ValueError, match="targets must have the shape of tokens"):
         model(torch.zeros(1, 4, dtype=torch.long), targets=torch.zeros(1, 3, dtype=torch.long))
+
+
+
+def test_the_exercise_form_of_a_decoder_layer_is_what_the_model_runs():
+    from k3course.model import attnres_decoder_layer
+    from k3course.residual import block_attnres_read
+
+    model = tiny_model(seed=7)
+    with torch.no_grad():
+        model.residual.queries.normal_()  # non-zero queries, so the order of reads and writes matters
+        tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
+        embedding, outputs = model.embed(tokens), []
+        for index, layer in enumerate(model.layers):
+            queries = model.residual.queries[2 * index:2 * index + 2]
+            outputs += attnres_decoder_layer(embedding, outputs, queries, model.cfg.attnres_block_size,
+                                             lambda x, layer=layer: layer.mixer(x)[0], layer.ffn,
+                                             layer.mixer_norm, layer.ffn_norm)
+        final = block_attnres_read(embedding, outputs, model.residual.queries[-1], model.cfg.attnres_block_size)
+        logits = model.lm_head(model.final_norm(final))
+        torch.testing.assert_close(logits, model(tokens)[0], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,93 @@
+"""Plausible wrong answers for chapter 11 (the assembled K3)."""
+
+import torch
+
+from k3course.model import K3Model
+from k3course.residual import block_attnres_read
+
+
+def schedule_mla_first(n_layers, kda_per_mla, first_k_dense):
+    """MLA at i % (r + 1) == 0: the first layer of each group instead of the last."""
+    period = kda_per_mla + 1
+    mixers = tuple("mla" if kda_per_mla == 0 or i % period == 0 else "kda" for i in range(n_layers))
+    return mixers, tuple("dense" if i < first_k_dense else "moe" for i in range(n_layers))
+
+
+def schedule_last_layer_not_forced(n_layers, kda_per_mla, first_k_dense):
+    """Forgets that the last layer is always MLA."""
+    period = kda_per_mla + 1
+    mixers = tuple("mla" if kda_per_mla == 0 or (i + 1) % period == 0 else "kda" for i in range(n_layers))
+    return mixers, tuple("dense" if i < first_k_dense else "moe" for i in range(n_layers))
+
+
+def schedule_one_dense_too_many(n_layers, kda_per_mla, first_k_dense):
+    """Dense for i <= first_k_dense."""
+    period = kda_per_mla + 1
+    mixers = tuple("mla" if kda_per_mla == 0 or (i + 1) % period == 0 or i == n_layers - 1 else "kda"
+                   for i in range(n_layers))
+    return mixers, tuple("dense" if i <= first_k_dense else "moe" for i in range(n_layers))
+
+
+def layer_ffn_reads_before_the_mixer_writes(embedding, outputs, queries, block_size, mixer, ffn, mixer_norm,
+                                            ffn_norm):
+    """Both sub-layers read the same sources: the FFN does not see the mixer's output."""
+    a = mixer(mixer_norm(block_attnres_read(embedding, outputs, queries[0], block_size)))
+    f = ffn(ffn_norm(block_attnres_read(embedding, outputs, queries[1], block_size)))
+    return a, f
+
+
+def layer_queries_swapped(embedding, outputs, queries, block_size, mixer, ffn, mixer_norm, ffn_norm):
+    """The FFN's query used for the mixer's read and vice versa."""
+    a = mixer(mixer_norm(block_attnres_read(embedding, outputs, queries[1], block_size)))
+    f = ffn(ffn_norm(block_attnres_read(embedding, [*outputs, a], queries[0], block_size)))
+    return a, f
+
+
+def layer_norm_after_the_sublayer(embedding, outputs, queries, block_size, mixer, ffn, mixer_norm, ffn_norm):
+    """PostNorm: the norm applied to the sub-layer's output instead of its input."""
+    a = mixer_norm(mixer(block_attnres_read(embedding, outputs, queries[0], block_size)))
+    f = ffn_norm(ffn(block_attnres_read(embedding, [*outputs, a], queries[1], block_size)))
+    return a, f
+
+
+def cache_concatenates(buffer, length, rows):
+    """torch.cat onto the filled part: a new tensor every token, the preallocated buffer never written."""
+    return torch.cat([buffer[:, :length], rows], dim=1), length + rows.shape[1]
+
+
+def cache_grows_to_exactly_what_fits(buffer, length, rows):
+    """Grows to length + T, not by doubling: one reallocation per decoded token once full."""
+    end = length + rows.shape[1]
+    if end > buffer.shape[1]:
+        grown = buffer.new_zeros(buffer.shape[0], end, buffer.shape[2])
+        grown[:, :length] = buffer[:, :length]
+        buffer = grown
+    buffer[:, length:end] = rows
+    return buffer, end
+
+
+def cache_never_grows(buffer, length, rows):
+    """Writes into the buffer and trusts it has room."""
+    buffer[:, length:length + rows.shape[1]] = rows
+    return buffer, length + rows.shape[1]
+
+
+def count_every_expert_as_active(cfg):
+    total = sum(p.numel() for p in K3Model.from_config(cfg, device="meta").parameters())
+    return total, total
+
+
+def count_buffers_too(cfg):
+    """state_dict holds the MoE bias buffers as well as the parameters."""
+    model = K3Model.from_config(cfg, device="meta")
+    total = sum(t.numel() for t in model.state_dict().values())
+    return total, sum(active for _, active in model.param_breakdown().values())
+
+
+WRONG = {
+    "11.layer_schedule": [schedule_mla_first, schedule_last_layer_not_forced, schedule_one_dense_too_many],
+    "11.decoder_layer": [layer_ffn_reads_before_the_mixer_writes, layer_queries_swapped,
+                         layer_norm_after_the_sublayer],
+    "11.cache_write": [cache_concatenates, cache_grows_to_exactly_what_fits, cache_never_grows],
+    "11.param_count": [count_every_expert_as_active, count_buffers_too],
+}

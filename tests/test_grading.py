@@ -179,7 +179,7 @@ def test_a_forbidden_solver_is_refused_but_forward_substitution_passes():
 
     with pytest.raises(ExerciseFailed, match="your code called inv: this exercise asks for forward substitution"):
         check("07.ut_transform", by_solver)
-    check("07.ut_transform", ut_transform)  # the package's own code may use anything it likes
+    check("07.ut_transform", ut_transform)  # forward substitution, no solver
 
 
 @pytest.mark.skipif(not can_isolate(), reason="needs fork and no initialised CUDA")

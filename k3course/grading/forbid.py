@@ -2,7 +2,8 @@
 
 A :class:`torch.overrides.TorchFunctionMode` sees every torch function and tensor method call. A call is
 refused when its name is forbidden and the code that made it is the learner's: frames inside torch and Triton
-(the interpreter moves tensors with torch) are looked through, so only the learner's own calls count.
+(the interpreter moves tensors with torch) and the grader's are looked through, so only the learner's own
+calls count.
 """
 
 from __future__ import annotations
@@ -26,21 +27,23 @@ def _package_dir(module) -> str:
 
 
 def _library_dirs() -> tuple[str, ...]:
-    """Folders whose code may call anything: torch's, Triton's (when installed) and this module's."""
-    dirs = [_package_dir(torch), os.path.abspath(__file__)]
+    """Folders whose frames are looked through to find who made a call: torch's and Triton's (when installed)."""
     try:
         import triton
     except ImportError:
-        return tuple(dirs)
-    return (*dirs, _package_dir(triton))
+        return (_package_dir(torch),)
+    return _package_dir(torch), _package_dir(triton)
+
+
+GRADER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _called_by_learner(library_dirs: tuple[str, ...]) -> bool:
-    """Whether the nearest frame outside torch, Triton and this module is the learner's code."""
+    """Whether the code that made the call, looking through torch's and Triton's frames, is not the grader's."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(library_dirs):
         frame = frame.f_back
-    return frame is not None
+    return frame is not None and not frame.f_code.co_filename.startswith(GRADER_DIR)
 
 
 def _name(func) -> str:

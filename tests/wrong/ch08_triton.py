@@ -79,6 +79,56 @@ def decode_in_torch(q, k, v, g, beta, state, scale=None):
     return o, state
 
 
+@triton.jit
+def _softmax_kernel(x_ptr, y_ptr, n_cols, BLOCK: tl.constexpr, SUBTRACT_MAX: tl.constexpr, PAD: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=PAD)
+    e = tl.exp(x - tl.max(x, axis=0)) if SUBTRACT_MAX else tl.exp(x)
+    tl.store(y_ptr + row * n_cols + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+
+
+def _softmax(x, subtract_max, pad):
+    y = torch.empty_like(x)
+    _softmax_kernel[(x.shape[0],)](x, y, x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]),
+                                   SUBTRACT_MAX=subtract_max, PAD=pad)
+    return y
+
+
+def softmax_without_the_max(x):
+    """e^x / Σ e^x: inf / inf = NaN once a logit passes 88."""
+    return _softmax(x, subtract_max=False, pad=-float("inf"))
+
+
+def softmax_padded_with_zeros(x):
+    """Pads with 0 instead of −inf: e^{0 − m} of every padded column joins the sum."""
+    return _softmax(x, subtract_max=True, pad=0.0)
+
+
+@triton.jit
+def _online_no_rescale_kernel(x_ptr, y_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+    s = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=-float("inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s + tl.sum(tl.exp(x - m_new), axis=0)  # the earlier terms were measured against the old max
+        m = m_new
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=-float("inf"))
+        tl.store(y_ptr + row * n_cols + cols, tl.exp(x - m) / s, mask=cols < n_cols)
+
+
+def softmax_online_without_rescaling(x, block=64):
+    """Forgets s ← s e^{m − m'} when the maximum grows: right only if the first block holds the row max."""
+    y = torch.empty_like(x)
+    _online_no_rescale_kernel[(x.shape[0],)](x, y, x.shape[1], BLOCK=block)
+    return y
+
+
 def l2norm_in_torch(x):
     """The right values, written in torch instead of a kernel."""
     return x / (x.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
@@ -178,6 +228,8 @@ def l2norm_unmasked_store_crashes(x):
 
 WRONG = {
     "08.kda_decode": [decode_returns_a_new_state, decode_in_torch],
+    "08.softmax_rows": [softmax_without_the_max, softmax_padded_with_zeros],
+    "08.softmax_online": [softmax_online_without_rescaling],
     "08.scale_add": [scale_add_alpha_on_y, scale_add_one_program, scale_add_in_torch],
     "08.matmul": [matmul_without_the_k_loop, matmul_in_torch],
     "08.l2norm_rows": [l2norm_in_torch, l2norm_eps_outside_sqrt, l2norm_unmasked_store_crashes],

@@ -45,6 +45,35 @@ def _matmul_cases() -> list[Case]:
     ]
 
 
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The reference: softmax over each row of fp32 x [N, D] (torch's, which subtracts the row maximum)."""
+    return torch.softmax(x, dim=-1)
+
+
+def softmax_rows_online(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """The reference for the blocked version: the same softmax, whatever the block."""
+    return torch.softmax(x, dim=-1)
+
+
+def _softmax_cases() -> list[Case]:
+    return [
+        Case("4 rows of 16", (torch.randn(4, 16, generator=_generator(30)),)),
+        Case("3 rows of 20 (masked tail)", (torch.randn(3, 20, generator=_generator(31)),)),
+        Case("large logits (subtract the row max)", (100 * torch.randn(3, 24, generator=_generator(32)),)),
+        Case("one column", (torch.randn(5, 1, generator=_generator(33)),)),
+    ]
+
+
+def _online_cases() -> list[Case]:
+    return [
+        Case("rows of 300 in blocks of 64", (torch.randn(3, 300, generator=_generator(34)),)),
+        Case("the row max in the last block", (torch.cat([torch.zeros(2, 190), 50 + torch.zeros(2, 3)], 1),),
+             {"block": 32}),
+        Case("large logits", (80 * torch.randn(2, 150, generator=_generator(35)),), {"block": 64}),
+        Case("one block is the whole row", (torch.randn(4, 40, generator=_generator(36)),), {"block": 64}),
+    ]
+
+
 def _l2norm_cases() -> list[Case]:
     return [
         Case("8 rows of 16 (a power of two)", (torch.randn(8, 16, generator=_generator(0)),)),
@@ -110,6 +139,8 @@ register(Exercise("08.kda_decode", kda_decode_triton, _decode_cases, mutable=("s
                   isolate=True))
 for exercise_id, reference, cases in (("08.scale_add", scale_add, _scale_add_cases),
                                       ("08.l2norm_rows", l2norm_rows, _l2norm_cases),
+                                      ("08.softmax_rows", softmax_rows, _softmax_cases),
+                                      ("08.softmax_online", softmax_rows_online, _online_cases),
                                       ("08.matmul", matmul, _matmul_cases),
                                       ("08.chunk_cumsum", chunk_local_cumsum, _cumsum_cases),
                                       ("08.kk_tile", decayed_kk_tile, _tile_cases)):

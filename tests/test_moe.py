@@ -330,4 +330,6 @@ def test_bench_runs_small(capsys, dtype):
     assert main(options) == 0
     out = capsys.readouterr().out
     assert f"{dtype}, backend=auto" in out
-    assert "faster than the per-token loop" in out and "dense FFN's time" in out
+    assert "faster than the per-token loop" in out and "CPU features: " in out
+    assert f"dense FFN's time (target <= {1.5 if dtype == 'float32' else 2.0}x in {dtype})" in out
+    assert all(f"  {stage}" in out for stage in ("route", "dispatch", "experts", "projections + combine"))

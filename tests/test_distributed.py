@@ -170,3 +170,32 @@ def test_bench_ep_prints_bandwidths_and_ratios(capsys):
     assert line.startswith("P=2:") and "GB/s" in line and "x raw" in line
     ratio = float(line.split("achieves ")[1].split("x")[0])
     assert 0 < ratio < 100
+
+
+def test_expert_parallel_training_matches_one_process_on_the_concatenated_batch():
+    import dataclasses
+
+    from k3course.config import K3Config
+    from k3course.distributed.workers import train_steps
+    from k3course.train import TrainConfig, build_model, make_optimizer, train_step
+
+    model_config = dataclasses.replace(K3Config.preset("tiny"), balancing="sign")  # the sign rule is exact
+    train_config = TrainConfig(steps=3, batch_size=4, seq_len=16, grad_accum=2, warmup_steps=1)
+    tokens = torch.randint(0, 256, (3, 2, 4, 17), generator=torch.Generator().manual_seed(0))
+    batches = [[(window[:, :-1], window[:, 1:]) for window in step] for step in tokens]
+    case = {"model": model_config, "train": train_config, "batches": batches}
+    ranks = run_ranks(train_steps, 2, case, timeout_s=240)
+    model = build_model(model_config, train_config.seed)
+    optimizer, scheduler = make_optimizer(model, train_config)
+    for step in range(train_config.steps):
+        want = train_step(model, optimizer, scheduler, batches[step], train_config.grad_clip)
+        for rank in ranks:
+            got = rank["records"][step]
+            assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), step
+            assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-4 * want["grad_norm"], step
+    # the gathered state dict is the single-process one; Adam divides by √v, so a gradient entry near zero that
+    # rounds differently moves its weight by up to ~lr: compare weights absolutely, at a fraction of lr
+    assert set(ranks[0]["state"]) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        for rank in ranks:
+            assert float((rank["state"][name].float() - tensor.float()).abs().max()) <= 0.05 * train_config.lr, name

@@ -90,3 +90,20 @@ def failing(rank: int, world_size: int, how: str) -> None:
             raise RuntimeError("rank 1 failed on purpose")
         time.sleep(3600)
     dist.all_reduce(torch.ones(1))
+
+
+def train_steps(rank: int, world_size: int, case: dict) -> dict:
+    """``case["steps"]`` expert-parallel training steps of a K3Model preset on random bytes, each rank reading
+    its 1/P of every micro-batch. Returns the losses, grad norms and the gathered single-process state dict."""
+    from k3course.distributed.training import gather_state_dict, make_expert_parallel, train_step
+    from k3course.train import build_model, make_optimizer
+
+    model_config, train_config = case["model"], case["train"]
+    model = make_expert_parallel(build_model(model_config, train_config.seed))
+    optimizer, scheduler = make_optimizer(model, train_config)
+    records = []
+    for step in range(train_config.steps):
+        batches = [(inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank])
+                   for inputs, targets in case["batches"][step]]
+        records.append(train_step(model, optimizer, scheduler, batches, train_config.grad_clip))
+    return {"records": records, "state": gather_state_dict(model)}

@@ -113,7 +113,7 @@ def test_wrong_width_names_x():
         grid_layer("sign")(torch.zeros(4, 15))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small", "kimi-k3"])
+@pytest.mark.parametrize("preset", ["tiny", "small", "kimi-k3", "kimi-k2", "deepseek-v3", "kimi-linear-48b"])
 def test_meta_build_is_fast_and_matches_the_config_count(preset):
     cfg = K3Config.preset(preset)
     start = time.perf_counter()

@@ -66,6 +66,8 @@ def _train(args) -> int:
     from k3course.checkpoint import CheckpointError
     from k3course.train import train_command
 
+    if args.ep > 1:
+        return _train_expert_parallel(args)
     try:
         summary = train_command(args.preset, args.steps, args.out, args.resume, args.device)
     except (ValueError, OSError, CheckpointError) as error:
@@ -74,6 +76,23 @@ def _train(args) -> int:
     trigram = summary["baselines"]["trigram"]
     print(f"step {summary['step']}: validation {summary['val_bpb']:.3f} bits/byte (byte trigram {trigram:.3f}) "
           f"in {summary['seconds'] / 60:.1f} min; checkpoints, metrics.jsonl and loss.png in {summary['out']}")
+    return 0
+
+
+def _train_expert_parallel(args) -> int:
+    from k3course.distributed.training import train_expert_parallel
+
+    if args.resume or args.device != "cpu":
+        print("--ep runs P local gloo processes on the CPU from scratch (no --resume, no --device; on GPUs use "
+              "torchrun -m k3course.distributed.training)", file=sys.stderr)
+        return 2
+    try:
+        summary = train_expert_parallel(args.preset, args.ep, args.steps, args.out)
+    except (ValueError, OSError) as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(f"step {summary['step']} on {args.ep} expert-parallel ranks: loss {summary['loss']:.4f}; "
+          f"one-process checkpoint and metrics.jsonl in {summary['out']}")
     return 0
 
 
@@ -125,6 +144,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default=None, help="run folder for checkpoints and metrics (default runs/PRESET)")
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     train.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    train.add_argument("--ep", type=int, default=1, help="expert-parallel ranks: spawn P local gloo processes")
     train.set_defaults(run=_train)
     generate = sub.add_parser("generate", help="continue a prompt with a trained checkpoint")
     generate.add_argument("--checkpoint", required=True, help="a step-NNNNNN folder, or a run folder (latest)")

@@ -180,8 +180,8 @@ def test_expert_parallel_training_matches_one_process_on_the_concatenated_batch(
     from k3course.train import TrainConfig, build_model, make_optimizer, train_step
 
     model_config = dataclasses.replace(K3Config.preset("tiny"), balancing="sign")  # the sign rule is exact
-    train_config = TrainConfig(steps=3, batch_size=4, seq_len=16, grad_accum=2, warmup_steps=1)
-    tokens = torch.randint(0, 256, (3, 2, 4, 17), generator=torch.Generator().manual_seed(0))
+    train_config = TrainConfig(steps=2, batch_size=4, seq_len=16, grad_accum=2, warmup_steps=1)
+    tokens = torch.randint(0, 256, (2, 2, 4, 17), generator=torch.Generator().manual_seed(0))
     batches = [[(window[:, :-1], window[:, 1:]) for window in step] for step in tokens]
     case = {"model": model_config, "train": train_config, "batches": batches}
     ranks = run_ranks(train_steps, 2, case, timeout_s=240)
@@ -199,3 +199,25 @@ def test_expert_parallel_training_matches_one_process_on_the_concatenated_batch(
     for name, tensor in model.state_dict().items():
         for rank in ranks:
             assert float((rank["state"][name].float() - tensor.float()).abs().max()) <= 0.05 * train_config.lr, name
+
+
+def test_train_ep_writes_a_one_process_checkpoint_with_the_one_process_first_loss(tmp_path):
+    import json
+
+    from k3course import data
+    from k3course.cli import main
+    from k3course.train import build_model, load_model, make_optimizer, preset, train_step
+
+    assert main(["train", "--preset", "tiny", "--steps", "1", "--ep", "2", "--out", str(tmp_path)]) == 0
+    model_config, train_config = preset("tiny")
+    model = build_model(model_config, train_config.seed)
+    optimizer, scheduler = make_optimizer(model, train_config.replace(steps=1))
+    batches = [data.batch_at(data.stdlib_corpus().train, j, train_config.batch_size, train_config.seq_len,
+                             train_config.seed) for j in range(train_config.grad_accum)]
+    want = train_step(model, optimizer, scheduler, batches, train_config.grad_clip)
+    got = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"]
+    loaded = dict(load_model(tmp_path).named_parameters())  # the gathered checkpoint loads into the plain model
+    for name, param in model.named_parameters():  # (the biases come from a histogram: within a bin, not equal)
+        assert float((loaded[name] - param).detach().abs().max()) <= 0.05 * train_config.lr, name
+    assert main(["train", "--preset", "tiny", "--ep", "2", "--out", str(tmp_path)]) == 2  # refuses to overwrite

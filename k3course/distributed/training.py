@@ -12,6 +12,8 @@ and the gradient norm for clipping is ‖g‖² = ‖g_replicated‖² + Σ_r �
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -110,3 +112,105 @@ def _gather_blocks(block: torch.Tensor, ranges: list[tuple[int, int]], group=Non
     pieces = [torch.empty_like(padded) for _ in ranges]
     dist.all_gather(pieces, padded, group=group)
     return torch.cat([piece[: end - start] for piece, (start, end) in zip(pieces, ranges)])
+
+
+def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, group=None) -> dict:
+    """``optimizer.state_dict()`` with every routed expert's per-parameter state (Adam's moments) all-gathered,
+    so the single-process model's optimizer can load it (its parameters come in the same order)."""
+    blocks = {id(p): m.expert_ranges for m in model.modules() if isinstance(m, ExpertParallelMoE)
+              for p in m.expert_parameters()}
+    params = [p for group_ in optimizer.param_groups for p in group_["params"]]
+    state = optimizer.state_dict()
+    for index, param in enumerate(params):
+        if id(param) in blocks and index in state["state"]:
+            state["state"][index] = {key: _gather_blocks(value, blocks[id(param)], group)
+                                     if torch.is_tensor(value) and value.shape == param.shape else value
+                                     for key, value in state["state"][index].items()}
+    return state
+
+
+def train_ranks(rank: int, world_size: int, preset_name: str, steps: int | None, out: str) -> list[dict]:
+    """``k3course train --ep P`` on one rank: the preset's run with MoE layers expert-parallel, each rank reading
+    its 1/P of every micro-batch of the one-process run. Rank 0 writes metrics.jsonl after every step and, at
+    the end, one single-process checkpoint (weights and optimizer gathered) that ``k3course generate`` and a
+    one-process ``--resume`` can load. Returns the per-step records."""
+    import json
+    from pathlib import Path
+
+    from k3course import checkpoint, data
+    from k3course.train import build_model, make_optimizer, preset
+
+    model_config, train_config = preset(preset_name)
+    if steps is not None:
+        train_config = train_config.replace(steps=steps)
+    if train_config.batch_size % world_size:
+        raise ValueError(f"--ep {world_size} must divide the preset's batch_size {train_config.batch_size}")
+    corpus = data.stdlib_corpus()
+    model = make_expert_parallel(build_model(model_config, train_config.seed))
+    optimizer, scheduler = make_optimizer(model, train_config)
+    out = Path(out)
+    records = []
+    for step in range(train_config.steps):
+        batches = [data.batch_at(corpus.train, step * train_config.grad_accum + j, train_config.batch_size,
+                                 train_config.seq_len, train_config.seed) for j in range(train_config.grad_accum)]
+        shards = [(inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]) for inputs, targets in batches]
+        records.append({"step": step + 1, **train_step(model, optimizer, scheduler, shards, train_config.grad_clip)})
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / "metrics.jsonl", "a") as file:
+                file.write(json.dumps(records[-1]) + "\n")
+    weights, optimizer_state = gather_state_dict(model), gather_optimizer_state(model, optimizer)
+    if rank == 0:
+        single = build_model(model_config, train_config.seed)
+        single.load_state_dict(weights)
+        single_optimizer, single_scheduler = make_optimizer(single, train_config)
+        single_optimizer.load_state_dict(optimizer_state)
+        single_scheduler.load_state_dict(scheduler.state_dict())
+        config = {"model": dataclasses.asdict(model_config), "train": dataclasses.asdict(train_config)}
+        checkpoint.save_checkpoint(out, train_config.steps, single, single_optimizer, single_scheduler, config)
+    return records
+
+
+def train_expert_parallel(preset_name: str, world_size: int, steps: int | None = None, out=None) -> dict:
+    """``k3course train --ep P``: spawn P local gloo ranks running :func:`train_ranks`; returns a summary.
+
+    The corpus cache is built here first (the ranks then only memory-map it); ``out`` must hold no checkpoint.
+    """
+    from pathlib import Path
+
+    from k3course import checkpoint, data
+    from k3course.distributed.launch import run_ranks
+
+    out = Path(out) if out is not None else Path("runs") / f"{preset_name}-ep{world_size}"
+    if checkpoint.latest_checkpoint(out) is not None:
+        raise ValueError(f"out: {out} already holds checkpoints (expert-parallel runs do not resume)")
+    data.stdlib_corpus()
+    records = run_ranks(train_ranks, world_size, preset_name, steps, str(out), timeout_s=7 * 24 * 3600)[0]
+    return {"out": str(out), "step": records[-1]["step"], "loss": records[-1]["loss"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``torchrun --nproc-per-node P -m k3course.distributed.training --preset tiny [--steps N] [--out DIR]``:
+    one rank of the run (gloo on CPU, NCCL when every rank has a GPU)."""
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(prog="python -m k3course.distributed.training", description=main.__doc__)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        parser.error("run me under torchrun (or use `k3course train --ep P`, which spawns the ranks itself)")
+    dist.init_process_group("nccl" if torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"]) else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = args.out or f"runs/{args.preset}-ep{world_size}"
+    records = train_ranks(rank, world_size, args.preset, args.steps, out)
+    if rank == 0:
+        print(f"step {records[-1]['step']}: loss {records[-1]['loss']:.4f}; checkpoint and metrics.jsonl in {out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -8,8 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3course.distributed import (ExpertParallelMoE, RankFailed, combine, dispatch_permutation, expert_ranges, inverse_permutation,
-                                  run_ranks, split_sizes, traffic_bytes)
+from k3course.distributed import (
+    ExpertParallelMoE,
+    RankFailed,
+    combine,
+    dispatch_permutation,
+    expert_ranges,
+    inverse_permutation,
+    run_ranks,
+    split_sizes,
+    traffic_bytes,
+)
 from k3course.distributed.workers import build_layer, failing, global_batch, run_cases
 from k3course.moe import MoE, quantile_balance_bias, quantile_balance_bias_from_histograms, sign_rule_update
 from k3course.moe.balancing import margin_range
@@ -102,7 +111,7 @@ def test_bias_identical_on_every_rank_and_equal_to_the_pooled_histogram(world):
             assert all(torch.equal(b, biases[0]) for b in biases), (index, step)
         before = results[0][quantile]["bias_before"][step]
         shards = [r[quantile]["scores"][step] for r in results]
-        k, n, bins = BASE["k"], BASE["n"], cases[quantile]["bins"]
+        k, bins = BASE["k"], cases[quantile]["bins"]
         pooled = quantile_balance_bias_from_histograms([s for s in shards if s.shape[0]], before, k, bins)
         assert torch.equal(results[0][quantile]["bias_after"][step], pooled)
         ranges = [margin_range(s, before, k) for s in shards if s.shape[0]]

@@ -23,10 +23,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3course.distributed.exchange import all_to_all, exchange, exchange_counts
-from k3course.distributed.plan import (dedup_pairs, dispatch_permutation, expert_ranges, inverse_permutation, rank_of_expert,
-                                    split_sizes)
 from k3course.distributed.balancing import pooled_load, pooled_quantile_bias
+from k3course.distributed.exchange import all_to_all, exchange, exchange_counts
+from k3course.distributed.plan import (
+    dedup_pairs,
+    dispatch_permutation,
+    expert_ranges,
+    inverse_permutation,
+    rank_of_expert,
+    split_sizes,
+)
 from k3course.moe.balancing import expert_load, sign_rule_update
 from k3course.moe.dispatch import sort_by_expert, unsort
 from k3course.moe.experts import ACTIVATIONS, RoutedExperts

@@ -231,7 +231,7 @@ def test_both_score_paths_are_exact_and_unbounded_gates_work():
     o_ch, s_ch = kda_chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=32)
     assert_close(o_ch, o_np), assert_close(s_ch, s_np)
     a, b = q[0, :32, 0], k[0, :32, 0]
-    for G in (g[0, :32, 0].cumsum(0), g[0, :32, 0].cumsum(0) / 20):  # pairwise path, then referenced path
+    for G in (g[0, :32, 0].cumsum(0), g[0, :32, 0].cumsum(0) / 20):  # steep, then mild decay
         G64 = G.double().numpy()
         exact = np.tril(np.einsum("rd,id,rid->ri", a.double().numpy(), b.double().numpy(),
                                   np.exp(np.minimum(G64[:, None] - G64[None], 0))))

@@ -12,9 +12,10 @@ Per chunk of C tokens with state S entering it (one head; G is the in-chunk incl
 8. S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
 
 Everything but the state passing (5 and 8) is batched over all chunks at once. Every exponent is a
-difference of cumulative log-decays, ≤ 0 (or G ≤ 0 itself) or, for a reference factor, at most the checked
-span ``SAFE_EXPONENT``, so nothing overflows: e^{−G} alone is never formed.
-GDN is KDA with a gate constant over channels; GLA skips the delta steps (Ṽ = V).
+difference of cumulative log-decays, ≤ 0 (or G ≤ 0 itself), so nothing overflows, forward or backward, for any
+g ≤ 0: e^{−G} alone is never formed, and no factor is ever divided by another. Exponents are clamped below at
+``DECAY_FLOOR`` so that no weight is a subnormal float (slow on CPUs). No value is read back to the host.
+GDN is KDA with one gate per head shared by the channels; GLA skips the delta steps (Ṽ = V).
 """
 
 from __future__ import annotations
@@ -23,36 +24,16 @@ import torch
 
 from k3course.attention.checks import validate
 
-SUB_CHUNK = 8  # smallest block of the UT transform, and block of the pairwise (fallback) decayed scores
-SAFE_EXPONENT = 60.0  # e^60 ≈ 1e26: a factor this large times values of order 1 stays far below fp32's 3.4e38
+SUB_CHUNK = 8  # smallest block of the UT transform
+DECAY_FLOOR = -30.0  # decay exponents are raised to this: e^-30 ≈ 9e-14 of the largest weight (1), far below fp32's
+# resolution, and it keeps every factor and every product of two factors a normal float (subnormals, e^x for
+# x < −87, make exp 20× and matmuls 50× slower on x86 CPUs)
 
 
-def _pairwise_block(a, b, G, strict: bool) -> torch.Tensor:
-    """Σ_d a_rd b_id e^{G_rd − G_id} for every pair in one block, causally masked.
-
-    a, b, G: ``[..., c, K]`` -> ``[..., c, c]``."""
-    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [..., c(r), c(i), K]: G_r − G_i, ≤ 0 where i ≤ r
-    weights = torch.exp(diff.clamp(max=0.0))  # entries with i > r are masked below; clamping keeps them finite
-    scores = (a.unsqueeze(-2) * b.unsqueeze(-3) * weights).sum(-1)
-    c = a.shape[-2]
-    keep = torch.ones(c, c, dtype=torch.bool, device=a.device).tril(-1 if strict else 0)
-    return scores * keep
-
-
-def _pairwise_scores(a, b, G, strict: bool, sub: int) -> torch.Tensor:
-    """decayed_scores with every exponent ≤ 0: pairs inside a sub-chunk one by one; a later row r against an
-    earlier sub-chunk through that sub-chunk's last position p, e^{G_r − G_p} · e^{G_p − G_i}."""
-    C = a.shape[-2]
-    blocks = []  # one column block [..., C, sub] per sub-chunk
-    for start in range(0, C, sub):
-        cols = slice(start, start + sub)
-        before = a.new_zeros(*a.shape[:-2], start, sub)  # rows above the sub-chunk: causally zero
-        diagonal = _pairwise_block(a[..., cols, :], b[..., cols, :], G[..., cols, :], strict)
-        ref = G[..., start + sub - 1: start + sub, :]  # [..., 1, K]
-        later = a[..., start + sub:, :] * torch.exp(G[..., start + sub:, :] - ref)  # rows after: G_r − G_p ≤ 0
-        earlier = b[..., cols, :] * torch.exp(ref - G[..., cols, :])  # G_p − G_i ≤ 0
-        blocks.append(torch.cat([before, diagonal, later @ earlier.transpose(-1, -2)], dim=-2))
-    return torch.cat(blocks, dim=-1)
+def _decay(exponent, like) -> torch.Tensor:
+    """e^x for an exponent x ≤ 0 (a difference of cumulative log-decays) in ``like``'s dtype (x may be float64,
+    see :func:`_chunk_core`), as e^{max(x, DECAY_FLOOR)}: that changes a weight by less than e^-30."""
+    return torch.exp(exponent.to(like.dtype).clamp(min=DECAY_FLOOR))
 
 
 def _causal_mask(C: int, strict: bool, like) -> torch.Tensor:
@@ -60,58 +41,94 @@ def _causal_mask(C: int, strict: bool, like) -> torch.Tensor:
     return torch.ones(C, C, dtype=like.dtype, device=like.device).tril(-1 if strict else 0)
 
 
-def _referenced_scores(a, b, G, strict: bool, sub: int):
-    """decayed_scores as one matrix product per sub-chunk: with p the sub-chunk's first position,
-    e^{G_r − G_i} = e^{G_r − G_p} · e^{G_p − G_i}; the first exponent is ≤ 0 for every row from p on (earlier
-    rows are causally masked: clamping keeps them finite), the second is at most the sub-chunk's decay span
-    (≤ ``SAFE_EXPONENT``), checked by the caller. ``a`` a tensor or a tuple of tensors (one result each)."""
-    many = isinstance(a, tuple)
-    a = a if many else (a,)
-    C = b.shape[-2]
-    blocks = [[] for _ in a]  # per tensor in a: one column block [..., C, sub] per sub-chunk
-    for start in range(0, C, sub):
-        ref = G[..., start:start + 1, :]  # [..., 1, K]
-        to_rows = torch.exp(G - ref if start == 0 else (G - ref).clamp(max=0.0))  # factors ≤ 1
-        # e^{G_p − G_i} for the sub-chunk's own rows is 1 / to_rows there (unclamped: G_i − G_p ≤ 0); ≤ e^span
-        cols = b[..., start:start + sub, :] / to_rows[..., start:start + sub, :]
-        for x, x_blocks in zip(a, blocks, strict=True):
-            x_blocks.append((x * to_rows) @ cols.transpose(-1, -2))
-    mask = _causal_mask(C, strict, G)
-    scores = tuple((torch.cat(x_blocks, dim=-1) if len(x_blocks) > 1 else x_blocks[0]) * mask for x_blocks in blocks)
-    return scores if many else scores[0]
+def _pairwise_block(a, b, G, strict: bool) -> torch.Tensor:
+    """Σ_d a_rd b_id e^{G_rd − G_id} for every pair in one block, causally masked, one weight per pair.
+
+    a ``[n, ..., c, K]`` (n stacked left operands), b, G ``[..., c, K]`` -> ``[n, ..., c, c]``."""
+    weights = _decay((G.unsqueeze(-2) - G.unsqueeze(-3)).clamp(max=0.0), b)  # [..., c(r), c(i), K]: e^{G_r − G_i}
+    scores = (a.unsqueeze(-2) * b.unsqueeze(-3) * weights).sum(-1)
+    return scores * _causal_mask(G.shape[-2], strict, scores)
 
 
-def _largest_safe_sub_chunk(G) -> int | None:
-    """The longest sub-chunk length (the whole chunk C, else 32, 16 or 8, dividing C) whose every sub-chunk
-    decays by at most ``SAFE_EXPONENT`` in every channel; None when even 8 tokens decay more (then only
-    pairwise is safe)."""
-    C = G.shape[-2]
-    for sub in (C, 32, 16, 8):
-        if sub <= C and C % sub == 0:
-            blocks_of_G = G.unflatten(-2, (C // sub, sub))  # [..., C/sub, sub, K]
-            if (blocks_of_G[..., 0, :] - blocks_of_G[..., -1, :]).max() <= SAFE_EXPONENT:
-                return sub
-    return None
+def _off_diagonal_tiles(a, b, G, s: int) -> torch.Tensor:
+    """For every block of 2s positions, the tile (rows s..2s) × (columns 0..s) as one matrix product referenced
+    to the tile's first row n: e^{G_r − G_i} = e^{G_r − G_n} · e^{G_n − G_i}, both exponents ≤ 0 (r ≥ n > i).
+
+    a ``[n, L, C, K]``, b, G ``[L, C, K]`` -> ``[n, L, C/(2s), s, s]``."""
+    n, L, C, K = a.shape
+    blocks = C // (2 * s)
+    a_later = a.reshape(n, L, blocks, 2, s, K).unbind(3)[1]  # unbind, not indexing: a cheaper backward
+    b_earlier = b.reshape(L, blocks, 2, s, K).unbind(2)[0]
+    G_earlier, G_later = G.reshape(L, blocks, 2, s, G.shape[-1]).unbind(2)
+    ref = G_later[:, :, :1]  # [L, blocks, 1, K]: the tile's first row
+    rows = a_later * _decay(G_later - ref, b)  # [n, L, blocks, s, K]
+    cols = b_earlier * _decay(ref - G_earlier, b)  # [L, blocks, s, K]
+    rows = rows.permute(1, 2, 0, 3, 4).reshape(L * blocks, n * s, K)  # the n operands share one product
+    tiles = torch.bmm(rows, cols.reshape(L * blocks, s, K).mT.contiguous())  # [L·blocks, n·s, s]
+    return tiles.view(L, blocks, n, s, s).permute(2, 0, 1, 3, 4)
+
+
+def _block_diagonal(scores, c: int) -> torch.Tensor:
+    """The view of ``scores [n, L, C, C]`` holding, for every block of c positions, the c × c diagonal block
+    split into halves: ``[n, L, 2, c/2, 2, c/2, C/c]`` (index [.., 1, :, 0, :, :] is the lower-left tile)."""
+    n, L, C, _ = scores.shape
+    return scores.view(n, L, C // c, 2, c // 2, C // c, 2, c // 2).diagonal(dim1=2, dim2=5)
+
+
+def _channel_scores(a, b, G, strict: bool) -> torch.Tensor:
+    """decayed_scores for a channel gate, exact for any g ≤ 0: every exponent is ≤ 0 and none is e^{−G}.
+
+    Blocks of doubling size: the smallest (C with its factors 2 divided out: 1 for C a power of two) pairwise,
+    then for each block of 2s positions its lower-left s × s tile as one batched matrix product referenced to the
+    tile's first row (:func:`_off_diagonal_tiles`). a ``[n, L, C, K]``; b, G ``[L, C, K]`` -> ``[n, L, C, C]``."""
+    n, L, C, K = a.shape
+    leaf = C
+    while leaf % 2 == 0:
+        leaf //= 2
+    scores = a.new_zeros(n, L, C, C)
+    if leaf == 1:  # the diagonal: e^0 = 1
+        if not strict:
+            scores.diagonal(dim1=-2, dim2=-1).copy_((a * b).sum(-1))
+    else:
+        blocks = C // leaf
+        diagonal = _pairwise_block(a.reshape(n, L, blocks, leaf, K), b.reshape(L, blocks, leaf, K),
+                                   G.reshape(L, blocks, leaf, K), strict)  # [n, L, blocks, leaf, leaf]
+        scores.view(n, L, blocks, leaf, blocks, leaf).diagonal(dim1=2, dim2=4).copy_(diagonal.permute(0, 1, 3, 4, 2))
+    s = leaf
+    while s < C:
+        _block_diagonal(scores, 2 * s)[:, :, 1, :, 0].copy_(_off_diagonal_tiles(a, b, G, s).permute(0, 1, 3, 4, 2))
+        s *= 2
+    return scores
+
+
+def _scalar_scores(a, b, G, strict: bool) -> torch.Tensor:
+    """decayed_scores for a gate shared by the K channels (G ``[L, C, 1]``): (a bᵀ) ⊙ e^{G_r − G_i}, the decay one
+    ``[C, C]`` matrix, exact for any g ≤ 0. a ``[n, L, C, K]``, b ``[L, C, K]`` -> ``[n, L, C, C]``."""
+    n, L, C, K = a.shape
+    products = torch.bmm(a.transpose(0, 1).reshape(L, n * C, K), b.mT)  # [L, n·C, C], the n operands at once
+    weights = _decay((G - G.mT).clamp(max=0.0), b) * _causal_mask(C, strict, b)  # [L, C, C]; masked: 1 * 0
+    return products.view(L, n, C, C).transpose(0, 1) * weights
 
 
 def decayed_scores(a, b, G, strict: bool):
     """A[r, i] = Σ_d a_rd b_id e^{G_rd − G_id} for i < r (strict) or i ≤ r, else 0.
 
-    a, b, G: ``[..., C, K]`` (G the inclusive cumulative log-decay) -> ``[..., C, C]``; ``a`` may carry extra
-    leading dims, or be a tuple of such tensors (e.g. ``(k, q)``): then one result each, sharing the decay
-    factors. Never forms e^{−G}. When the whole chunk, or sub-chunks of 32, 16 or 8 tokens, each decay by at
-    most ``SAFE_EXPONENT`` (8 always do under K3's bound g ≥ −5), each sub-chunk's column block is one matrix
-    product referenced to its first position; otherwise (e.g. Kimi Linear's unbounded gate at extreme values)
-    pairs inside 8-token sub-chunks are formed one by one so that every exponent is ≤ 0.
+    a, b ``[..., C, K]``, G ``[..., C, K]`` (the inclusive cumulative log-decay of a channel gate) or
+    ``[..., C, 1]`` (a gate shared by the channels, as in GDN) -> ``[..., C, C]``; leading dims broadcast. ``a``
+    may be a tuple of tensors (e.g. ``(k, q)``): then one result each, sharing the decay factors. Exact for every
+    g ≤ 0 up to weights below e^``DECAY_FLOOR``: every exponent is a difference G_r − G_i ≤ 0 (e^{−G} alone, which
+    overflows, is never formed), and the products are batched (:func:`_channel_scores`, :func:`_scalar_scores`).
     """
-    sub = _largest_safe_sub_chunk(G)
-    if sub is not None:
-        return _referenced_scores(a, b, G, strict, sub)
-    C = b.shape[-2]
-    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
-    if isinstance(a, tuple):
-        return tuple(_pairwise_scores(x, b, G, strict, sub) for x in a)
-    return _pairwise_scores(a, b, G, strict, sub)
+    many = isinstance(a, tuple)
+    operands = a if many else (a,)
+    C, K = b.shape[-2:]
+    lead = torch.broadcast_shapes(*(x.shape[:-2] for x in operands), b.shape[:-2], G.shape[:-2])
+    stacked = torch.stack([x.expand(*lead, C, K).reshape(-1, C, K) for x in operands])  # [n, L, C, K]
+    b = b.expand(*lead, C, K).reshape(-1, C, K)
+    G = G.expand(*lead, *G.shape[-2:]).reshape(-1, *G.shape[-2:])
+    scores = (_scalar_scores if G.shape[-1] == 1 else _channel_scores)(stacked, b, G, strict)
+    scores = scores.reshape(len(operands), *lead, C, C)
+    return tuple(scores) if many else scores[0]
 
 
 def _unit_lower_inverse(A) -> torch.Tensor:
@@ -182,24 +199,26 @@ def _pass_states(W, U, k, G, state):
     depend on the state, so they are computed for all chunks at once and the loop is one product per chunk.
     Ṽ = U − W S is then batched over all chunks from the states that entered them.
 
-    W (None for GLA: no delta correction, Ṽ = U = V, A = Diag(Γ_C)), U ``[..., N, C, ·]``; k, G
-    ``[..., N, C, K]``; state ``[..., K, V]``. Returns the states entering each chunk ``[..., N, K, V]``,
+    W (None for GLA: no delta correction, Ṽ = U = V, A = Diag(Γ_C)), U ``[..., N, C, ·]``; k ``[..., N, C, K]``;
+    G ``[..., N, C, K]`` or ``[..., N, C, 1]`` (a gate shared by the channels); state ``[..., K, V]``. Returns the states entering each chunk ``[..., N, K, V]``,
     Ṽ ``[..., N, C, V]`` and the final state ``[..., K, V]``."""
     leading = state.shape[:-2]
     as_batch = (lambda x: None if x is None else x.reshape(-1, *x.shape[-3:]))  # [L, N, ·, ·]
-    decay_to_end = as_batch(G[..., -1:, :].exp().mT)  # Γ_C, [L, N, K, 1]
-    k_to_end = as_batch((k * torch.exp(G[..., -1:, :] - G)).mT)  # K̃ᵀ, [L, N, K, C]
+    decay_to_end = as_batch(_decay(G[..., -1:, :], k).mT)  # Γ_C, [L, N, K, 1] (or [L, N, 1, 1])
+    k_to_end = as_batch((k * _decay(G[..., -1:, :] - G, k)).mT)  # K̃ᵀ, [L, N, K, C]
     W, U, state = as_batch(W), as_batch(U), state.reshape(-1, *state.shape[-2:])
     increment = k_to_end @ U  # B = K̃ᵀU, [L, N, K, V]
     if W is not None:
-        transition = torch.diag_embed(decay_to_end.squeeze(-1)) - k_to_end @ W  # A, [L, N, K, K]
+        eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
+        transition = decay_to_end * eye - k_to_end @ W  # A, [L, N, K, K]
     entering = []
-    for n in range(U.shape[1]):
+    maps = zip(increment.unbind(1), (decay_to_end if W is None else transition).unbind(1))  # per chunk (B, A)
+    for chunk_increment, chunk_map in maps:
         entering.append(state)
         if W is None:
-            state = torch.addcmul(increment[:, n], decay_to_end[:, n], state)  # Diag(Γ_C) S + B
+            state = torch.addcmul(chunk_increment, chunk_map, state)  # Diag(Γ_C) S + B
         else:
-            state = torch.baddbmm(increment[:, n], transition[:, n], state)  # A S + B
+            state = torch.baddbmm(chunk_increment, chunk_map, state)  # A S + B
     entering = torch.stack(entering, dim=1)  # [L, N, K, V]
     corrected = U if W is None else U - W @ entering  # Ṽ, [L, N, C, V]
     return (entering.reshape(*leading, *entering.shape[1:]), corrected.reshape(*leading, *corrected.shape[1:]),
@@ -207,17 +226,20 @@ def _pass_states(W, U, k, G, state):
 
 
 def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
-    """Chunkwise KDA (beta given) or GLA (beta None) on validated inputs, g ``[B, T, H, K]``.
+    """Chunkwise KDA (beta given) or GLA (beta None) on validated inputs, g ``[B, T, H, K]`` (channel gate) or
+    ``[B, T, H, 1]`` (one gate per head, broadcast over the K channels: GDN and scalar-decay attention).
 
-    All chunks of all heads are one batch ``[B·H·N, C, ·]``; only steps 5 and 8 loop over chunks."""
+    All chunks of all heads are one batch ``[B·H·N, C, ·]``; only steps 5 and 8 loop over chunks. G is summed
+    in float64 (then only exponents are formed from it): a chunk of 64 tokens at g = −5 reaches G = −320, where a
+    float32 cumulative sum is off by ~3e-5, and every weight e^{G_r − G_i} would inherit that relative error."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     dtype, (batch, time, heads, key_dim), value_dim = q.dtype, q.shape, v.shape[-1]
     # padded tokens (k = 0, β = 0, g = 0) leave the state unchanged
     q, k, v, g = (_to_chunks(x.float(), chunk_size) for x in (q, k, v, g))  # [B·H·N, C, ·]
     q = q * scale
-    G = g.cumsum(-2)  # step 1, inclusive
-    decay = G.exp()  # Γ = e^G ≤ 1
+    G = g.double().cumsum(-2)  # step 1, inclusive; float64 (see above)
+    decay = _decay(G, q)  # Γ = e^G ≤ 1
     if beta is None:  # GLA: no delta steps, Ṽ = V
         W, U, A_qk = None, v, decayed_scores(q, k, G, strict=False)
     else:
@@ -252,11 +274,11 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
 def gdn_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64, *,
               allow_neg_eigval=False):
-    """Chunkwise Gated DeltaNet, g ``[B, T, H]``: KDA with the head's decay repeated over the K channels."""
+    """Chunkwise Gated DeltaNet, g ``[B, T, H]``: KDA with the head's decay shared by the K channels (its decayed
+    scores need one ``[C, C]`` weight matrix, not one per channel)."""
     scale = validate(q, k, v, g, beta, gate="scalar", scale=scale, initial_state=initial_state,
                      allow_neg_eigval=allow_neg_eigval)
-    g = g.unsqueeze(-1).expand(*g.shape, q.shape[-1])
-    return _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+    return _chunk_core(q, k, v, g.unsqueeze(-1), beta, scale, initial_state, output_final_state, chunk_size)
 
 
 def gla_chunk(q, k, v, g, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
@@ -265,5 +287,5 @@ def gla_chunk(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     gate = "scalar" if isinstance(g, torch.Tensor) and g.dim() == 3 else "channel"
     scale = validate(q, k, v, g, gate=gate, scale=scale, initial_state=initial_state)
     if gate == "scalar":
-        g = g.unsqueeze(-1).expand(*g.shape, q.shape[-1])
+        g = g.unsqueeze(-1)
     return _chunk_core(q, k, v, g, None, scale, initial_state, output_final_state, chunk_size)

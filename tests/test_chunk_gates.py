@@ -118,3 +118,25 @@ def test_triton_chunk_op_matches_recurrent_forward_and_all_gradients(kind, chunk
     got = outputs_and_gradients(kda_chunk_triton, tensors, chunk_size=chunk_size)
     want = outputs_and_gradients(kda_recurrent, tensors)
     assert_all_close(got, want, f"triton g={kind} C={chunk_size}")
+
+
+@pytest.mark.parametrize("op", [kda_chunk, kda_recurrent, gdn_chunk, gdn_recurrent], ids=lambda op: op.__name__)
+def test_bf16_activations_with_a_float32_state(op):
+    """bf16 q/k/v/g/beta with an fp32 initial state: o in bf16, the final state in fp32, close to the fp32 run;
+    the returned state continues the sequence (prefill, then the next tokens from that state)."""
+    scalar_gate = op in (gdn_chunk, gdn_recurrent)
+    q, k, v, g, beta, s0 = inputs("layer", scalar_gate, T=40)
+    o, final = op(*(x.bfloat16() for x in (q, k, v, g, beta)), initial_state=s0, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and final.dtype == torch.float32
+    as_bf16 = [x.bfloat16().float() for x in (q, k, v, g, beta)]  # the same values, computed in fp32
+    o_32, final_32 = op(*as_bf16, initial_state=s0, output_final_state=True)
+    assert ((o.float() - o_32).norm() / o_32.norm()).item() < 1e-2
+    assert ((final - final_32).norm() / final_32.norm()).item() < 1e-3
+    first, rest = (tuple(x[:, :25].bfloat16() for x in (q, k, v, g, beta)),
+                   tuple(x[:, 25:].bfloat16() for x in (q, k, v, g, beta)))
+    _, middle = op(*first, initial_state=s0, output_final_state=True)
+    o_rest, final_rest = op(*rest, initial_state=middle, output_final_state=True)
+    assert middle.dtype == final_rest.dtype == torch.float32
+    assert ((o_rest.float() - o[:, 25:].float()).norm() / o[:, 25:].float().norm()).item() < 1e-2
+    with pytest.raises(TypeError, match="initial_state"):
+        op(*(x.bfloat16() for x in (q, k, v, g, beta)), initial_state=s0.double())

@@ -120,9 +120,11 @@ def test_decode_continues_a_chunked_prefill():
 
 def test_kda_kernels_reject_bad_input():
     q, k, v, g, beta, h0 = kda_inputs(1, 8, 1, 16, 16, seed=0)
-    with pytest.raises(ValueError, match="g must be a log-decay"):
+    from k3course import debug
+
+    with debug.value_checks(), pytest.raises(ValueError, match="g must be a log-decay"):
         kda_chunk_triton(q, k, v, -g, beta)
-    with pytest.raises(ValueError, match="v contain"):
+    with debug.value_checks(), pytest.raises(ValueError, match="v contain"):
         kda_chunk_triton(q, k, v.clone().index_fill_(1, torch.tensor([3], device=DEVICE), float("nan")), g, beta)
     with pytest.raises(ValueError, match="beta must be"):
         kda_chunk_triton(q, k, v, g, beta[..., None])

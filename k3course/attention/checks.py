@@ -7,7 +7,8 @@ or ``[B, T, H, K]`` (channel gate), already activated, so g ≤ 0; beta ``[B, T,
 Value checks (NaN or inf, g > 0, beta out of range) read values back to the host, so they run only under
 the debug switch (:func:`k3course.debug.value_checks` or ``K3COURSE_DEBUG=1``); shape, dtype and device checks
 always run. Documented handling: non-contiguous tensors are accepted (the ops only reshape copies); every tensor must
-share one floating dtype and one device, otherwise a ``TypeError`` / ``ValueError`` names the argument.
+share one floating dtype (the initial state may instead be float32: the recurrent state is always
+kept in float32, as in fla) and one device, otherwise a ``TypeError`` / ``ValueError`` names the argument.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def validate(q, k, v, g=None, beta=None, *, gate: str = "channel", scale=None, i
     if not q.is_floating_point():
         raise TypeError(f"q must be a floating tensor, got dtype {q.dtype}")
     for name, x in named.items():
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}: pass one floating dtype for all")
+        if x.dtype != q.dtype and not (name == "initial_state" and x.dtype == torch.float32):
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}: pass one floating dtype for all "
+                            "(initial_state may also be float32, the dtype the state is kept in)")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}: put all inputs on one device")
     _check_shapes(q, k, v, g, beta, gate, initial_state)

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3course import debug
 from k3course.kernels import TRITON_MODE
 
 SUB_CHUNK = 16  # tile side of the intra-chunk products; 16 is also the smallest tl.dot on a GPU
@@ -261,6 +262,12 @@ def _check_inputs(q, k, v, g, beta, initial_state) -> None:
         raise ValueError(f"q, k, v, g, beta must be on one device, got {sorted(map(str, devices))}")
     if TRITON_MODE == "interpreter" and q.dtype != torch.float32:
         raise TypeError(f"q: the Triton interpreter needs fp32 inputs (bf16 is wrong there), got {q.dtype}")
+    if debug.enabled():
+        _check_values(q, k, v, g, beta)
+
+
+def _check_values(q, k, v, g, beta) -> None:
+    """The checks that read values back to the host (run under :mod:`k3course.debug` only): finite, g ≤ 0."""
     finite = torch.stack([torch.isfinite(x).all() for x in (q, k, v, g, beta)])  # one host sync for all checks
     positive_g = (g > 0).any()
     if not bool(finite.all()):

@@ -299,9 +299,10 @@ def test_importing_triton_first_on_cpu_is_reported():
     import sys
 
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    script = "import warnings; warnings.simplefilter('error'); import triton.language; import k3course.kernels"
+    script = ("import warnings; warnings.simplefilter('error'); import triton.language; import k3course.kernels; "
+              "k3course.kernels.select_triton_mode()")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     if TRITON_MODE == "native":
         assert run.returncode == 0, run.stderr
     else:
-        assert run.returncode != 0 and "import k3course.kernels before triton" in run.stderr
+        assert run.returncode != 0 and "select_triton_mode() before importing triton" in run.stderr

@@ -200,8 +200,8 @@ def _pass_states(W, U, k, G, state):
     Ṽ = U − W S is then batched over all chunks from the states that entered them.
 
     W (None for GLA: no delta correction, Ṽ = U = V, A = Diag(Γ_C)), U ``[..., N, C, ·]``; k ``[..., N, C, K]``;
-    G ``[..., N, C, K]`` or ``[..., N, C, 1]`` (a gate shared by the channels); state ``[..., K, V]``. Returns the states entering each chunk ``[..., N, K, V]``,
-    Ṽ ``[..., N, C, V]`` and the final state ``[..., K, V]``."""
+    G ``[..., N, C, K]`` or ``[..., N, C, 1]`` (a gate shared by the channels); state ``[..., K, V]``. Returns
+    the states entering each chunk ``[..., N, K, V]``, Ṽ ``[..., N, C, V]`` and the final state ``[..., K, V]``."""
     leading = state.shape[:-2]
     as_batch = (lambda x: None if x is None else x.reshape(-1, *x.shape[-3:]))  # [L, N, ·, ·]
     decay_to_end = as_batch(_decay(G[..., -1:, :], k).mT)  # Γ_C, [L, N, K, 1] (or [L, N, 1, 1])

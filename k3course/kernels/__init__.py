@@ -1,8 +1,10 @@
 """Triton kernels. The one place that decides native vs interpreter (DESIGN §5).
 
-Triton picks its interpreter when ``@triton.jit`` runs, so the choice is made here, on import of
-``k3course.kernels`` and before any kernel module is imported: with no GPU, ``TRITON_INTERPRET=1`` is set
-(unless the user already set it). Kernel modules are imported only through this package.
+Triton picks its interpreter when ``@triton.jit`` runs, so the mode must be chosen before any kernel module
+is imported: :func:`select_triton_mode` does it, explicitly. Every kernel module calls it first thing (before
+``import triton``), so importing a kernel through this package (``from k3course.kernels import kda_chunk``)
+still works on a CPU-only machine; importing ``k3course.kernels`` itself changes nothing. Call it yourself
+before anything else imports triton (fla does): tests/conftest.py does so for the test suite.
 """
 
 from __future__ import annotations
@@ -14,39 +16,52 @@ import warnings
 
 import torch
 
-
-def _choose_mode() -> str:
-    if importlib.util.find_spec("triton") is None:
-        return "unavailable"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "interpreter"
-    if torch.cuda.is_available():
-        return "native"
-    os.environ["TRITON_INTERPRET"] = "1"
-    return "interpreter"
+_mode: str | None = None
 
 
-TRITON_MODE: str = _choose_mode()
-"""'native' (compiled for the GPU), 'interpreter' (TRITON_INTERPRET=1, CPU tensors, fp32) or 'unavailable'."""
+def select_triton_mode() -> str:
+    """Choose Triton's mode once and return it: 'native' (a CUDA GPU), 'interpreter' (``TRITON_INTERPRET=1``:
+    CPU tensors, fp32) or 'unavailable' (triton not installed).
+
+    With triton installed, no GPU and ``TRITON_INTERPRET`` unset, this sets ``TRITON_INTERPRET=1`` in
+    ``os.environ`` — the one place the package writes to the environment. Later calls return the first answer.
+    """
+    global _mode
+    if _mode is None:
+        if importlib.util.find_spec("triton") is None:
+            _mode = "unavailable"
+        elif os.environ.get("TRITON_INTERPRET") == "1":
+            _mode = "interpreter"
+        elif torch.cuda.is_available():
+            _mode = "native"
+        else:
+            os.environ["TRITON_INTERPRET"] = "1"
+            _mode = "interpreter"
+        _warn_if_triton_came_first(_mode)
+    return _mode
 
 
+def __getattr__(name: str):
+    """``TRITON_MODE``: the mode :func:`select_triton_mode` chose (reading it chooses it)."""
+    if name == "TRITON_MODE":
+        return select_triton_mode()
+    raise AttributeError(f"module 'k3course.kernels' has no attribute {name!r}")
 
-def _warn_if_triton_came_first() -> None:
+
+def _warn_if_triton_came_first(mode: str) -> None:
     """Triton's own helpers (tl.sum, tl.cumsum, ...) are ``@triton.jit`` functions too, made when triton is
-    imported: if that happened before TRITON_INTERPRET was set (say ``import fla`` before ``import k3course``),
-    they are compiled-mode functions and every interpreted kernel that calls them fails. Say so, with the fix."""
+    imported: if that happened before TRITON_INTERPRET was set (say ``import fla`` first), they are compiled-mode
+    functions and every interpreted kernel that calls them fails. Say so, with the fix."""
     language = sys.modules.get("triton.language")
-    if TRITON_MODE != "interpreter" or language is None:
+    if mode != "interpreter" or language is None:
         return
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(language.standard.sum, InterpretedFunction):
         warnings.warn("triton was imported before k3course.kernels switched on the interpreter, so Triton kernels "
-                      "will fail on this CPU; import k3course.kernels before triton (or fla), or set "
-                      "TRITON_INTERPRET=1 in the environment", RuntimeWarning, stacklevel=2)
+                      "will fail on this CPU; call k3course.kernels.select_triton_mode() before importing triton "
+                      "(or fla), or set TRITON_INTERPRET=1 in the environment", RuntimeWarning, stacklevel=3)
 
-
-_warn_if_triton_came_first()
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -63,10 +78,11 @@ def use_triton(device: torch.device | str, backend: str | None = None) -> bool:
         raise ValueError(f"backend (or K3COURSE_KERNELS) must be one of {BACKENDS}, got {chosen!r}")
     if chosen == "torch":
         return False
-    if TRITON_MODE == "unavailable":
+    mode = select_triton_mode()
+    if mode == "unavailable":
         if chosen == "triton":
             raise RuntimeError("backend 'triton' was forced but triton is not installed")
         return False
     if chosen == "triton":
         return True
-    return torch.device(device).type == "cuda" and TRITON_MODE == "native"
+    return torch.device(device).type == "cuda" and mode == "native"

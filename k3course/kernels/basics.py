@@ -10,9 +10,13 @@
 
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
+from k3course.kernels import select_triton_mode
+
+TRITON_MODE = select_triton_mode()  # first, before triton is imported (see k3course.kernels)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 @triton.jit

@@ -19,12 +19,16 @@ Under the Triton interpreter (no GPU) inputs must be fp32 (bf16 is wrong there, 
 
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
+from k3course.kernels import select_triton_mode
 
-from k3course import debug
-from k3course.kernels import TRITON_MODE
+TRITON_MODE = select_triton_mode()  # first, before triton is imported (see k3course.kernels)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from k3course import debug  # noqa: E402
+from k3course.attention.chunk import kda_chunk  # noqa: E402  (the ops sit below the kernels: no cycle)
 
 SUB_CHUNK = 16  # tile side of the intra-chunk products; 16 is also the smallest tl.dot on a GPU
 STATE_KERNEL_STAGES = 2  # software-pipelining depth of the state kernel: 3 needs 249 KB of shared memory in fp32
@@ -374,8 +378,6 @@ class _KDAChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_o, grad_final_state):
-        from k3course.attention import kda_chunk
-
         saved = ctx.saved_tensors  # q, k, v, g, beta, initial_state (or None)
         present = [x for x in saved if x is not None]
         # recompute in fp32 (one dtype for all, as the torch op requires); gradients go back in each input's dtype

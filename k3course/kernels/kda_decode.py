@@ -11,11 +11,13 @@ once. Per token t (all in fp32):
 
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
+from k3course.kernels import select_triton_mode
 
-from k3course.kernels import TRITON_MODE
+TRITON_MODE = select_triton_mode()  # first, before triton is imported (see k3course.kernels)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 @triton.jit

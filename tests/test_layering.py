@@ -1,0 +1,75 @@
+"""Layering (issue: no import cycle, the ops below the kernels below the layers, no silent environment change):
+each check runs a fresh interpreter and inspects ``sys.modules`` / ``os.environ`` after one import."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+LAYERS = ("k3course.attention.kda", "k3course.attention.mla")
+
+
+def loaded_after(statement: str, env: dict | None = None) -> dict:
+    """Run ``statement`` in a fresh interpreter; return the k3course / triton / fla modules it loaded and
+    TRITON_INTERPRET afterwards."""
+    script = (f"{statement}\nimport json, os, sys\n"
+              "print(json.dumps({'modules': sorted(m for m in sys.modules if m.split('.')[0] in "
+              "('k3course', 'triton', 'fla')), 'interpret': os.environ.get('TRITON_INTERPRET')}))")
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment.update(env or {})
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", ["k3course.attention.chunk", "k3course.attention.recurrent",
+                                    "k3course.attention.parallel", "k3course.attention"])
+def test_the_ops_load_no_layer_and_no_kernel_module(module):
+    modules = loaded_after(f"import {module}")["modules"]
+    assert not [m for m in modules if m in LAYERS or m.startswith("k3course.kernels") or m.split(".")[0] == "triton"]
+
+
+def test_a_lazy_name_loads_only_its_home():
+    modules = loaded_after("from k3course.attention import kda_chunk")["modules"]
+    assert "k3course.attention.chunk" in modules and not set(LAYERS) & set(modules)
+    assert "k3course.attention.kda" in loaded_after("from k3course.attention import KimiDeltaAttention")["modules"]
+
+
+def test_importing_the_kernels_package_leaves_the_environment_alone():
+    report = loaded_after("import k3course.kernels")
+    assert report["interpret"] is None
+    assert not [m for m in report["modules"] if m.startswith("k3course.kernels.") or m.split(".")[0] == "triton"]
+
+
+def test_kernel_modules_select_the_mode_before_triton_loads():
+    """A kernel module imported first through the package picks the mode before triton is imported: on a
+    CPU-only machine that is the interpreter, and the kernel runs."""
+    pytest.importorskip("triton")
+    statement = ("import torch\nfrom k3course.kernels.kda_decode import TRITON_MODE, kda_decode_triton\n"
+                 "import k3course.kernels as kernels\nassert kernels.TRITON_MODE == TRITON_MODE\n"
+                 "if TRITON_MODE == 'interpreter':\n"
+                 "    x = torch.rand(1, 1, 1, 16)\n"
+                 "    kda_decode_triton(x, x, x, -x, torch.rand(1, 1, 1), torch.zeros(1, 1, 16, 16))")
+    report = loaded_after(statement)
+    assert "k3course.kernels.kda_decode" in report["modules"]
+    import torch
+
+    if not torch.cuda.is_available():
+        assert report["interpret"] == "1"
+
+
+def test_the_kernels_import_the_ops_and_nothing_imports_back():
+    """The Triton chunk op imports the torch chunk op (its backward) directly: no cycle through the layers."""
+    pytest.importorskip("triton")
+    modules = loaded_after("import k3course.kernels.kda_chunk")["modules"]
+    assert "k3course.attention.chunk" in modules and not set(LAYERS) & set(modules)
+
+
+def test_select_triton_mode_is_explicit_and_stable():
+    statement = ("import k3course.kernels as k\nfirst = k.select_triton_mode()\n"
+                 "assert first in ('native', 'interpreter', 'unavailable')\nassert k.select_triton_mode() == first")
+    loaded_after(statement)

@@ -173,6 +173,10 @@ class _GatedMixer(nn.Module):
         """The one place the layer calls its op: ``(o [B, T, H, V], final_state [B, H, K, V] fp32)``."""
         raise NotImplementedError
 
+    def output_gate(self, x):
+        """σ(gate(x)) [B, T, H·V]: the sigmoid output gate (full rank, or low rank with a bias)."""
+        return torch.sigmoid(self.gate_proj(x))
+
     def uses_chunked_op(self, n_tokens: int) -> bool:
         """The path rule: chunked in training or for more than ``chunk_size`` tokens (mode "auto")."""
         if self.mode != "auto":
@@ -214,7 +218,7 @@ class _GatedMixer(nn.Module):
         o, state = self.mix(q, k, self._heads(v), self.log_decay(x), beta,
                             None if cache is None else cache.state, self.uses_chunked_op(x.shape[1]))
         o = rms_norm(o, self.o_norm_weight, self.norm_eps).flatten(-2)  # [B, T, H·V]
-        y = self.o_proj(torch.sigmoid(self.gate_proj(x)) * o)
+        y = self.o_proj(self.output_gate(x) * o)
         if cache is None:
             return y, KDACache(conv_q, conv_k, conv_v, state, x.shape[1])
         cache.conv_q, cache.conv_k, cache.conv_v, cache.state = conv_q, conv_k, conv_v, state

@@ -84,7 +84,7 @@ def _train_expert_parallel(args) -> int:
 
     if args.resume or args.device != "cpu":
         print("--ep runs P local gloo processes on the CPU from scratch (no --resume, no --device; on GPUs use "
-              "torchrun -m k3course.distributed.training)", file=sys.stderr)
+              "torchrun --standalone -m k3course.distributed.training)", file=sys.stderr)
         return 2
     try:
         summary = train_expert_parallel(args.preset, args.ep, args.steps, args.out)

@@ -190,8 +190,8 @@ def train_expert_parallel(preset_name: str, world_size: int, steps: int | None =
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``torchrun --nproc-per-node P -m k3course.distributed.training --preset tiny [--steps N] [--out DIR]``:
-    one rank of the run (gloo on CPU, NCCL when every rank has a GPU)."""
+    """``torchrun --standalone --nproc-per-node P -m k3course.distributed.training --preset tiny [--steps N]``:
+    one rank of the run (gloo on CPU, NCCL when every rank has a GPU); ``--out DIR`` as in ``k3course train``."""
     import argparse
     import os
 

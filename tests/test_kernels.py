@@ -306,3 +306,21 @@ def test_importing_triton_first_on_cpu_is_reported():
         assert run.returncode == 0, run.stderr
     else:
         assert run.returncode != 0 and "select_triton_mode() before importing triton" in run.stderr
+
+
+def test_kda_kernels_compute_offsets_in_int64():
+    """Every KDA kernel casts its batch·head program id to int64 before any offset is formed: at K3's size
+    (T = 1M, H = 96, K = 128) the element offset (b·T + t)·H·K passes 2^31. The kernels run at small sizes in
+    the other tests; here the code is checked (no tensor of 2^31 elements is allocated)."""
+    import inspect
+
+    from k3course.kernels import kda_chunk, kda_decode
+
+    kernels = [getattr(module, name) for module in (kda_chunk, kda_decode) for name in dir(module)
+               if name.endswith("_kernel")]
+    assert len(kernels) == 6
+    for kernel in kernels:
+        source = inspect.getsource(kernel.fn)
+        cast, split = source.find("bh = bh.to(tl.int64)"), source.find("b, h = bh // H, bh % H")
+        assert 0 <= cast < split, f"{kernel.fn.__name__}: program id not cast to int64 before the offsets"
+    assert 96 * 128 * (1 << 20) > 2 ** 31  # T·H·K at K3's size: int32 offsets would wrap

@@ -56,6 +56,7 @@ def _tile(b, h, T, H, rows, cols, width):
 def _chunk_cumsum_kernel(g_ptr, out_ptr, T, H, K, BT: tl.constexpr, BK: tl.constexpr):
     """One program per (chunk, batch·head): out[t] = Σ_{s in chunk, s ≤ t} g[s], in fp32."""
     chunk, bh = tl.program_id(0), tl.program_id(1)
+    bh = bh.to(tl.int64)  # int64 offsets: (b·T + t)·H·K passes 2^31 at K3 size (T = 1M, H = 96, K = 128)
     b, h = bh // H, bh % H
     rows = chunk * BT + tl.arange(0, BT)  # [BT] time indices of this chunk
     offsets, mask = _tile(b, h, T, H, rows, tl.arange(0, BK), K)  # [BT, BK] of the [B, T, H, K] layout
@@ -90,6 +91,7 @@ def _intra_chunk_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, scale,
     the exponent G_r − G_i is only ever taken for i ≤ r.
     """
     chunk, bh = tl.program_id(0), tl.program_id(1)
+    bh = bh.to(tl.int64)  # int64 offsets: (b·T + t)·H·K passes 2^31 at K3 size (T = 1M, H = 96, K = 128)
     b, h = bh // H, bh % H
     NC: tl.constexpr = BT // BC
     t0 = chunk * BT
@@ -150,6 +152,7 @@ def _wy_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, T, H, K, V
     rows < r: X_r = e_r − Σ_{i<r} A_ri X_i.
     """
     chunk, bh = tl.program_id(0), tl.program_id(1)
+    bh = bh.to(tl.int64)  # int64 offsets: (b·T + t)·H·K passes 2^31 at K3 size (T = 1M, H = 96, K = 128)
     b, h = bh // H, bh % H
     rows = chunk * BT + tl.arange(0, BT)
     local = tl.arange(0, BT)
@@ -183,6 +186,7 @@ def _state_kernel(k_ptr, gc_ptr, w_ptr, u_ptr, h_ptr, vnew_ptr, h0_ptr, ht_ptr, 
     S ← Diag(e^{G_last}) S + (K ⊙ e^{G_last − G})ᵀ Ṽ, with G_last the cumulative decay at the chunk's last row.
     """
     v_block, bh = tl.program_id(0), tl.program_id(1)
+    bh = bh.to(tl.int64)  # int64 offsets: (b·T + t)·H·K passes 2^31 at K3 size (T = 1M, H = 96, K = 128)
     b, h = bh // H, bh % H
     cols_k = tl.arange(0, BK)
     cols_v = v_block * BV + tl.arange(0, BV)
@@ -216,6 +220,7 @@ def _output_kernel(q_ptr, gc_ptr, h_ptr, vnew_ptr, aqk_ptr, o_ptr, scale, T, H, 
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LOW_PRECISION: tl.constexpr):
     """One program per (value block, chunk, batch·head): O = (scale e^G ⊙ Q) S + A_qk Ṽ."""
     v_block, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh = bh.to(tl.int64)  # int64 offsets: (b·T + t)·H·K passes 2^31 at K3 size (T = 1M, H = 96, K = 128)
     b, h = bh // H, bh % H
     rows = chunk * BT + tl.arange(0, BT)
     cols_k = tl.arange(0, BK)

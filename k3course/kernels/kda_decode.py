@@ -25,6 +25,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, scale
                    BK: tl.constexpr, BV: tl.constexpr):
     """One program per (value block, batch·head): walk the T tokens with the state slice in registers."""
     v_block, bh = tl.program_id(0), tl.program_id(1)
+    bh = bh.to(tl.int64)  # int64 offsets: (b·T + t)·H·K passes 2^31 at K3 size (T = 1M, H = 96, K = 128)
     b, h = bh // H, bh % H
     cols_k = tl.arange(0, BK)
     cols_v = v_block * BV + tl.arange(0, BV)

@@ -88,3 +88,12 @@ def validate(q, k, v, g=None, beta=None, *, gate: str = "channel", scale=None, i
     if not isinstance(scale, int | float) or not scale > 0:
         raise ValueError(f"scale must be a positive number, got {scale!r}")
     return float(scale)
+
+
+def check_mixer_input(x, d_model: int) -> None:
+    """A token mixer's input: a tensor [B, T ≥ 1, d_model] (metadata only, no host read)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != d_model:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be [B, T, d_model={d_model}], got {shape}")
+    if x.shape[1] == 0:
+        raise ValueError("x must hold at least one token (T ≥ 1), got T = 0")

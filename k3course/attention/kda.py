@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3course.attention.checks import check_mixer_input
 from k3course.attention.chunk import gdn_chunk, gla_chunk, kda_chunk
 from k3course.attention.recurrent import gdn_recurrent, gla_recurrent, kda_recurrent
 from k3course.norm import rms_norm
@@ -185,11 +186,7 @@ class _GatedMixer(nn.Module):
 
     def _check_inputs(self, x, cache: KDACache | None) -> None:
         """Shapes, dtypes and the cache's batch: metadata only, no host read."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be [B, T, d_model={self.d_model}], got {shape}")
-        if x.shape[1] == 0:
-            raise ValueError("x must hold at least one token (T ≥ 1), got T = 0")
+        check_mixer_input(x, self.d_model)
         if cache is None:
             return
         if not isinstance(cache, KDACache):

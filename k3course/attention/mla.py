@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3course.attention.checks import check_mixer_input
+
 DECODE_TOKENS = 64  # at inference, up to this many new tokens attend in the absorbed form (auto path)
 
 
@@ -280,11 +282,7 @@ class GatedMLA(nn.Module):
 
     def _check_inputs(self, x: torch.Tensor, cache: MLACache | None) -> int:
         """Validate x and the cache (metadata only, no host read); return the number of cached tokens."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be [B, T, d_model={self.d_model}], got {shape}")
-        if x.shape[1] == 0:
-            raise ValueError("x must hold at least one token (T ≥ 1), got T = 0")
+        check_mixer_input(x, self.d_model)
         if cache is None:
             start = 0
         elif not isinstance(cache, MLACache):

@@ -244,6 +244,7 @@ def test_bench_kda_runs_and_reports_its_ratios(capsys):
     assert main(["--lengths", "32", "64", "--recurrent-length", "32", "--heads", "1", "--dim", "8", "--repeats", "1",
                  "--rounds", "1", "--chunk-size", "16"]) == 0
     report = capsys.readouterr().out
-    assert "recurrent / chunked at T=32" in report and "chunked time growth T=32 -> 64" in report
+    assert "recurrent T=    32" in report and "x the chunked path" in report and "(mild gates)" in report
+    assert "chunked time growth T=32 -> 64" in report and "(layer gates)" in report
     assert chunk_flops(64, 64, 64) == 10 * 64 * 64 * 64  # 6Td² + 3TCd + TC² with C = d
     assert torch.is_grad_enabled(), "the benchmark must not switch autograd off for its caller"

@@ -1,0 +1,225 @@
+"""``k3course bench decode``: time per output token (TPOT) and decoding memory vs context, all-MLA vs 3:1 hybrid vs all-KDA.
+
+One model size (the ``tiny`` preset by default: 4 layers, d = 128), three attention schedules with the same
+weights' shapes: all-MLA (``kda_per_mla=0``), the 3:1 hybrid (the preset's schedule: 1 MLA layer in 4) and
+all-KDA (``mla_layers=()``). For each batch size B and context L, every schedule's cache is filled to L tokens,
+then N one-token decode steps run, the three schedules taking turns step by step (a busy spell of the shared
+machine slows all of them alike). Reported per (B, L, schedule): the best and median TPOT over the N steps,
+the bytes the cache holds (``K3Cache.nbytes()``, summed from the tensors) and the accounting's prediction
+``B · cfg.kv_cache_bytes(L, dtype_bytes=4)`` (fp32 activations on the CPU, so dtype_bytes = 4; the KDA state is
+fp32 in any case). The two must be equal.
+
+Filling the cache: ``--fill random`` (default) writes L random latent / rope-key rows into each MLA cache and a
+random state into each KDA cache, without running the model; the cost of a decode step depends on how much
+the cache holds, not on its values, and a real prefill of 64k tokens takes many minutes on 2 cores (the MLA
+prefill is quadratic in L). ``--fill prefill`` runs the real prefill, in chunks of ``--chunk`` tokens through
+the cache under ``torch.no_grad`` (use it with short contexts; the test checks both fills hold the same bytes).
+
+The slope of the median TPOT against L (least squares, µs per 1k context tokens) is the per-token cost of
+reading the cache: all-MLA reads L · (kv_lora_rank + rope) numbers per MLA layer per step, the hybrid a quarter
+of that, all-KDA a constant H·K·V state per layer. ``--save`` writes ``k3course/results/decode_bench.json`` and
+``decode_bench.png``, which notebook 14 reads. Decoding runs on one thread by default (``--threads``): on a
+shared 2-core machine OpenMP spin-waits otherwise make single-token steps vary by 10x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from k3course.attention.kda import KDACache
+from k3course.config import K3Config
+from k3course.model import K3Cache, K3Model
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+DTYPE_BYTES = 4  # fp32 activations on the CPU
+SCHEDULES = ("all-MLA", "hybrid 3:1", "all-KDA")
+
+
+def schedule_configs(cfg: K3Config) -> dict[str, K3Config]:
+    """The three schedules of one model size: all-MLA (r = 0), the config's hybrid, all-KDA (no MLA layer)."""
+    return {"all-MLA": cfg.replace(kda_per_mla=0, mla_layers=None), "hybrid 3:1": cfg,
+            "all-KDA": cfg.replace(mla_layers=())}
+
+
+def fill_random(cache: K3Cache, context: int, generator: torch.Generator) -> None:
+    """Make ``cache`` hold ``context`` tokens without running the model.
+
+    MLA caches get ``context`` random rows ``[B, context, kv_lora_rank]`` and ``[B, context, rope]`` appended;
+    KDA caches a random state ``[B, H, K, V]`` (scaled to stay small) and ``length = context``.
+    """
+    for layer in cache.layers:
+        if isinstance(layer, KDACache):
+            layer.state.copy_(0.1 * torch.randn(layer.state.shape, generator=generator))
+            layer.length = context
+        else:
+            shape = (layer.batch_size, context)
+            layer.append(torch.randn(*shape, layer.latent.shape[-1], generator=generator),
+                         torch.randn(*shape, layer.rope_key.shape[-1], generator=generator))
+
+
+def fill_prefill(model: K3Model, cache: K3Cache, context: int, chunk: int, generator: torch.Generator) -> None:
+    """Make ``cache`` hold ``context`` tokens by running the model on random tokens, ``chunk`` tokens a call."""
+    vocab = model.cfg.vocab_size
+    for start in range(0, context, chunk):
+        size = min(chunk, context - start)
+        model(torch.randint(0, vocab, (cache.batch_size, size), generator=generator), cache)
+
+
+def measure_point(models: dict[str, K3Model], batch: int, context: int, steps: int, fill: str = "random",
+                  chunk: int = 1024, seed: int = 0) -> dict[str, dict]:
+    """Fill each schedule's cache to ``context`` tokens for ``batch`` sequences, then time ``steps`` decode steps,
+    the schedules taking turns. Returns schedule -> {tpot_best_s, tpot_median_s, measured_bytes, predicted_bytes}.
+
+    Bytes are taken at ``context`` tokens, before decoding; ``predicted_bytes = batch · kv_cache_bytes(context, 4)``.
+    """
+    if fill not in ("random", "prefill"):
+        raise ValueError(f"fill must be 'random' or 'prefill', got {fill!r}")
+    generator = torch.Generator().manual_seed(seed)
+    caches, rows = {}, {}
+    for name, model in models.items():
+        cache = model.new_cache(batch, context + steps)
+        if fill == "random":
+            fill_random(cache, context, generator)
+        else:
+            fill_prefill(model, cache, context, chunk, generator)
+        caches[name] = cache
+        rows[name] = {"measured_bytes": cache.nbytes(),
+                      "predicted_bytes": batch * model.cfg.kv_cache_bytes(context, DTYPE_BYTES)}
+    times = _interleaved_decode(models, caches, steps, generator)
+    for name, seconds in times.items():
+        rows[name].update(tpot_best_s=min(seconds), tpot_median_s=statistics.median(seconds))
+    return rows
+
+
+def _interleaved_decode(models, caches, steps: int, generator) -> dict[str, list[float]]:
+    """Seconds of each one-token decode step ``model(token [B, 1], cache)``, schedules taking turns each step."""
+    times = {name: [] for name in models}
+    for _ in range(steps):
+        for name, model in models.items():
+            token = torch.randint(0, model.cfg.vocab_size, (caches[name].batch_size, 1), generator=generator)
+            start = time.perf_counter()
+            model(token, caches[name])
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def slope_us_per_1k(contexts: list[int], seconds: list[float]) -> float:
+    """Least-squares slope of TPOT against context: Σ(L − L̄)(t − t̄) / Σ(L − L̄)², in µs per 1000 tokens."""
+    mean_l, mean_t = statistics.fmean(contexts), statistics.fmean(seconds)
+    num = sum((l - mean_l) * (t - mean_t) for l, t in zip(contexts, seconds))
+    den = sum((l - mean_l) ** 2 for l in contexts)
+    return num / den * 1e9
+
+
+def run(cfg: K3Config, contexts: list[int], batches: list[int], steps: int, fill: str = "random",
+        chunk: int = 1024) -> dict:
+    """The whole benchmark: every (batch, context, schedule) point, and per batch the TPOT slopes and ratios."""
+    torch.manual_seed(0)
+    models = {name: K3Model.from_config(c).eval() for name, c in schedule_configs(cfg).items()}
+    points = []
+    with torch.no_grad():
+        for batch in batches:
+            for context in contexts:
+                for name, row in measure_point(models, batch, context, steps, fill, chunk).items():
+                    points.append({"batch": batch, "context": context, "schedule": name, **row})
+    return {"preset": cfg.name, "layers": {n: list(c.layer_types()) for n, c in schedule_configs(cfg).items()},
+            "dtype_bytes": DTYPE_BYTES, "steps": steps, "fill": fill, "threads": torch.get_num_threads(),
+            "points": points, "slopes": _slopes(points, batches, contexts)}
+
+
+def _slopes(points: list[dict], batches: list[int], contexts: list[int]) -> dict:
+    """Per batch: slope of median TPOT (µs per 1k tokens) per schedule, and each slope over all-MLA's."""
+    out = {}
+    for batch in batches:
+        slopes = {}
+        for name in SCHEDULES:
+            rows = sorted((p for p in points if p["batch"] == batch and p["schedule"] == name),
+                          key=lambda p: p["context"])
+            slopes[name] = slope_us_per_1k([p["context"] for p in rows], [p["tpot_median_s"] for p in rows])
+        ratios = {name: slopes[name] / slopes["all-MLA"] for name in SCHEDULES}
+        out[str(batch)] = {"us_per_1k": slopes, "over_all_mla": ratios}
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    """TPOT (median) and cache bytes (measured points, accounting lines) against context, one line per schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for batch in sorted({p["batch"] for p in results["points"]}):
+        for name, colour in zip(SCHEDULES, ("tab:red", "tab:purple", "tab:blue")):
+            rows = sorted((p for p in results["points"] if p["batch"] == batch and p["schedule"] == name),
+                          key=lambda p: p["context"])
+            xs = [p["context"] for p in rows]
+            style = "-o" if batch == 1 else "--s"
+            ax_t.plot(xs, [p["tpot_median_s"] * 1e3 for p in rows], style, color=colour, label=f"{name}, B={batch}")
+            ax_m.plot(xs, [p["predicted_bytes"] / 2 ** 20 for p in rows], style[:-1], color=colour, alpha=0.5)
+            ax_m.plot(xs, [p["measured_bytes"] / 2 ** 20 for p in rows], style[-1], color=colour,
+                      label=f"{name}, B={batch}")
+    ax_t.set(xlabel="context L (tokens)", ylabel="TPOT, median (ms)", title="time per output token")
+    ax_m.set(xlabel="context L (tokens)", ylabel="cache (MiB)", yscale="log",
+             title="cache held (markers) vs accounting (lines)")
+    ax_t.legend(fontsize=7)
+    ax_m.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(results: dict) -> str:
+    """A table of every point and the slopes / ratios, as printed by the command."""
+    lines = [f"{'B':>2} {'L':>7} {'schedule':<11} {'TPOT best':>10} {'median':>9} {'cache held':>12} "
+             f"{'accounting':>12}  equal"]
+    for p in results["points"]:
+        lines.append(f"{p['batch']:>2} {p['context']:>7} {p['schedule']:<11} {p['tpot_best_s'] * 1e3:>8.2f}ms "
+                     f"{p['tpot_median_s'] * 1e3:>7.2f}ms {p['measured_bytes']:>12,} {p['predicted_bytes']:>12,}  "
+                     f"{p['measured_bytes'] == p['predicted_bytes']}")
+    for batch, s in results["slopes"].items():
+        lines.append(f"B={batch}: TPOT slope (µs per 1k context tokens) "
+                     + ", ".join(f"{n} {s['us_per_1k'][n]:.1f} ({s['over_all_mla'][n]:.2f}x all-MLA)"
+                                 for n in SCHEDULES))
+    return "\n".join(lines)
+
+
+def _options(options: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="k3course bench decode", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny", help="model size (its schedule is the hybrid)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536],
+                        help="context lengths L")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="batch sizes B")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps N timed per point")
+    parser.add_argument("--fill", default="random", choices=("random", "prefill"), help="how caches reach L")
+    parser.add_argument("--chunk", type=int, default=1024, help="prefill chunk (tokens per call) for --fill prefill")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: no OpenMP spin-waits on a shared machine; 0: torch's default)")
+    parser.add_argument("--quick", action="store_true", help="tiny contexts and few steps (seconds; for tests)")
+    parser.add_argument("--save", action="store_true", help="write decode_bench.json and .png to k3course/results")
+    args = parser.parse_args(options)
+    if args.quick:
+        args.contexts, args.batches, args.steps = [64, 256, 512], [1, 2], 3
+    if min(args.contexts) < 0 or min(args.batches) < 1 or args.steps < 1:
+        parser.error("--contexts must be ≥ 0, --batches ≥ 1 and --steps ≥ 1")
+    return args
+
+
+def main(options: list[str]) -> int:
+    args = _options(options)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = run(K3Config.preset(args.preset), args.contexts, args.batches, args.steps, args.fill, args.chunk)
+    print(report(results))
+    if args.save:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "decode_bench.json").write_text(json.dumps(results, indent=1))
+        plot(results, RESULTS / "decode_bench.png")
+        print(f"saved {RESULTS / 'decode_bench.json'} and decode_bench.png")
+    return 0 if all(p["measured_bytes"] == p["predicted_bytes"] for p in results["points"]) else 1

@@ -41,6 +41,55 @@ DTYPE_BYTES = 4  # fp32 activations on the CPU
 SCHEDULES = ("all-MLA", "hybrid 3:1", "all-KDA")
 
 
+def kda_step_bytes(n_heads: int, head_k_dim: int, head_v_dim: int, conv_size: int, dtype_bytes: int,
+                   state_bytes: int = 4) -> int:
+    """Bytes one KDA layer reads per decode step, per sequence: its whole cache, constant in the context.
+
+    state S [H, K, V] in fp32 + conv tails [(conv_size − 1), 2·H·K + H·V] in the activation dtype:
+    ``H·K·V·state_bytes + (conv_size − 1)·(2·H·K + H·V)·dtype_bytes``.
+    """
+    state = n_heads * head_k_dim * head_v_dim * state_bytes
+    return state + (conv_size - 1) * n_heads * (2 * head_k_dim + head_v_dim) * dtype_bytes
+
+
+def mla_step_bytes(context: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype_bytes: int) -> int:
+    """Bytes one MLA layer reads per decode step, per sequence: every cached latent and rope key,
+    ``context · (kv_lora_rank + qk_rope_head_dim) · dtype_bytes`` (shared by all heads), linear in the context."""
+    return context * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes
+
+
+def crossover_context(cfg: K3Config, dtype_bytes: int = 2) -> int:
+    """The smallest context L at which the hybrid's decoding memory is below all-MLA's.
+
+    hybrid(L) = L·a_h + s_h (per-token growth + the constant KDA state), all-MLA(L) = L·a_m; hybrid < all-MLA
+    once L > s_h / (a_m − a_h), so L* = ⌊s_h / (a_m − a_h)⌋ + 1.
+    """
+    growth_gap = cfg.all_mla().kv_cache_bytes_per_token(dtype_bytes) - cfg.kv_cache_bytes_per_token(dtype_bytes)
+    if growth_gap <= 0:
+        raise ValueError(f"cfg: {cfg.name!r} has as many MLA layers as all-MLA, so its memory never drops below")
+    return cfg.recurrent_state_bytes(dtype_bytes) // growth_gap + 1
+
+
+def extrapolate_tpot(contexts: list[int], seconds: list[float], target: int) -> float:
+    """TPOT at ``target`` tokens from the least-squares line t(L) = t̄ + slope·(L − L̄) through measured points."""
+    mean_l, mean_t = statistics.fmean(contexts), statistics.fmean(seconds)
+    slope = slope_us_per_1k(contexts, seconds) * 1e-9
+    return mean_t + slope * (target - mean_l)
+
+
+def predicted_tpot_s(cfg: K3Config, context: int, batch: int, bandwidth: float, flops_per_s: float,
+                     dtype_bytes: int = 2) -> float:
+    """A roofline TPOT for one decode step of ``batch`` sequences at ``context`` tokens each:
+
+    max(bytes / bandwidth, FLOPs / flops_per_s), bytes = active weights · dtype_bytes + batch · kv_cache_bytes(L),
+    FLOPs = batch · decode_flops_per_token(L). (At large batch more experts are touched than one token's k: the
+    weight term is then a lower bound.)
+    """
+    weight_bytes = cfg.param_count().active * dtype_bytes
+    moved = weight_bytes + batch * cfg.kv_cache_bytes(context, dtype_bytes)
+    return max(moved / bandwidth, batch * cfg.decode_flops_per_token(context) / flops_per_s)
+
+
 def schedule_configs(cfg: K3Config) -> dict[str, K3Config]:
     """The three schedules of one model size: all-MLA (r = 0), the config's hybrid, all-KDA (no MLA layer)."""
     return {"all-MLA": cfg.replace(kda_per_mla=0, mla_layers=None), "hybrid 3:1": cfg,

@@ -1,0 +1,38 @@
+"""Chapter 14 (decoding at long context): bytes a decode step reads, the memory crossover, TPOT extrapolation."""
+
+from __future__ import annotations
+
+from k3course.bench.decode import crossover_context, extrapolate_tpot, kda_step_bytes, mla_step_bytes
+from k3course.config import K3Config
+from k3course.grading.registry import Case, Exercise, register
+
+
+def _kda_cases() -> list[Case]:
+    return [Case("kimi-k3 layer, bf16 tails", (96, 128, 128, 4, 2)), Case("tiny preset, fp32", (4, 32, 32, 4, 4)),
+            Case("K != V", (2, 16, 8, 4, 2)), Case("no short conv (conv_size 1)", (3, 8, 8, 1, 2)),
+            Case("bf16 state (state_bytes 2)", (2, 8, 8, 4, 2, 2))]
+
+
+def _mla_cases() -> list[Case]:
+    return [Case("kimi-k3 layer at 1M tokens, bf16", (2 ** 20, 512, 64, 2)), Case("tiny preset at 64k, fp32",
+            (65536, 32, 16, 4)), Case("empty cache", (0, 32, 16, 2)), Case("no rope dims", (100, 64, 0, 2))]
+
+
+def _crossover_cases() -> list[Case]:
+    tiny, k3 = K3Config.preset("tiny"), K3Config.preset("kimi-k3")
+    return [Case("kimi-k3, bf16", (k3, 2)), Case("tiny, fp32", (tiny, 4)), Case("tiny, bf16", (tiny, 2)),
+            Case("tiny with 1 KDA per MLA", (tiny.replace(kda_per_mla=1), 4)),
+            Case("kimi-linear-48b, bf16", (K3Config.preset("kimi-linear-48b"), 2))]
+
+
+def _extrapolate_cases() -> list[Case]:
+    return [Case("a line", ([1024, 2048, 4096], [0.010, 0.011, 0.013], 1 << 20)),
+            Case("noisy points", ([1000, 8000, 16000, 64000], [0.004, 0.009, 0.016, 0.041], 1 << 20)),
+            Case("flat (a KDA stack)", ([1024, 65536], [0.006, 0.006], 1 << 20)),
+            Case("target inside the range", ([0, 10, 20], [1.0, 3.0, 2.0], 15))]
+
+
+register(Exercise("14.kda_step_bytes", kda_step_bytes, _kda_cases))
+register(Exercise("14.mla_step_bytes", mla_step_bytes, _mla_cases))
+register(Exercise("14.crossover_context", crossover_context, _crossover_cases))
+register(Exercise("14.extrapolate_tpot", extrapolate_tpot, _extrapolate_cases))

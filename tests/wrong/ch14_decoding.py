@@ -1,0 +1,62 @@
+"""Plausible wrong answers for chapter 14 (decoding at long context)."""
+
+
+def kda_bytes_without_conv_tails(n_heads, head_k_dim, head_v_dim, conv_size, dtype_bytes, state_bytes=4):
+    """Only the state: forgets the short-convolution tails."""
+    return n_heads * head_k_dim * head_v_dim * state_bytes
+
+
+def kda_bytes_state_in_activation_dtype(n_heads, head_k_dim, head_v_dim, conv_size, dtype_bytes, state_bytes=4):
+    """Stores the state in the activations' dtype (it is fp32 whatever they are)."""
+    return n_heads * (head_k_dim * head_v_dim + (conv_size - 1) * (2 * head_k_dim + head_v_dim)) * dtype_bytes
+
+
+def kda_bytes_tails_all_k_wide(n_heads, head_k_dim, head_v_dim, conv_size, dtype_bytes, state_bytes=4):
+    """Three K-wide tails (v's tail is V wide)."""
+    return n_heads * (head_k_dim * head_v_dim * state_bytes + (conv_size - 1) * 3 * head_k_dim * dtype_bytes)
+
+
+def mla_bytes_without_rope(context, kv_lora_rank, qk_rope_head_dim, dtype_bytes):
+    """Forgets the shared rope key."""
+    return context * kv_lora_rank * dtype_bytes
+
+
+def mla_bytes_in_numbers(context, kv_lora_rank, qk_rope_head_dim, dtype_bytes):
+    """Counts numbers, not bytes."""
+    return context * (kv_lora_rank + qk_rope_head_dim)
+
+
+def crossover_ignores_the_state(cfg, dtype_bytes=2):
+    """Without the KDA state the hybrid is smaller from the first token."""
+    return 1
+
+
+def crossover_state_in_activation_dtype(cfg, dtype_bytes=2):
+    """Counts the KDA state in the activations' dtype (it is fp32)."""
+    gap = cfg.all_mla().kv_cache_bytes_per_token(dtype_bytes) - cfg.kv_cache_bytes_per_token(dtype_bytes)
+    return cfg.recurrent_state_bytes(dtype_bytes, state_bytes=dtype_bytes) // gap + 1
+
+
+def crossover_against_all_mla_growth(cfg, dtype_bytes=2):
+    """Divides the state by all-MLA's growth per token instead of the difference of growths."""
+    return cfg.recurrent_state_bytes(dtype_bytes) // cfg.all_mla().kv_cache_bytes_per_token(dtype_bytes) + 1
+
+
+def extrapolate_through_origin(contexts, seconds, target):
+    """Scales the last point: t(target) = t_last · target / L_last (ignores the context-free weight reads)."""
+    return seconds[-1] * target / contexts[-1]
+
+
+def extrapolate_from_end_points(contexts, seconds, target):
+    """The line through the first and last points only (not a least-squares fit)."""
+    slope = (seconds[-1] - seconds[0]) / (contexts[-1] - contexts[0])
+    return seconds[0] + slope * (target - contexts[0])
+
+
+WRONG = {
+    "14.kda_step_bytes": [kda_bytes_without_conv_tails, kda_bytes_state_in_activation_dtype,
+                          kda_bytes_tails_all_k_wide],
+    "14.mla_step_bytes": [mla_bytes_without_rope, mla_bytes_in_numbers],
+    "14.crossover_context": [crossover_ignores_the_state, crossover_state_in_activation_dtype, crossover_against_all_mla_growth],
+    "14.extrapolate_tpot": [extrapolate_through_origin, extrapolate_from_end_points],
+}

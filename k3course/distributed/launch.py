@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import k3course.kernels  # noqa: F401  first in every spawned rank: picks Triton's mode before anything imports triton
+from k3course.kernels import select_triton_mode
+
+select_triton_mode()  # in every spawned rank, before anything imports triton
 
 
 class RankFailed(RuntimeError):

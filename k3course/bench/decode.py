@@ -1,4 +1,4 @@
-"""``k3course bench decode``: time per output token (TPOT) and decoding memory vs context, all-MLA vs 3:1 hybrid vs all-KDA.
+"""``k3course bench decode``: time per output token (TPOT) and decoding memory vs context, MLA vs hybrid vs KDA.
 
 One model size (the ``tiny`` preset by default: 4 layers, d = 128), three attention schedules with the same
 weights' shapes: all-MLA (``kda_per_mla=0``), the 3:1 hybrid (the preset's schedule: 1 MLA layer in 4) and
@@ -250,11 +250,11 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="batch sizes B")
     parser.add_argument("--steps", type=int, default=16, help="decode steps N timed per point")
     parser.add_argument("--fill", default="random", choices=("random", "prefill"), help="how caches reach L")
-    parser.add_argument("--chunk", type=int, default=1024, help="prefill chunk (tokens per call) for --fill prefill")
+    parser.add_argument("--chunk", type=int, default=1024, help="tokens per call of --fill prefill")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: no OpenMP spin-waits on a shared machine; 0: torch's default)")
+                        help="torch CPU threads (1: no OpenMP spin-waits on a shared machine; 0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="tiny contexts and few steps (seconds; for tests)")
-    parser.add_argument("--save", action="store_true", help="write decode_bench.json and .png to k3course/results")
+    parser.add_argument("--save", action="store_true", help="write k3course/results/decode_bench.json and .png")
     args = parser.parse_args(options)
     if args.quick:
         args.contexts, args.batches, args.steps = [64, 256, 512], [1, 2], 3

@@ -57,6 +57,7 @@ WRONG = {
     "14.kda_step_bytes": [kda_bytes_without_conv_tails, kda_bytes_state_in_activation_dtype,
                           kda_bytes_tails_all_k_wide],
     "14.mla_step_bytes": [mla_bytes_without_rope, mla_bytes_in_numbers],
-    "14.crossover_context": [crossover_ignores_the_state, crossover_state_in_activation_dtype, crossover_against_all_mla_growth],
+    "14.crossover_context": [crossover_ignores_the_state, crossover_state_in_activation_dtype,
+                             crossover_against_all_mla_growth],
     "14.extrapolate_tpot": [extrapolate_through_origin, extrapolate_from_end_points],
 }

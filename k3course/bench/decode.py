@@ -248,7 +248,7 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536],
                         help="context lengths L")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="batch sizes B")
-    parser.add_argument("--steps", type=int, default=16, help="decode steps N timed per point")
+    parser.add_argument("--steps", type=int, default=40, help="decode steps N timed per point")
     parser.add_argument("--fill", default="random", choices=("random", "prefill"), help="how caches reach L")
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per call of --fill prefill")
     parser.add_argument("--threads", type=int, default=1,

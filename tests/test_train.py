@@ -206,3 +206,23 @@ def test_recall_run_stopped_early_replays_the_first_steps_of_the_full_run():
 def test_unknown_experiment_is_a_clear_error(capsys):
     assert main(["experiments", "nope"]) == 2
     assert "mqar-mixers" in capsys.readouterr().err
+
+
+def test_the_saved_default_run_replays_exactly(tmp_path):
+    """The first two steps of the saved `k3course train` run, re-run here, give its saved losses bit for bit."""
+    from k3course.experiments import load
+
+    saved = load("tiny-default")["result"]
+    corpus = data.stdlib_corpus()
+    if corpus.meta["key"] != saved["corpus"]["key"]:
+        pytest.skip("this interpreter's stdlib is not the corpus the saved run read")
+    model_config, train_config = train.preset("tiny")
+    replay = train_config.replace(steps=2, eval_bytes=0, checkpoint_every=0)  # warmup: rates independent of steps
+    threads = torch.get_num_threads()
+    torch.set_num_threads(saved["torch_threads"])
+    try:
+        train.run(model_config, replay, tmp_path / "replay", corpus=corpus, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    losses = [r["loss"] for r in train._Metrics.read(tmp_path / "replay")]
+    assert losses == [r["loss"] for r in saved["metrics"][:2]]

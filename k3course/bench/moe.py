@@ -1,4 +1,4 @@
-"""``k3course bench moe``: the sort-based latent MoE forward vs a dense FFN of equal active FLOPs, and where its time goes.
+"""``k3course bench moe``: the sort-based latent MoE forward vs a dense FFN of equal active FLOPs, and its stages.
 
 Defaults: m = 4096 tokens, n = 64 experts, k = 4, d = 256, ℓ = 128, expert width 128, fp32 (``--dtype``), no grad.
 The dense FFN is a GLU at width d whose hidden size gives the same active FLOPs per token as the MoE

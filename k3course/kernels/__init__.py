@@ -76,8 +76,8 @@ def use_triton(device: torch.device | str, backend: str | None = None) -> bool:
     chosen = backend if backend is not None else os.environ.get("K3COURSE_KERNELS", "auto")
     if chosen not in BACKENDS:
         raise ValueError(f"backend (or K3COURSE_KERNELS) must be one of {BACKENDS}, got {chosen!r}")
-    if chosen == "torch":
-        return False
+    if chosen == "torch" or (chosen == "auto" and torch.device(device).type != "cuda"):
+        return False  # decided without Triton: its mode is chosen only when a kernel could run
     mode = select_triton_mode()
     if mode == "unavailable":
         if chosen == "triton":
@@ -85,4 +85,4 @@ def use_triton(device: torch.device | str, backend: str | None = None) -> bool:
         return False
     if chosen == "triton":
         return True
-    return torch.device(device).type == "cuda" and mode == "native"
+    return mode == "native"

@@ -42,7 +42,7 @@ def _layer_cases() -> list[Case]:
                                                  "block size 2, deep": (6, 2, torch.float32),
                                                  "float64": (2, 4, torch.float64)}.items():
         d = 8
-        randn = lambda *shape: torch.randn(*shape, generator=g).to(dtype)
+        randn = lambda *shape, dtype=dtype: torch.randn(*shape, generator=g).to(dtype)
         embedding, outputs = randn(2, 3, d), [randn(2, 3, d) for _ in range(n_outputs)]
         queries = randn(2, d)
         mixer, ffn = _sublayer(randn(d, d) / d**0.5), _sublayer(randn(d, d) / d**0.5)

@@ -104,12 +104,12 @@ def fill_random(cache: K3Cache, context: int, generator: torch.Generator) -> Non
     """
     for layer in cache.layers:
         if isinstance(layer, KDACache):
-            layer.state.copy_(0.1 * torch.randn(layer.state.shape, generator=generator))
+            layer.state.copy_(0.1 * torch.randn(layer.state.shape, generator=generator).to(layer.state.device))
             layer.length = context
         else:
-            shape = (layer.batch_size, context)
-            layer.append(torch.randn(*shape, layer.latent.shape[-1], generator=generator),
-                         torch.randn(*shape, layer.rope_key.shape[-1], generator=generator))
+            shape, device = (layer.batch_size, context), layer.latent.device
+            layer.append(torch.randn(*shape, layer.latent.shape[-1], generator=generator).to(device),
+                         torch.randn(*shape, layer.rope_key.shape[-1], generator=generator).to(device))
 
 
 def fill_prefill(model: K3Model, cache: K3Cache, context: int, chunk: int, generator: torch.Generator) -> None:
@@ -117,7 +117,8 @@ def fill_prefill(model: K3Model, cache: K3Cache, context: int, chunk: int, gener
     vocab = model.cfg.vocab_size
     for start in range(0, context, chunk):
         size = min(chunk, context - start)
-        model(torch.randint(0, vocab, (cache.batch_size, size), generator=generator), cache)
+        tokens = torch.randint(0, vocab, (cache.batch_size, size), generator=generator)
+        model(tokens.to(model.embed.weight.device), cache)
 
 
 def measure_point(models: dict[str, K3Model], batch: int, context: int, steps: int, fill: str = "random",
@@ -152,10 +153,19 @@ def _interleaved_decode(models, caches, steps: int, generator) -> dict[str, list
     for _ in range(steps):
         for name, model in models.items():
             token = torch.randint(0, model.cfg.vocab_size, (caches[name].batch_size, 1), generator=generator)
+            token = token.to(model.embed.weight.device)
+            _synchronize(token.device)
             start = time.perf_counter()
             model(token, caches[name])
+            _synchronize(token.device)
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so a step's time covers its kernels (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def slope_us_per_1k(contexts: list[int], seconds: list[float]) -> float:
@@ -167,10 +177,13 @@ def slope_us_per_1k(contexts: list[int], seconds: list[float]) -> float:
 
 
 def run(cfg: K3Config, contexts: list[int], batches: list[int], steps: int, fill: str = "random",
-        chunk: int = 1024) -> dict:
-    """The whole benchmark: every (batch, context, schedule) point, and per batch the TPOT slopes and ratios."""
+        chunk: int = 1024, device: str = "cpu") -> dict:
+    """The whole benchmark: every (batch, context, schedule) point, and per batch the TPOT slopes and ratios.
+
+    On CUDA the KDA layers decode with the Triton decode kernel and MLA in the absorbed form (the layers' own
+    path choice); on CPU the torch recurrent step."""
     torch.manual_seed(0)
-    models = {name: K3Model.from_config(c).eval() for name, c in schedule_configs(cfg).items()}
+    models = {name: K3Model.from_config(c, device=device).eval() for name, c in schedule_configs(cfg).items()}
     points = []
     with torch.no_grad():
         for batch in batches:
@@ -179,6 +192,7 @@ def run(cfg: K3Config, contexts: list[int], batches: list[int], steps: int, fill
                     points.append({"batch": batch, "context": context, "schedule": name, **row})
     return {"preset": cfg.name, "layers": {n: list(c.layer_types()) for n, c in schedule_configs(cfg).items()},
             "dtype_bytes": DTYPE_BYTES, "steps": steps, "fill": fill, "threads": torch.get_num_threads(),
+            "device": str(device),
             "points": points, "slopes": _slopes(points, batches, contexts)}
 
 
@@ -253,6 +267,7 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per call of --fill prefill")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: no OpenMP spin-waits on a shared machine; 0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     parser.add_argument("--quick", action="store_true", help="tiny contexts and few steps (seconds; for tests)")
     parser.add_argument("--save", action="store_true", help="write k3course/results/decode_bench.json and .png")
     args = parser.parse_args(options)
@@ -267,7 +282,8 @@ def main(options: list[str]) -> int:
     args = _options(options)
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = run(K3Config.preset(args.preset), args.contexts, args.batches, args.steps, args.fill, args.chunk)
+    results = run(K3Config.preset(args.preset), args.contexts, args.batches, args.steps, args.fill, args.chunk,
+                  args.device)
     print(report(results))
     if args.save:
         RESULTS.mkdir(exist_ok=True)

@@ -364,3 +364,9 @@ def generate_command(checkpoint_path: Path | str, prompt: str, max_new_tokens: i
     """``k3course generate``: the prompt continued by the model of a checkpoint (or a run's latest)."""
     model = load_model(checkpoint_path)
     return generate_text(model, prompt, max_new_tokens, temperature, top_k, seed)
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node P -m k3course.train --ep P ...: one expert-parallel rank
+    from k3course.distributed.training import main
+
+    raise SystemExit(main())

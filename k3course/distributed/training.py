@@ -199,9 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (must equal torchrun's P)")
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error("run me under torchrun (or use `k3course train --ep P`, which spawns the ranks itself)")
+    if args.ep is not None and args.ep != int(os.environ["WORLD_SIZE"]):
+        parser.error(f"--ep {args.ep} must equal torchrun's --nproc-per-node ({os.environ['WORLD_SIZE']})")
     dist.init_process_group("nccl" if torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"]) else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = args.out or f"runs/{args.preset}-ep{world_size}"

@@ -44,11 +44,15 @@ def _progress(args) -> int:
     for path in tqdm(paths, desc="running notebooks", unit="nb"):
         _, results = execute(path)
         rows += [(path.name, exercise_id, cell.status) for cell in results for exercise_id in cell.exercise_ids]
-    width = max(len(r[1]) for r in rows) if rows else 10
+    width = max([len("exercise"), *(len(r[1]) for r in rows)])
+    print(f"{'notebook':<28} {'exercise':<{width}}  status")
     for name, exercise_id, status in rows:
         print(f"{name:<28} {exercise_id:<{width}}  {status}")
     done = sum(status == "done" for *_, status in rows)
     print(f"{done} of {len(rows)} exercises done")
+    failing = sorted({name for name, _, status in rows if status == "failing"})
+    if failing:
+        print(f"why one fails: pytest --nbval --nbval-current-env --nbval-cell-timeout=120 {folder / failing[0]}")
     return 0
 
 

@@ -55,5 +55,7 @@ def test_progress_tabulates_done_not_done_and_failing(tmp_path, capsys):
     nbformat.write(nb, tmp_path / "99_toy.ipynb")
     assert main(["progress", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[-2:] for line in lines[:3]] == [["not", "done"], ["99.b", "done"], ["99.c", "failing"]]
-    assert lines[-1] == "1 of 3 exercises done"
+    assert lines[0].split() == ["notebook", "exercise", "status"]
+    assert [line.split()[-2:] for line in lines[1:4]] == [["not", "done"], ["99.b", "done"], ["99.c", "failing"]]
+    assert lines[-2] == "1 of 3 exercises done"
+    assert lines[-1].startswith("why one fails: pytest --nbval") and lines[-1].endswith("99_toy.ipynb")

@@ -40,7 +40,8 @@ def _options(options: list[str]) -> argparse.Namespace:
 
 
 def _fwd_bwd(fn, *inputs: torch.Tensor) -> float:
-    """Best time of y = fn(*inputs); y.backward(ones) with fresh leaf copies of the inputs (floating ones)."""
+    """Best time of y = fn(*inputs); y.backward(ones) with fresh leaf copies of the inputs (the floating ones
+    require grad; integer inputs such as token ids pass through)."""
     def run():
         leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
         out = fn(*leaves)
@@ -113,7 +114,7 @@ def breakdown(cfg: K3Config, batch: int, seq: int, repeats: int) -> tuple[float,
         optimizer.step()
     step_seconds = best_seconds(step, repeats=repeats)
     seen = _capture(model, inputs, targets)
-    parts = {"embedding": _embedding_time(model, inputs)}
+    parts = {"embedding": _fwd_bwd(model.embed, inputs)}  # the lookup and its scatter-add into the table
     for kind in ("kda", "mla"):
         parts[f"{kind.upper()} mixers"] = sum(_fwd_bwd(layer.mixer, seen["mixer_in"][i])
                                              for i, layer in enumerate(model.layers) if layer.mixer_kind == kind)
@@ -130,13 +131,6 @@ def breakdown(cfg: K3Config, batch: int, seq: int, repeats: int) -> tuple[float,
     parts["optimizer"] = best_seconds(optimizer.step, repeats=repeats)
     parts["other"] = step_seconds - sum(parts.values())
     return step_seconds, parts
-
-
-def _embedding_time(model: K3Model, tokens: torch.Tensor) -> float:
-    """The embedding lookup forward and its scatter-add backward into the table."""
-    def run():
-        model.embed(tokens).sum().backward()
-    return best_seconds(run, repeats=3)
 
 
 def _plot(results: dict, path: str) -> None:

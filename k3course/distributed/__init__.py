@@ -5,14 +5,14 @@ from k3course.distributed.ep import ExpertParallelMoE
 from k3course.distributed.exchange import all_to_all, exchange, exchange_counts
 from k3course.distributed.launch import RankFailed, run_ranks
 from k3course.distributed.plan import (
-                                       combine,
-                                       dedup_pairs,
-                                       dispatch_permutation,
-                                       expert_ranges,
-                                       inverse_permutation,
-                                       rank_of_expert,
-                                       split_sizes,
-                                       traffic_bytes,
+    combine,
+    dedup_pairs,
+    dispatch_permutation,
+    expert_ranges,
+    inverse_permutation,
+    rank_of_expert,
+    split_sizes,
+    traffic_bytes,
 )
 
 __all__ = ["ExpertParallelMoE", "RankFailed", "all_to_all", "combine", "dedup_pairs", "dispatch_permutation",

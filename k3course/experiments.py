@@ -3,7 +3,8 @@
 Each experiment is a function of its settings that returns plain data; :func:`main` runs one and writes
 ``k3course/results/NAME.json`` with the command that made it, its settings and every run's per-step losses,
 so a saved number can be regenerated (``k3course experiments NAME``) and checked (a test replays the first
-steps of a saved run and must get the saved losses exactly).
+steps of a saved run and must get the saved losses exactly on the machine that made them, and to float32
+rounding on a CPU whose kernels sum in another order; the saved ``machine`` says which).
 
 tiny-default  ``k3course train`` with its defaults (the tiny K3, 800 steps on the stdlib bytes): per-step metrics,
               validation bits/byte against the n-gram and lzma baselines of the same split, a generated sample.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import platform
 import sys
 import time
 from pathlib import Path
@@ -94,8 +96,17 @@ def tiny_default() -> dict:
 EXPERIMENTS = {"tiny-default": (tiny_default, {}), "mqar-mixers": (mqar_mixers, MQAR_SETTINGS)}
 
 
+def machine() -> str:
+    """The CPU and the kernel set ATen dispatches to, e.g. "AMD EPYC / AVX2": float sums depend on both."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.exists() else []
+    return f"{names[0] if names else platform.processor() or platform.machine()} / " \
+           f"{torch.backends.cpu.get_cpu_capability()}"
+
+
 def load(name: str) -> dict:
-    """The saved result of experiment ``name``: {"command", "settings", "result", "seconds", "torch"}."""
+    """The saved result of experiment ``name``: {"command", "settings", "result", "seconds", "torch", "machine"}."""
     path = RESULTS / f"{name}.json"
     if not path.exists():
         raise FileNotFoundError(f"name: no saved result for {name!r} at {path}; run `k3course experiments {name}`")
@@ -109,7 +120,7 @@ def run_experiment(name: str) -> Path:
     function, settings = EXPERIMENTS[name]
     began = time.perf_counter()
     result = {"command": f"k3course experiments {name}", "settings": settings, "result": function(**settings),
-              "seconds": time.perf_counter() - began, "torch": torch.__version__}
+              "seconds": time.perf_counter() - began, "torch": torch.__version__, "machine": machine()}
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=1))

@@ -209,10 +209,12 @@ def test_unknown_experiment_is_a_clear_error(capsys):
 
 
 def test_the_saved_default_run_replays_exactly(tmp_path):
-    """The first two steps of the saved `k3course train` run, re-run here, give its saved losses bit for bit."""
-    from k3course.experiments import load
+    """The first two steps of the saved `k3course train` run, re-run here, give its saved losses: bit for bit on
+    the machine that saved them, to float32 rounding (1e-5 relative) on a CPU whose kernels sum in another order."""
+    from k3course.experiments import load, machine
 
-    saved = load("tiny-default")["result"]
+    saved_file = load("tiny-default")
+    saved = saved_file["result"]
     corpus = data.stdlib_corpus()
     if corpus.meta["key"] != saved["corpus"]["key"]:
         pytest.skip("this interpreter's stdlib is not the corpus the saved run read")
@@ -225,4 +227,8 @@ def test_the_saved_default_run_replays_exactly(tmp_path):
     finally:
         torch.set_num_threads(threads)
     losses = [r["loss"] for r in train._Metrics.read(tmp_path / "replay")]
-    assert losses == [r["loss"] for r in saved["metrics"][:2]]
+    saved_losses = [r["loss"] for r in saved["metrics"][:2]]
+    if saved_file.get("machine") == machine():
+        assert losses == saved_losses
+    else:
+        assert losses == pytest.approx(saved_losses, rel=1e-5, abs=0), (saved_file.get("machine"), machine())

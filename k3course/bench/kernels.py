@@ -3,20 +3,29 @@
 Rows:
 - KDA chunk forward (and forward + backward) at B = 1, T ∈ {2048, 8192, 32768}, H = 16, K = V = 128, bf16:
   ours (``kda_chunk_triton``) vs fla's ``chunk_kda`` (when installed) vs the torch chunked path.
+- KDA decode, one token per sequence at batch 1, 16, 64: ours (``kda_decode_triton``, the state updated in
+  place) vs fla's ``fused_recurrent_kda`` vs the torch step; memory-bound, so its roofline is bandwidth.
 - MoE grouped GEMM at K3-like shapes (ℓ = 3584 → expert width 3072 by default; ``--scale`` shrinks both),
   64 and 128 experts, top-8 and top-16: ours (``moe_grouped_gemm``) vs ``torch._grouped_mm`` vs a per-expert loop.
 
-Each row gives milliseconds (``triton.testing.do_bench``, median), TFLOP/s, the percentage of the GPU's
-roofline (min(peak FLOP/s, arithmetic intensity × memory bandwidth) for the GPUs in ``PEAKS``) and the ratio
-of our throughput to the peer's (> 1: ours is faster). On a CPU there is nothing meaningful to time (the
-Triton interpreter is ~2000× slower than torch), so it says what it skipped and exits 0.
+Each row (a dict, see :func:`measure`) gives milliseconds (``triton.testing.do_bench``, median), TFLOP/s, the
+percentage of the GPU's roofline (min(peak FLOP/s, arithmetic intensity × memory bandwidth) for the GPUs in
+``PEAKS``) and the ratio of our throughput to the peer's (> 1: ours is faster). On a CPU there is nothing
+meaningful to time (the Triton interpreter is ~37,000× slower than torch), so it says what it skipped and exits
+0. ``k3course bench gpu`` runs these rows at a shorter sweep together with the kernel tests and saves them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
+
+from k3course.bench import best_seconds
 
 # Dense bf16 tensor-core peak (TFLOP/s) and HBM bandwidth (TB/s), from the vendors' data sheets (SXM parts).
 PEAKS: dict[str, tuple[float, float]] = {
@@ -72,24 +81,68 @@ def roofline_tflops(flops: float, nbytes: float, name: str) -> float | None:
     return None
 
 
-def _row(label: str, ms: float | None, flops: float, nbytes: float, gpu: str) -> str:
-    if ms is None:
-        return f"{label:<44} {'n/a':>9}"
-    tflops = flops / ms / 1e9
-    roof = roofline_tflops(flops, nbytes, gpu)
-    roof_text = f"{100 * tflops / roof:5.1f}%" if roof else "   n/a"
-    return f"{label:<44} {ms:9.3f} {tflops:9.1f} {roof_text:>9}"
+@dataclass(frozen=True)
+class Workload:
+    """The shapes and dtype the GPU benchmarks run at. The defaults are one GPU's slice of K3: B = 1, H = 16
+    heads of K = V = 128, bf16; expert GEMMs at ℓ = 3584 → 3072 with 64 and 128 experts, top-8 and top-16."""
+
+    seq_lens: tuple[int, ...] = (2048, 8192, 32768)
+    heads: int = 16
+    head_dim: int = 128
+    chunk: int = 64
+    decode_batches: tuple[int, ...] = (1, 16, 64)
+    gemm_tokens: int = 4096
+    gemm_dims: tuple[int, int] = (3584, 3072)
+    gemm_experts: tuple[tuple[int, int], ...] = ((64, 8), (128, 16))
+    breakdown_len: int | None = 8192  # the length of the kernel-by-kernel rows (None: no breakdown)
+    accuracy_len: int = 2048  # the length of the low-precision accuracy check
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cuda"
 
 
-def _time(fn) -> float | None:
-    """Median milliseconds, or None when the call fails (e.g. an op this GPU or torch build lacks)."""
-    import triton.testing
+def measure(case: str, contenders: list[tuple[str, Callable | None]], flops: float | None, nbytes: float | None,
+            gpu: str, device: str, targets: dict[str, str] | None = None) -> list[dict]:
+    """Time each (impl, fn) of one case on the same inputs; one row per impl: {"case", "impl", "ms", "tflops",
+    "roofline_pct", "vs_ours", "target"}, where vs_ours = peer ms / our ms (> 1: ours is faster), the first
+    contender is ours and ``targets`` maps a peer's impl to the ratio we aim for against it. fn None (a peer
+    that is not installed) or a failing call gives ms None; flops None (a row timed for where the time goes,
+    not for its rate) gives tflops and roofline None."""
+    times = {impl: _time(fn, device) if fn else None for impl, fn in contenders}
+    ours = times[contenders[0][0]]
+    rows = []
+    for impl, ms in times.items():
+        tflops = flops / ms / 1e9 if ms and flops else None
+        roof = roofline_tflops(flops, nbytes, gpu) if flops and nbytes else None
+        rows.append({"case": case, "impl": impl, "ms": ms, "tflops": tflops,
+                     "roofline_pct": 100 * tflops / roof if tflops and roof else None,
+                     "vs_ours": ms / ours if ms and ours and impl != contenders[0][0] else None,
+                     "target": (targets or {}).get(impl, "")})
+    return rows
 
+
+def print_rows(rows: list[dict]) -> None:
+    """The rows of :func:`measure` as a table: ms, TFLOP/s, % of roofline, and each peer against ours."""
+    print(f"{'case':<30} {'implementation':<28} {'ms':>9} {'TFLOP/s':>9} {'roofline':>9}  peer ms / our ms")
+    for row in rows:
+        numbers = [f"{row['ms']:9.3f}" if row["ms"] else f"{'n/a':>9}",
+                   f"{row['tflops']:9.2f}" if row["tflops"] else f"{'n/a':>9}",
+                   f"{row['roofline_pct']:8.1f}%" if row["roofline_pct"] else f"{'n/a':>9}"]
+        ratio = f"  {row['vs_ours']:.2f}×  {row['target']}" if row["vs_ours"] else ""
+        print(f"{row['case']:<30} {row['impl']:<28} {' '.join(numbers)}{ratio}")
+
+
+def _time(fn: Callable, device: str) -> float | None:
+    """Median milliseconds on a GPU (``triton.testing.do_bench``), one call elsewhere (under the interpreter, a
+    smoke run whose time means nothing); None when the call fails (an op this GPU or torch build lacks)."""
     try:
         fn()
-        return triton.testing.do_bench(fn, warmup=10, rep=50)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
-        print(f"    (skipped: {type(error).__name__}: {str(error).splitlines()[0][:100]})")
+        if torch.device(device).type == "cuda":
+            import triton.testing
+
+            return triton.testing.do_bench(fn, warmup=10, rep=50)
+        return best_seconds(fn, 1) * 1e3
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError) as error:
+        print(f"    (skipped: {type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''})")
         return None
 
 
@@ -99,136 +152,160 @@ def error_ratio(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
-def check_bf16_accuracy(T: int = 2048) -> float:
-    """bf16 Triton forward vs the fp32 torch chunked path on the same (bf16-rounded) inputs; prints and returns
-    the error ratio."""
-    from k3course.attention import kda_chunk
-    from k3course.kernels.kda_chunk import kda_chunk_triton
-
-    inputs = _kda_inputs(T, 16, 128, 128, requires_grad=False)
-    o_bf16, _ = kda_chunk_triton(*inputs)
-    o_fp32, _ = kda_chunk(*(x.float() for x in inputs))
-    ratio = error_ratio(o_bf16, o_fp32)
-    verdict = "within" if ratio <= FLA_BF16_TOLERANCE else "OUTSIDE"
-    print(f"bf16 forward vs fp32 reference at T={T}: error ratio {ratio:.2e} ({verdict} fla's {FLA_BF16_TOLERANCE})")
-    return ratio
-
-
 FLA_BF16_TOLERANCE = 0.005
 
 
-def _fla_chunk_kda():
-    try:
-        from fla.ops.kda import chunk_kda
-    except ImportError:
-        return None
-    return chunk_kda
-
-
-def _kda_inputs(T: int, H: int, K: int, V: int, requires_grad: bool):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, T, H, K, device="cuda", generator=gen, dtype=torch.bfloat16)
-    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device="cuda", generator=gen), dim=-1)
-    v = torch.randn(1, T, H, V, device="cuda", generator=gen, dtype=torch.bfloat16)
-    g = -5 * torch.sigmoid(torch.randn(1, T, H, K, device="cuda", generator=gen))  # K3's bounded gate
-    beta = torch.sigmoid(torch.randn(1, T, H, device="cuda", generator=gen))
-    inputs = [q, k.bfloat16(), v, g.bfloat16(), beta.bfloat16()]
-    return [x.requires_grad_(requires_grad) for x in inputs]
-
-
-def bench_kda(seq_lens: list[int], gpu: str, backward: bool) -> None:
+def check_bf16_accuracy(work: Workload) -> float:
+    """Triton forward in ``work.dtype`` vs the fp32 torch chunked path on the same (rounded) inputs at
+    T = ``work.accuracy_len``; prints and returns fla's error ratio."""
     from k3course.attention import kda_chunk
     from k3course.kernels.kda_chunk import kda_chunk_triton
 
-    fla_kda = _fla_chunk_kda()
-    H, K, V, C = 16, 128, 128, 64
-    what = "forward + backward" if backward else "forward"
-    print(f"\nKDA chunk {what}, B=1 H={H} K=V={K} bf16 (ratios: peer ms / our ms)")
-    print(f"{'row':<44} {'ms':>9} {'TFLOP/s':>9} {'roofline':>9}")
-    for T in seq_lens:
-        _kda_rows(T, H, K, V, C, gpu, backward, [("ours (Triton)", kda_chunk_triton),
-                                                 ("fla chunk_kda" + ("" if fla_kda else " (not installed)"), fla_kda),
-                                                 ("torch chunked (k3course)", kda_chunk)])
+    T = work.accuracy_len
+    inputs = _kda_inputs(work, T, requires_grad=False)
+    o_low, _ = kda_chunk_triton(*inputs)
+    o_fp32, _ = kda_chunk(*(x.float() for x in inputs))
+    ratio = error_ratio(o_low, o_fp32)
+    verdict = "within" if ratio <= FLA_BF16_TOLERANCE else "OUTSIDE"
+    print(f"{work.dtype} forward vs fp32 reference at T={T}: error ratio {ratio:.2e} "
+          f"({verdict} fla's {FLA_BF16_TOLERANCE})")
+    return ratio
 
 
-def _kda_rows(T, H, K, V, C, gpu, backward, contenders) -> None:
-    """Time each (label, fn) on the same inputs; print its row and our ratio against each peer."""
-    inputs = _kda_inputs(T, H, K, V, backward)
-    flops = kda_forward_flops(1, T, H, K, V, C) * (3 if backward else 1)  # backward ≈ 2× the forward
-    nbytes = kda_forward_bytes(1, T, H, K, V) * (3 if backward else 1)
+def _fla(name: str):
+    """fla's ``fla.ops.kda.<name>`` (chunk_kda, fused_recurrent_kda), or None when fla is not installed."""
+    try:
+        import fla.ops.kda as fla_kda
+    except ImportError:
+        return None
+    return getattr(fla_kda, name, None)
+
+
+def _kda_inputs(work: Workload, T: int, requires_grad: bool, batch: int = 1):
+    """Seeded q, k (L2-normalised), v, g = −5·σ(·) (K3's bounded per-channel gate), β in ``work.dtype``."""
+    H, D, device = work.heads, work.head_dim, work.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(batch, T, H, D, device=device, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(batch, T, H, D, device=device, generator=gen), dim=-1)
+    v = torch.randn(batch, T, H, D, device=device, generator=gen)
+    g = -5 * torch.sigmoid(torch.randn(batch, T, H, D, device=device, generator=gen))
+    beta = torch.sigmoid(torch.randn(batch, T, H, device=device, generator=gen))
+    return [x.to(work.dtype).requires_grad_(requires_grad) for x in (q, k, v, g, beta)]
+
+
+def kda_rows(work: Workload, T: int, gpu: str, backward: bool) -> list[dict]:
+    """KDA chunk forward (or forward + backward) at length T: ours (Triton) vs fla's chunk_kda vs the torch
+    chunked path."""
+    from k3course.attention import kda_chunk
+    from k3course.kernels.kda_chunk import kda_chunk_triton
+
+    H, D, C = work.heads, work.head_dim, work.chunk
+    inputs = _kda_inputs(work, T, backward)
+    flops = kda_forward_flops(1, T, H, D, D, C) * (3 if backward else 1)  # backward ≈ 2× the forward
+    nbytes = kda_forward_bytes(1, T, H, D, D, work.dtype.itemsize) * (3 if backward else 1)
 
     def call(fn):
-        o, _ = fn(*inputs)
-        if backward:
-            o.float().sum().backward()
+        def run():
+            o, _ = fn(*inputs)
+            if backward:
+                o.float().sum().backward()
+        return run
 
-    times = {label: _time(lambda fn=fn: call(fn)) if fn else None for label, fn in contenders}
-    ours = times[contenders[0][0]]
-    for label, ms in times.items():
-        print(_row(f"T={T:<6} {label}", ms, flops, nbytes, gpu))
-    for label, ms in list(times.items())[1:]:
-        if ours and ms:
-            print(f"    ours vs {label}: {ms / ours:.2f}× the throughput (target vs fla: ≥ 0.8× at T = 8192)")
+    fla_chunk = _fla("chunk_kda")
+    contenders = [("ours (Triton)", call(kda_chunk_triton)),
+                  ("fla chunk_kda" if fla_chunk else "fla chunk_kda (not installed)", fla_chunk and call(fla_chunk)),
+                  ("torch chunked (k3course)", call(kda_chunk))]
+    case = f"KDA {'fwd+bwd' if backward else 'forward'} T={T}"
+    return measure(case, contenders, flops, nbytes, gpu, work.device, {"fla chunk_kda": "target ≥ 0.8× at T = 8192"})
 
 
-def bench_kda_breakdown(T: int, gpu: str) -> None:
-    """Time each of the five forward kernels alone at one length: where the forward's time goes."""
+def decode_flops_bytes(batch: int, H: int, K: int, V: int, element: int) -> tuple[float, float]:
+    """One decode step per sequence: FLOPs 2·K·V each for the decay, Sᵀk, the rank-1 update and Sᵀq (≈ 8KV per
+    head); bytes: the fp32 state read and written once, plus q, k, g, v, β in and o out."""
+    return batch * H * 8 * K * V, batch * H * (2 * K * V * 4 + (3 * K + 2 * V + 1) * element)
+
+
+def decode_rows(work: Workload, batch: int, gpu: str) -> list[dict]:
+    """One KDA decode step (T = 1) for ``batch`` sequences: ours (fused Triton, state in place) vs fla's
+    fused_recurrent_kda vs the torch step. Memory-bound: the roofline is the state's bandwidth."""
+    from k3course.attention.recurrent import kda_step
+    from k3course.kernels.kda_decode import kda_decode_triton
+
+    H, D = work.heads, work.head_dim
+    q, k, v, g, beta = _kda_inputs(work, 1, requires_grad=False, batch=batch)
+    state = torch.zeros(batch, H, D, D, device=work.device, dtype=torch.float32)
+    flops, nbytes = decode_flops_bytes(batch, H, D, D, work.dtype.itemsize)
+    fla_decode, fla_name = _fla("fused_recurrent_kda"), "fla fused_recurrent_kda"
+    contenders = [("ours (fused Triton)", lambda: kda_decode_triton(q, k, v, g, beta, state)),
+                  (fla_name if fla_decode else f"{fla_name} (not installed)",
+                   fla_decode and (lambda: fla_decode(q, k, v, g, beta, initial_state=state,
+                                                      output_final_state=True))),
+                  ("torch step (k3course)", lambda: kda_step(state.clone(), *(x[:, 0].float() for x in
+                                                                               (q, k, v, g, beta))))]
+    return measure(f"KDA decode batch={batch}", contenders, flops, nbytes, gpu, work.device,
+                   {fla_name: "target ≥ 0.8×"})
+
+
+def breakdown_rows(work: Workload, T: int, gpu: str) -> list[dict]:
+    """Each of the five forward kernels alone at one length: where the forward's time goes."""
     from k3course.kernels import kda_chunk as tri
 
-    q, k, v, g, beta = _kda_inputs(T, 16, 128, 128, requires_grad=False)
-    scale, C = 128 ** -0.5, 64
+    q, k, v, g, beta = _kda_inputs(work, T, requires_grad=False)
+    scale, C = work.head_dim ** -0.5, work.chunk
     gc = tri.chunk_local_cumsum(g, C)
     akk, aqk = tri.intra_chunk_scores(q, k, gc, beta, scale, C)
     w, u = tri.wy_factors(k, v, gc, beta, akk, C)
     states, v_new, _ = tri.pass_states(k, gc, w, u, None, False, C)
-    steps = [("1   cumulative decay", lambda: tri.chunk_local_cumsum(g, C)),
-             ("2,6 intra-chunk scores", lambda: tri.intra_chunk_scores(q, k, gc, beta, scale, C)),
-             ("3,4 UT transform, W and U", lambda: tri.wy_factors(k, v, gc, beta, akk, C)),
-             ("5,8 state passing (sequential)", lambda: tri.pass_states(k, gc, w, u, None, False, C)),
-             ("7   output", lambda: tri.chunk_outputs(q, gc, states, v_new, aqk, scale, v.dtype, C))]
-    print(f"\nKDA forward, kernel by kernel at T={T} (B=1 H=16 K=V=128 bf16)")
-    for label, fn in steps:
-        ms = _time(fn)
-        print(f"  step {label:<34} {ms:8.3f} ms" if ms else f"  step {label:<34}      n/a")
+    steps = [("1", "cumulative decay", lambda: tri.chunk_local_cumsum(g, C)),
+             ("2,6", "intra-chunk scores", lambda: tri.intra_chunk_scores(q, k, gc, beta, scale, C)),
+             ("3,4", "UT transform, W and U", lambda: tri.wy_factors(k, v, gc, beta, akk, C)),
+             ("5,8", "state passing (sequential)", lambda: tri.pass_states(k, gc, w, u, None, False, C)),
+             ("7", "output", lambda: tri.chunk_outputs(q, gc, states, v_new, aqk, scale, v.dtype, C))]
+    return [row for step, name, fn in steps
+            for row in measure(f"KDA fwd T={T} step {step}", [(name, fn)], None, None, gpu, work.device)]
 
 
-def _routed_groups(tokens: int, experts: int, top_k: int) -> torch.Tensor:
+def _routed_groups(work: Workload, experts: int, top_k: int) -> torch.Tensor:
     """End offsets of each expert's rows for uniform random top-k routing (seeded)."""
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    scores = torch.rand(tokens, experts, device="cuda", generator=gen)
+    gen = torch.Generator(device=work.device).manual_seed(1)
+    scores = torch.rand(work.gemm_tokens, experts, device=work.device, generator=gen)
     expert_idx = scores.topk(top_k, dim=-1).indices
     return torch.bincount(expert_idx.reshape(-1), minlength=experts).cumsum(0).to(torch.int32)
 
 
-def bench_grouped_gemm(gpu: str, scale: int, tokens: int) -> None:
-    d_in, d_out = 3584 // scale, 3072 // scale
-    print(f"\nMoE grouped GEMM, [rows, {d_in}] @ [E, {d_in}, {d_out}], {tokens} tokens, bf16")
-    print(f"{'row':<44} {'ms':>9} {'TFLOP/s':>9} {'roofline':>9}")
-    for experts, top_k in ((64, 8), (128, 16)):
-        _grouped_gemm_rows(gpu, tokens, experts, top_k, d_in, d_out)
-
-
-def _grouped_gemm_rows(gpu: str, tokens: int, experts: int, top_k: int, d_in: int, d_out: int) -> None:
+def grouped_gemm_rows(work: Workload, experts: int, top_k: int, gpu: str) -> list[dict]:
+    """[rows, ℓ] @ [E, ℓ, n] for ``work.gemm_tokens`` tokens routed top-k: ours (one launch) vs
+    ``torch._grouped_mm`` vs the per-expert loop."""
     from k3course.kernels.grouped_gemm import moe_grouped_gemm
     from k3course.moe.dispatch import grouped_mm
 
-    ends = _routed_groups(tokens, experts, top_k)
-    rows = tokens * top_k
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(rows, d_in, device="cuda", generator=gen, dtype=torch.bfloat16)
-    weights = torch.randn(experts, d_in, d_out, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
-    flops, nbytes = grouped_gemm_flops(rows, d_in, d_out), grouped_gemm_bytes(rows, d_in, d_out, experts)
-    ours = _time(lambda: moe_grouped_gemm(x, weights, ends))
-    peer = _time(lambda: torch._grouped_mm(x, weights, offs=ends)) if hasattr(torch, "_grouped_mm") else None
-    loop = _time(lambda: grouped_mm(x, weights, ends, backend="loop"))
-    label = f"E={experts} top-{top_k}"
-    print(_row(f"{label:<14} ours (one launch)", ours, flops, nbytes, gpu))
-    print(_row(f"{label:<14} torch._grouped_mm", peer, flops, nbytes, gpu))
-    print(_row(f"{label:<14} per-expert loop", loop, flops, nbytes, gpu))
-    if ours and peer:
-        print(f"    ours vs torch._grouped_mm: {peer / ours:.2f}× the throughput (target ≥ 0.8×)")
-    if ours and loop:
-        print(f"    ours vs per-expert loop: {loop / ours:.2f}×")
+    d_in, d_out = work.gemm_dims
+    ends = _routed_groups(work, experts, top_k)
+    rows = work.gemm_tokens * top_k
+    gen = torch.Generator(device=work.device).manual_seed(2)
+    x = torch.randn(rows, d_in, device=work.device, generator=gen).to(work.dtype)
+    weights = (torch.randn(experts, d_in, d_out, device=work.device, generator=gen) * 0.02).to(work.dtype)
+    flops = grouped_gemm_flops(rows, d_in, d_out)
+    nbytes = grouped_gemm_bytes(rows, d_in, d_out, experts, work.dtype.itemsize)
+    peer = (lambda: torch._grouped_mm(x, weights, offs=ends)) if hasattr(torch, "_grouped_mm") else None
+    contenders = [("ours (one launch)", lambda: moe_grouped_gemm(x, weights, ends)),
+                  ("torch._grouped_mm", peer),
+                  ("per-expert loop", lambda: grouped_mm(x, weights, ends, backend="loop"))]
+    return measure(f"grouped GEMM E={experts} top-{top_k}", contenders, flops, nbytes, gpu, work.device,
+                   {"torch._grouped_mm": "target ≥ 0.8×"})
+
+
+def benchmark_rows(work: Workload, gpu: str, backward: bool = True) -> list[dict]:
+    """Every row, in order: KDA forward at each length, the kernel breakdown, forward + backward, decode at each
+    batch, the grouped GEMMs. Progress goes to a tqdm bar."""
+    jobs = [functools.partial(kda_rows, work, T, gpu, False) for T in work.seq_lens]
+    if work.breakdown_len:
+        jobs.append(functools.partial(breakdown_rows, work, work.breakdown_len, gpu))
+    if backward:
+        jobs += [functools.partial(kda_rows, work, T, gpu, True) for T in work.seq_lens]
+    jobs += [functools.partial(decode_rows, work, batch, gpu) for batch in work.decode_batches]
+    jobs += [functools.partial(grouped_gemm_rows, work, E, top_k, gpu) for E, top_k in work.gemm_experts]
+    return [row for job in tqdm(jobs, desc="benchmarks", leave=False) for row in job()]
 
 
 def _options(options: list[str]) -> argparse.Namespace:
@@ -237,21 +314,23 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-backward", action="store_true", help="skip the KDA forward + backward rows")
     parser.add_argument("--scale", type=int, default=1, help="divide the GEMM widths 3584 → 3072 by this")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens routed through the grouped GEMM")
-    parser.add_argument("--quick", action="store_true",
-                        help="the acceptance rows only (a few minutes): accuracy, forward at T = 8192, the GEMMs")
     args = parser.parse_args(options)
-    if args.quick:
-        args.seq_lens, args.no_backward = [8192], True
+    for name in ("seq_lens", "scale", "tokens"):
+        values = getattr(args, name)
+        if min(values if isinstance(values, list) else [values]) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {values}")
     return args
 
 
-def explain_cpu_skip() -> str:
-    return ("k3course bench kernels needs a CUDA GPU: on a CPU the Triton kernels run under the interpreter, "
-            "about 2000× slower than torch,\nso their timings say nothing about the kernels. Skipped: KDA chunk "
-            "forward and forward + backward at B=1, T ∈ {2048, 8192, 32768},\nH=16, K=V=128, bf16 (ours vs fla "
-            "chunk_kda vs the torch chunked path); MoE grouped GEMM at ℓ=3584 → 3072 with 64 and 128\nexperts, "
-            "top-8 and top-16 (ours vs torch._grouped_mm vs a per-expert loop). Correctness on CPU: "
-            "pytest tests/test_kernels.py.")
+def explain_cpu_skip(command: str = "k3course bench kernels", seq_lens: tuple[int, ...] = Workload.seq_lens) -> str:
+    """What ``command`` would have run on a GPU, and why a CPU runs none of it."""
+    lengths = "{" + ", ".join(map(str, seq_lens)) + "}"
+    return (f"{command} needs a CUDA GPU: on a CPU the Triton kernels run under the interpreter, about 37,000× "
+            "slower than torch (lesson 08 measures it),\nso their timings say nothing about the kernels. Skipped: "
+            f"KDA chunk forward and forward + backward at B=1, T ∈ {lengths},\nH=16, K=V=128, bf16 (ours "
+            "vs fla chunk_kda vs the torch chunked path); the KDA decode step (ours vs fla fused_recurrent_kda vs "
+            "the torch step);\nMoE grouped GEMM at ℓ=3584 → 3072 with 64 and 128 experts, top-8 and top-16 (ours "
+            "vs torch._grouped_mm vs a per-expert loop).\nCorrectness on CPU: pytest tests/test_kernels*.py.")
 
 
 def main(options: list[str]) -> int:
@@ -261,12 +340,10 @@ def main(options: list[str]) -> int:
         return 0
     gpu = torch.cuda.get_device_name()
     print(f"GPU: {gpu}; roofline peaks (bf16 TFLOP/s, TB/s): {roofline_peaks_text(gpu)}")
-    check_bf16_accuracy()
-    bench_kda(args.seq_lens, gpu, backward=False)
-    bench_kda_breakdown(8192, gpu)
-    if not args.no_backward:
-        bench_kda(args.seq_lens, gpu, backward=True)
-    bench_grouped_gemm(gpu, args.scale, args.tokens)
+    work = Workload(seq_lens=tuple(args.seq_lens), gemm_tokens=args.tokens,
+                    gemm_dims=(3584 // args.scale, 3072 // args.scale))
+    check_bf16_accuracy(work)
+    print_rows(benchmark_rows(work, gpu, backward=not args.no_backward))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 One dataclass describes every model in the course, from the four reference models (DeepSeek-V3, Kimi K2,
 Kimi Linear 48B, Kimi K3) down to the ``tiny`` and ``small`` presets that train on a laptop CPU.
-The accounting methods answer three questions from the dimensions alone (DESIGN §7):
+The accounting methods answer three questions from the dimensions alone (lessons 00 and 11):
 
 - how many parameters, total and active per token, and where they live (``param_count``);
 - how much memory decoding keeps per sequence: the MLA latent cache grows with every token, the KDA state is
@@ -240,7 +240,7 @@ def _gated_mlp(d_in: int, width: int) -> int:
 
 
 def kda_layer_params(cfg: K3Config) -> int:
-    """One KDA token mixer (DESIGN §6), H = kda_n_heads, K = V = kda_head_dim, d = d_model.
+    """One KDA token mixer (lesson 06), H = kda_n_heads, K = V = kda_head_dim, d = d_model.
 
     q, k, v projections 3·d·HK; depthwise short convs 3·HK·conv_size; β projection d·H;
     forget gate low-rank d·K + K·HK with A_log (H) and dt_bias (HK); output gate d·HK (full) or
@@ -261,7 +261,7 @@ def kda_layer_params(cfg: K3Config) -> int:
 
 
 def mla_layer_params(cfg: K3Config) -> int:
-    """One (gated) MLA token mixer (DESIGN §6), H = mla_n_heads.
+    """One (gated) MLA token mixer (lesson 09), H = mla_n_heads.
 
     Query: d → q_lora_rank (+ RMSNorm) → H·(nope + rope), or d → H·(nope + rope) when q_lora_rank is None.
     Keys / values: d → kv_lora_rank + rope (+ RMSNorm on the latent); latent → H·(nope + v).
@@ -445,7 +445,7 @@ def _check_mla_layers(mla_layers, n_layers: int) -> None:
         raise ValueError(f"mla_layers must be sorted, got {mla_layers}")
 
 
-# --- presets (DESIGN §7) --------------------------------------------------------------------------------
+# --- presets (lesson 11) --------------------------------------------------------------------------------
 
 _REFERENCE_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 # All-MLA models have no KDA layer; their KDA fields are set as Kimi Linear sets them (as many KDA heads as MLA
@@ -487,7 +487,7 @@ _PRESETS: dict[str, dict] = {
 
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
 
-# Published (total, active) parameter counts the presets are checked against (DESIGN §7; K3 from secondary
+# Published (total, active) parameter counts the presets are checked against (lesson 00; K3 from secondary
 # transcriptions of its report). "Active" conventions differ between reports; see notebooks/00_tour.ipynb.
 PUBLISHED_PARAMS: dict[str, tuple[float, float]] = {
     "deepseek-v3": (671e9, 37e9),

@@ -1,4 +1,4 @@
-"""Residual schemes for a decoder stack: standard PreNorm, Full and Block Attention Residuals (DESIGN §6).
+"""Residual schemes for a decoder stack: standard PreNorm, Full and Block Attention Residuals (lesson 10).
 
 A stack of L sub-layers (a decoder layer is two: attention, then MLP) uses any scheme the same way::
 

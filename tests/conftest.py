@@ -1,5 +1,5 @@
 """Choose Triton's mode (native on a GPU, interpreter on CPU) before any test module imports triton or fla:
-the interpreter must be selected before the first ``@triton.jit`` runs (DESIGN §5)."""
+the interpreter must be selected before the first ``@triton.jit`` runs (see k3course.kernels)."""
 
 import k3course.kernels
 

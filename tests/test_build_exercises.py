@@ -1,4 +1,4 @@
-"""The exercise build: solutions/ is the single source of exercises/ (DESIGN §4)."""
+"""The exercise build: solutions/ is the single source of exercises/ (the grading contract in the README)."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ def kda_inputs(B, T, H, K, V, seed, decay="random", dtype=torch.float32):
 
 
 def kda_per_token(q, k, v, g, beta, scale, initial_state):
-    """S ← Diag(e^g) S; S ← S + β k (v − Sᵀk)ᵀ; o = scale Sᵀq, token by token in fp64 (DESIGN §6)."""
+    """S ← Diag(e^g) S; S ← S + β k (v − Sᵀk)ᵀ; o = scale Sᵀq, token by token in fp64."""
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     B, T, H, K = q.shape
     state = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64, device=q.device)

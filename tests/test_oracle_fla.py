@@ -1,4 +1,4 @@
-"""Independent check (DESIGN §8): our KDA / GDN ops against fla's naive PyTorch references, which this repo
+"""Independent check: our KDA / GDN ops against fla's naive PyTorch references, which this repo
 did not write. Skips cleanly without the ``oracle`` extra (``pip install -e .[oracle]``)."""
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def test_block_size_one_equals_full():
 
 
 def test_one_block_mixes_embedding_and_running_sum():
-    """DESIGN §6: N = 1 block is a standard residual with the embedding kept apart."""
+    """N = 1 block is a standard residual with the embedding kept apart."""
     layers, x = sublayers(), embedding()
     block = random_queries(BlockAttnRes(L, D, block_size=L))
     final, inputs, stream = run(block, layers, x, record=True)

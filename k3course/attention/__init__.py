@@ -1,5 +1,5 @@
 """Token mixers: decay-gated linear attention, Gated DeltaNet and Kimi Delta Attention (recurrent, chunked,
-layers), plus gated MLA. Layouts follow fla (DESIGN §5).
+layers), plus gated MLA. Layouts follow fla's (lesson 04).
 
 The names below load lazily (module ``__getattr__``): ``import k3course.attention.chunk`` loads the ops alone,
 not the layers (``kda``, ``mla``) nor, through them, the Triton kernels. Layering, bottom up: ``checks`` →

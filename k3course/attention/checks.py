@@ -1,6 +1,6 @@
 """One input validator for every linear-attention op (recurrent and chunked, GDN and KDA).
 
-Layouts (fla, DESIGN §5): q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; log-decay g ``[B, T, H]`` (scalar gate)
+Layouts (fla's): q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; log-decay g ``[B, T, H]`` (scalar gate)
 or ``[B, T, H, K]`` (channel gate), already activated, so g ≤ 0; beta ``[B, T, H]`` after the sigmoid, in
 [0, 1] (or [0, 2] with negative eigenvalues allowed); initial state ``[B, H, K, V]``.
 

@@ -1,6 +1,7 @@
 """The token-mixer layers around the ops: Kimi Delta Attention, Gated DeltaNet, decayed linear attention.
 
-DESIGN §6, per head: q, k = L2Norm(SiLU(ShortConv4(W x))); v = SiLU(ShortConv4(W_v x)); β = σ(W_β x);
+Per head (lesson 06; the Kimi Linear paper):
+q, k = L2Norm(SiLU(ShortConv4(W x))); v = SiLU(ShortConv4(W_v x)); β = σ(W_β x);
 a forget gate g ≤ 0; o = op(q, k, v, g, β); y = W_o[σ(gate(x)) ⊙ RMSNorm_head(o)].
 
 ``forward(x, cache=None)`` returns ``(y, cache)``: a :class:`KDACache` holding the last ``conv_size − 1`` inputs

@@ -1,6 +1,6 @@
 """Gated multi-head latent attention (MLA): K3's global-attention layer, with its compressed KV cache.
 
-Per token x ∈ R^d (DESIGN §6; shapes in the K3 sizes):
+Per token x ∈ R^d (lesson 09; shapes in the K3 sizes):
 
     c_Q = RMSNorm(W_DQ x)                         [1536]
     q_h = W_UQ[h] c_Q = [q_nope_h ; q_rope_h]     [128 ; 64] for each of H heads

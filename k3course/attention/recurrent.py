@@ -1,4 +1,4 @@
-"""Rung 1: the token mixers as recurrences in torch, one step per token (DESIGN §6).
+"""Rung 1: the token mixers as recurrences in torch, one step per token (lessons 04–06).
 
 The ``*_step`` functions advance one token for a batch of heads: state ``[B, H, K, V]``, q/k ``[B, H, K]``,
 v ``[B, H, V]``, beta ``[B, H]``, g ``[B, H]`` (scalar gate) or ``[B, H, K]`` (channel gate); each returns

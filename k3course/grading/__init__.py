@@ -1,7 +1,7 @@
 """Grading for the exercise notebooks: ``check("<exercise id>", your_fn)``.
 
-See DESIGN §4. The registry lives in :mod:`k3course.grading.registry`, one module per chapter in
-:mod:`k3course.grading.chapters`; notebook execution for ``k3course progress`` and the contract tests in
+See the README's "Doing the exercises". The registry lives in :mod:`k3course.grading.registry`, one module per
+chapter in :mod:`k3course.grading.chapters`; notebook execution for ``k3course progress`` and the contract tests in
 :mod:`k3course.grading.notebooks`.
 """
 

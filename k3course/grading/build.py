@@ -1,4 +1,4 @@
-"""Build ``exercises/NN_*.ipynb`` from ``solutions/NN_*.ipynb`` (the single source, DESIGN §4).
+"""Build ``exercises/NN_*.ipynb`` from ``solutions/NN_*.ipynb`` (the single source).
 
 In a solution notebook, each answer sits between marker lines::
 

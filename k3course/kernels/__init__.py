@@ -1,4 +1,4 @@
-"""Triton kernels. The one place that decides native vs interpreter (DESIGN §5).
+"""Triton kernels. The one place that decides native vs interpreter (lesson 08).
 
 Triton picks its interpreter when ``@triton.jit`` runs, so the mode must be chosen before any kernel module
 is imported: :func:`select_triton_mode` does it, explicitly. Every kernel module calls it first thing (before

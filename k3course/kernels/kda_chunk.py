@@ -1,4 +1,4 @@
-"""Kimi Delta Attention, chunkwise, as Triton kernels (DESIGN §6, "Chunkwise algorithm").
+"""Kimi Delta Attention, chunkwise, as Triton kernels (lesson 07's chunkwise algorithm, lesson 08).
 
 The forward pass is five kernels, one per step of the chunkwise algorithm, each reading and writing global
 memory with plain pointer arithmetic (no block pointers):
@@ -14,7 +14,7 @@ memory with plain pointer arithmetic (no block pointers):
 
 Everything accumulates in fp32 whatever the input dtype; the output has the dtype of ``v``. With bf16 data the
 intermediates passed between kernels (A_qk, W, U, Ṽ, the chunk states) are stored in bf16, G and A_kk in fp32.
-Under the Triton interpreter (no GPU) inputs must be fp32 (bf16 is wrong there, DESIGN §5).
+Under the Triton interpreter (no GPU) inputs must be fp32 (the interpreter computes bf16 wrongly).
 """
 
 from __future__ import annotations
@@ -404,7 +404,7 @@ class _KDAChunkFunction(torch.autograd.Function):
 def kda_chunk_triton(q, k, v, g, beta, scale: float | None = None, initial_state: torch.Tensor | None = None,
                      output_final_state: bool = False, chunk_size: int = 64):
     """Chunkwise KDA with Triton kernels: the recurrence S_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k_t v_tᵀ,
-    o_t = scale · S_tᵀ q_t, computed chunk by chunk (DESIGN §6).
+    o_t = scale · S_tᵀ q_t, computed chunk by chunk (lesson 07).
 
     q, k: [B, T, H, K] (K ≤ 256); v: [B, T, H, V]; g: [B, T, H, K] log-decay ≤ 0; beta: [B, T, H];
     initial_state: [B, H, K, V] or None; scale defaults to K^-1/2; chunk_size ∈ {16, 32, 64}; any T ≥ 1.

@@ -1,4 +1,4 @@
-"""KDA decoding: one fused recurrent step per token, the state updated in place (DESIGN §6).
+"""KDA decoding: one fused recurrent step per token, the state updated in place (lesson 08).
 
 At decode time T is 1 (or a few tokens of speculative decoding), so there is no chunk to parallelise over: one
 program owns a [K, BV] slice of one head's state, keeps it in registers across the tokens, and writes it back

@@ -1,4 +1,4 @@
-"""Attention residuals, rung 0: NumPy, written to be read (DESIGN §6).
+"""Attention residuals, rung 0: NumPy, written to be read (lesson 10).
 
 A stack of L sub-layers f_1 … f_L (attention and MLP alternate in a decoder) starts from the embedding
 v_0 = h_1. Sub-layer l reads an input h_l and writes an output v_l = f_l(h_l). The schemes differ in h_l:

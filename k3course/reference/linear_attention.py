@@ -1,4 +1,4 @@
-"""Rung 0 of the linear-attention track: NumPy, float64, one loop over time (DESIGN §6).
+"""Rung 0 of the linear-attention track: NumPy, float64, one loop over time (lessons 04–06).
 
 Every rule keeps a state ``S`` of shape ``[K, V]`` per head and reads it with the query, ``o_t = S_tᵀ q_t``.
 The rules differ only in how the state is updated from one token to the next:
@@ -12,7 +12,7 @@ gated DeltaNet     S_t = α_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ
 KDA                S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ
 =================  ==============================================================
 
-Layouts follow fla (DESIGN §5): q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, log-decay ``g = log α`` either
+Layouts follow fla's: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, log-decay ``g = log α`` either
 ``[B, T, H]`` (scalar) or ``[B, T, H, K]`` (channel), ``beta`` ``[B, T, H]``, state ``[B, H, K, V]``. The query
 is multiplied by ``scale`` (default ``K ** -0.5``). Each function returns ``(o, final_state)``.
 """

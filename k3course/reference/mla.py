@@ -1,6 +1,6 @@
 """Gated multi-head latent attention (MLA), rung 0: NumPy, one token and one head at a time.
 
-Written to be read next to DESIGN §6. For one token x ∈ R^d and head h:
+Written to be read next to lesson 09. For one token x ∈ R^d and head h:
 
     c_Q  = RMSNorm(W_DQ x)                              (q_lora_rank)
     q_h  = W_UQ[h] c_Q = [q_nope_h ; q_rope_h]          (nope + rope)

@@ -1,7 +1,7 @@
 """Rung 0 of the MoE track: a mixture of experts in NumPy, one token at a time, written to be read.
 
 Everything here is float64 and uses explicit Python loops over tokens and experts, so each line maps to one
-term of the equations in DESIGN §6. The torch rung in :mod:`k3course.moe` computes the same things in
+term of the equations in lessons 01–03. The torch rung in :mod:`k3course.moe` computes the same things in
 batches; the tests hold the two to ~1e-5 relative.
 
 Shapes: ``m`` tokens, ``n`` routed experts, ``k`` experts per token, ``d`` model width, ``l`` latent width,

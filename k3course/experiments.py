@@ -6,15 +6,26 @@ so a saved number can be regenerated (``k3course experiments NAME``) and checked
 steps of a saved run and must get the saved losses exactly on the machine that made them, and to float32
 rounding on a CPU whose kernels sum in another order; the saved ``machine`` says which).
 
-tiny-default  ``k3course train`` with its defaults (the tiny K3, 800 steps on the stdlib bytes): per-step metrics,
-              validation bits/byte against the n-gram and lzma baselines of the same split, a generated sample.
-mqar-mixers   KDA vs Gated DeltaNet vs decayed linear attention on harder MQAR (40 pairs in 32-dimensional
-              heads: more pairs than a head's state has dimensions), the same small recall model around each.
+tiny-default     ``k3course train`` with its defaults (the tiny K3, 800 steps on the stdlib bytes): per-step metrics,
+                 validation bits/byte against the n-gram and lzma baselines of the same split, a generated sample.
+mqar-mixers      KDA vs Gated DeltaNet vs decayed linear attention on harder MQAR (20 pairs in 16-channel heads:
+                 more pairs than a head's state has dimensions), the same small recall model around each.
+dense-baseline   the tiny K3 vs a dense Transformer of equal active parameters, and a sample of each.
+hybrid-ratio     KDA:MLA 0:1 (all-MLA), 1:1, 3:1, 7:1 and all-KDA in an 8-layer K3, validation bits/byte.
+residuals        PreNorm vs Block vs Full AttnRes in the same 8-layer, 64-wide K3.
+balancing        quantile balancing vs the sign rule vs the aux loss: max-violation per step and final loss.
+latent-moe       full-width vs latent MoE at equal active FLOPs, with all-to-all bytes per token.
+expert-count     8, 32, 112 routed experts at top-2 and fixed expert width (activation ratio 25% → 1.8%).
+
+The claim experiments (the last six) train each variant of :mod:`k3course.claims` for every seed with one
+runner, :func:`k3course.claims.run_variant`, on one thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import json
 import platform
@@ -25,47 +36,108 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from k3course import claims
 from k3course.attention.recall import MIXERS, RecallModel, recall_accuracy
-from k3course.data import HARD_MQAR, IGNORE, mqar
-from k3course.train import lr_factor
+from k3course.data import IGNORE, mqar
+from k3course.train import TrainConfig, lr_factor
 
 RESULTS = Path(__file__).parent / "results"
-MQAR_SETTINGS = dict(steps=400, batch_size=32, lr=3e-3, warmup_steps=40, d_model=64, n_heads=2, seeds=(0, 1, 2))
+MQAR_SETTINGS = dict(steps=300, batch_size=32, lr=5e-3, warmup_steps=30, d_model=32, n_heads=2, seeds=(0, 1, 2))
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """Run the block with ``torch.set_num_threads(count)``, then restore the previous count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def recall_run(mixer: str, seed: int, steps: int, batch_size: int, lr: float, warmup_steps: int, d_model: int,
                n_heads: int, stop_after: int | None = None) -> dict:
-    """Train a :class:`RecallModel` with ``mixer`` on harder MQAR; {"losses", "accuracy", "seconds"}.
+    """Train a :class:`RecallModel` with ``mixer`` on :data:`k3course.claims.MQAR_TASK`; {"losses", "accuracy",
+    "seconds"}.
 
     AdamW (no weight decay) at lr · f(step), f = :func:`k3course.train.lr_factor` (warmup, cosine to 0.1);
     batch ``step`` is ``mqar(..., seed=seed·10⁶ + step)``; accuracy on 256 held-out sequences (seed 10⁹ + seed).
     ``stop_after`` ends the run early without changing any earlier step (for replaying a saved run).
     """
+    task = claims.MQAR_TASK
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = RecallModel(HARD_MQAR["vocab_size"], mixer, d_model=d_model, n_heads=n_heads)
+        model = RecallModel(task["vocab_size"], mixer, d_model=d_model, n_heads=n_heads)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     factor = functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=steps, min_lr_ratio=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     losses, began = [], time.perf_counter()
     for step in range(steps if stop_after is None else stop_after):
-        tokens, targets = mqar(batch_size, seed=seed * 10**6 + step, **HARD_MQAR)
+        tokens, targets = mqar(batch_size, seed=seed * 10**6 + step, **task)
         loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
-    held_out = mqar(256, seed=10**9 + seed, **HARD_MQAR)
+    held_out = mqar(claims.MQAR_HELD_OUT, seed=10**9 + seed, **task)
     return {"losses": losses, "accuracy": recall_accuracy(model, *held_out), "seconds": time.perf_counter() - began}
 
 
 def mqar_mixers(steps: int, batch_size: int, lr: float, warmup_steps: int, d_model: int, n_heads: int,
-                seeds: tuple[int, ...]) -> list[dict]:
-    """Every mixer of :data:`k3course.attention.recall.MIXERS` × every seed: [{"mixer", "seed", ...run}, ...]."""
-    return [{"mixer": mixer, "seed": seed,
-             **recall_run(mixer, seed, steps, batch_size, lr, warmup_steps, d_model, n_heads)}
-            for mixer in MIXERS for seed in seeds]
+                seeds: tuple[int, ...]) -> dict:
+    """Every mixer of :data:`k3course.attention.recall.MIXERS` × every seed:
+    {"task": the MQAR setting, "torch_threads": 1, "runs": [{"mixer", "seed", ...run}, ...]}, on one thread."""
+    with torch_threads(1):
+        runs = [{"mixer": mixer, "seed": seed,
+                 **recall_run(mixer, seed, steps, batch_size, lr, warmup_steps, d_model, n_heads)}
+                for mixer in MIXERS for seed in seeds]
+    return {"task": claims.MQAR_TASK, "torch_threads": 1, "runs": runs}
+
+
+def describe(cfg) -> dict:
+    """What a claim's table shows about a variant: its config, parameters, schedule and MoE accounting."""
+    count = cfg.param_count()
+    return {"config": dataclasses.asdict(cfg), "total_params": count.total, "active_params": count.active,
+            "layers": "".join("K" if kind == "kda" else "M" for kind in cfg.layer_types()),
+            "moe_flops_per_token": claims.moe_flops(cfg), "all_to_all_bytes_per_token": claims.all_to_all_bytes(cfg),
+            "activation_ratio": cfg.activation_ratio()}
+
+
+def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict,
+                   sample_prompt: str | None = None) -> dict:
+    """Every variant of ``claim`` (:data:`k3course.claims.CLAIMS`) × every seed, trained by
+    :func:`k3course.claims.run_variant` with ``TrainConfig(**train)``:
+    {"variants": {label: :func:`describe`}, "torch_threads": 1, "runs": [{"variant", "seed", ...run}, ...]}, on
+    one thread; the first seed's run of each variant also returns a sample after ``sample_prompt`` (if given)."""
+    variants = claims.CLAIMS[claim]()
+    settings = train_config(train)
+    with torch_threads(1):
+        runs = [{"variant": label, "seed": seed,
+                 **claims.run_variant(cfg, settings, seed, task, sample_prompt=sample_prompt if seed == seeds[0]
+                                      else None)}
+                for label, cfg in variants.items() for seed in seeds]
+    return {"variants": {label: describe(cfg) for label, cfg in variants.items()}, "torch_threads": 1, "runs": runs}
+
+
+def spread(result: dict, metric: str) -> dict[str, dict]:
+    """{variant: {"mean", "std", "min", "max", "n"}} of ``metric`` over the seeds of a claim result's runs
+    (std: the sample standard deviation, 0 for one seed)."""
+    values: dict[str, list[float]] = {}
+    for run in result["runs"]:
+        values.setdefault(run["variant"], []).append(run[metric])
+    table = {}
+    for label, xs in values.items():
+        mean = sum(xs) / len(xs)
+        std = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+        table[label] = {"mean": mean, "std": std, "min": min(xs), "max": max(xs), "n": len(xs)}
+    return table
+
+
+def train_config(train: dict) -> TrainConfig:
+    """The TrainConfig of a settings dict (as saved in JSON: lists back to tuples)."""
+    return TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in train.items()})
 
 
 def summarise_run(out: Path, prompt: str = "def ", max_new_tokens: int = 300) -> dict:
@@ -93,7 +165,14 @@ def tiny_default() -> dict:
         return {**summarise_run(Path(folder) / "run"), "train_seconds": time.perf_counter() - began}
 
 
-EXPERIMENTS = {"tiny-default": (tiny_default, {}), "mqar-mixers": (mqar_mixers, MQAR_SETTINGS)}
+SEEDS = (0, 1, 2)
+_TEXT = dict(seeds=SEEDS, task="text", train=dataclasses.asdict(claims.TEXT_TRAIN))
+EXPERIMENTS = {
+    "tiny-default": (tiny_default, {}),
+    "mqar-mixers": (mqar_mixers, MQAR_SETTINGS),
+    **{claim: (claim_variants, {"claim": claim, **_TEXT}) for claim in claims.CLAIMS if claim != "dense-baseline"},
+    "dense-baseline": (claim_variants, {"claim": "dense-baseline", **_TEXT, "sample_prompt": "def "}),
+}
 
 
 def machine() -> str:

@@ -1,0 +1,215 @@
+"""Chapter 12's experiments: the saved results come from this code, and each claim's variants differ as stated."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from k3course import claims, data, experiments, train
+from k3course.cli import main
+from k3course.config import K3Config
+
+CLAIM_EXPERIMENTS = [name for name, (function, _) in experiments.EXPERIMENTS.items()
+                     if function is experiments.claim_variants]
+SAVED = [name for name in experiments.EXPERIMENTS if (experiments.RESULTS / f"{name}.json").exists()]
+REPLAY_STEPS = 2
+
+
+def _same_except(configs: dict[str, K3Config], allowed: set[str]) -> None:
+    """Every config equals the first one in every field outside ``allowed`` (and ``name``)."""
+    first, *rest = configs.values()
+    for other in rest:
+        differ = {f.name for f in dataclasses.fields(K3Config) if getattr(first, f.name) != getattr(other, f.name)}
+        assert differ <= allowed | {"name"}, differ - allowed
+
+
+def _replayed(losses: list[float], saved: list[float], saved_machine: str) -> None:
+    """Bit for bit on the machine that saved them; to float32 rounding on a CPU whose kernels sum in another order."""
+    if saved_machine == experiments.machine():
+        assert losses == saved
+    else:
+        assert losses == pytest.approx(saved, rel=1e-5, abs=0), (saved_machine, experiments.machine())
+
+
+# --- the command ------------------------------------------------------------------------------------------
+
+def test_unknown_experiment_is_a_clear_error(capsys):
+    with pytest.raises(ValueError, match="name: unknown experiment 'nope'.*balancing"):
+        experiments.run_experiment("nope")
+    assert main(["experiments", "nope"]) == 2
+    assert "mqar-mixers" in capsys.readouterr().err
+
+
+def test_every_experiment_has_a_saved_result_made_by_its_command_with_its_settings():
+    assert SAVED == list(experiments.EXPERIMENTS)
+    for name, (_, settings) in experiments.EXPERIMENTS.items():
+        saved = experiments.load(name)
+        assert saved["command"] == f"k3course experiments {name}"
+        assert saved["settings"] == json.loads(json.dumps(settings)), name
+
+
+def test_load_of_a_missing_result_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(experiments, "RESULTS", tmp_path)
+    with pytest.raises(FileNotFoundError, match="k3course experiments balancing"):
+        experiments.load("balancing")
+
+
+# --- each saved claim replays, and its variants are today's configs ----------------------------------------
+
+@pytest.mark.parametrize("name", CLAIM_EXPERIMENTS)
+def test_a_saved_claim_run_replays_and_its_variants_are_the_current_configs(name):
+    """The last saved run (last variant, last seed) re-run for its first steps gives its saved losses and
+    max-violations; the saved configs are the ones :mod:`k3course.claims` builds now."""
+    saved = experiments.load(name)
+    settings, result = saved["settings"], saved["result"]
+    variants = claims.CLAIMS[settings["claim"]]()
+    assert list(result["variants"]) == list(variants)
+    for label, cfg in variants.items():
+        assert result["variants"][label] == json.loads(json.dumps(experiments.describe(cfg))), label
+    steps = settings["train"]["steps"]
+    for run in result["runs"]:
+        assert len(run["losses"]) == len(run["max_violation"]) == steps
+        assert all(math.isfinite(x) for x in run["losses"]) and 0 < run["val_bpb"] < 8
+    assert [(r["variant"], r["seed"]) for r in result["runs"]] == \
+        [(label, seed) for label in variants for seed in settings["seeds"]]
+    last = result["runs"][-1]
+    with experiments.torch_threads(result["torch_threads"]):
+        replay = claims.run_variant(variants[last["variant"]], experiments.train_config(settings["train"]),
+                                    last["seed"], settings["task"], stop_after=REPLAY_STEPS)
+    _replayed(replay["losses"], last["losses"][:REPLAY_STEPS], saved["machine"])
+    assert replay["max_violation"] == pytest.approx(last["max_violation"][:REPLAY_STEPS], abs=1e-6)
+
+
+def test_the_saved_mqar_run_replays():
+    saved = experiments.load("mqar-mixers")
+    result, settings = saved["result"], dict(saved["settings"])
+    assert result["task"] == claims.MQAR_TASK
+    assert result["task"]["n_pairs"] > settings["d_model"] // settings["n_heads"]  # more pairs than a head's dims
+    assert {r["mixer"] for r in result["runs"]} == set(experiments.MIXERS)
+    last = result["runs"][-1]
+    del settings["seeds"]
+    with experiments.torch_threads(result["torch_threads"]):
+        replay = experiments.recall_run(last["mixer"], last["seed"], stop_after=REPLAY_STEPS, **settings)
+    _replayed(replay["losses"], last["losses"][:REPLAY_STEPS], saved["machine"])
+
+
+def test_the_saved_default_run_replays(tmp_path):
+    """The first two steps of the saved `k3course train` run, re-run here by the same loop, give its saved losses."""
+    saved_file = experiments.load("tiny-default")
+    saved = saved_file["result"]
+    corpus = data.stdlib_corpus()
+    if corpus.meta["key"] != saved["corpus"]["key"]:
+        pytest.skip("this interpreter's stdlib is not the corpus the saved run read")
+    model_config, train_config = train.preset("tiny")
+    replay = train_config.replace(steps=2, eval_bytes=0, checkpoint_every=0)  # warmup: rates independent of steps
+    with experiments.torch_threads(saved["torch_threads"]):
+        train.run(model_config, replay, tmp_path / "replay", corpus=corpus, progress=False)
+    losses = [r["loss"] for r in train._Metrics.read(tmp_path / "replay")]
+    _replayed(losses, [r["loss"] for r in saved["metrics"][:2]], saved_file["machine"])
+
+
+def test_a_run_stopped_early_is_the_start_of_the_full_run():
+    cfg = claims.SMALL.replace(n_layers=2, n_routed_experts=4)
+    settings = claims.TEXT_TRAIN.replace(steps=4, eval_bytes=256)
+    full = claims.run_variant(cfg, settings, seed=1)
+    start = claims.run_variant(cfg, settings, seed=1, stop_after=2)
+    assert start == {"losses": full["losses"][:2], "max_violation": full["max_violation"][:2]}
+    assert claims.run_variant(cfg, settings, seed=2, stop_after=2)["losses"] != start["losses"]  # the seed matters
+    mqar = claims.run_variant(cfg, settings, seed=0, task="mqar")
+    assert len(mqar["losses"]) == 4 and 0 <= mqar["accuracy"] <= 1
+
+
+def test_recall_run_stopped_early_replays_the_first_steps_of_the_full_run():
+    settings = dict(steps=4, batch_size=2, lr=3e-3, warmup_steps=2, d_model=16, n_heads=2)
+    full = experiments.recall_run("decayed linear", seed=0, **settings)
+    replay = experiments.recall_run("decayed linear", seed=0, stop_after=2, **settings)
+    assert replay["losses"] == full["losses"][:2] and len(full["losses"]) == 4
+    assert 0 <= full["accuracy"] <= 1
+
+
+def test_run_variant_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="task must be 'text' or 'mqar'"):
+        claims.run_variant(claims.SMALL, claims.TEXT_TRAIN, 0, task="images")
+    with pytest.raises(ValueError, match="stop_after"):
+        claims.run_variant(claims.SMALL, claims.TEXT_TRAIN, 0, stop_after=claims.TEXT_TRAIN.steps + 1)
+    with pytest.raises(ValueError, match="make: the width does not change"):
+        claims.solve_width(lambda w: claims.SMALL, claims.active_params, 10)
+
+
+def test_spread_summarises_each_variant_over_its_seeds():
+    result = {"runs": [{"variant": "a", "seed": s, "val_bpb": v} for s, v in enumerate((1.0, 2.0, 3.0))]
+              + [{"variant": "b", "seed": 0, "val_bpb": 5.0}]}
+    table = experiments.spread(result, "val_bpb")
+    assert table["a"] == {"mean": 2.0, "std": 1.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert table["b"]["n"] == 1 and table["b"]["std"] == 0.0
+
+
+# --- the variants differ in the named way ------------------------------------------------------------------
+
+def test_the_dense_baseline_matches_tiny_k3s_active_parameters():
+    variants = claims.dense_variants()
+    tiny, dense = variants["tiny K3"], variants["dense Transformer"]
+    assert tiny == K3Config.preset("tiny")
+    assert dense.layer_types() == ("mla",) * tiny.n_layers and dense.ffn_types() == ("dense",) * tiny.n_layers
+    assert dense.residual == "prenorm" and dense.ffn_activation == "swiglu" and not dense.mla_gated
+    counted = dense.param_count()
+    assert counted.total == counted.active  # dense: a token uses every weight
+    assert abs(counted.active - tiny.param_count().active) <= 3 * tiny.d_model * tiny.n_layers / 2  # ±½ FFN width
+    assert abs(counted.active / tiny.param_count().active - 1) < 1e-3
+    assert counted.active == sum(p.numel() for p in train.build_model(dense, 0).parameters())
+
+
+def test_hybrid_variants_have_the_stated_kda_and_mla_layer_counts():
+    variants = claims.hybrid_variants()
+    counts = {label: (cfg.n_kda_layers, cfg.n_mla_layers) for label, cfg in variants.items()}
+    assert counts == {"0:1 (all-MLA)": (0, 8), "1:1": (4, 4), "3:1": (6, 2), "7:1": (7, 1), "all-KDA": (8, 0)}
+    assert variants["3:1"].layer_types() == ("kda", "kda", "kda", "mla") * 2
+    _same_except(variants, {"kda_per_mla", "mla_layers"})
+    model = train.build_model(variants["1:1"], 0)
+    assert [layer.mixer_kind for layer in model.layers] == ["kda", "mla"] * 4
+
+
+def test_residual_variants_differ_only_in_the_residual_in_a_deeper_narrower_model():
+    tiny, variants = K3Config.preset("tiny"), claims.residual_variants()
+    deep = variants["Block AttnRes"]
+    assert deep.n_layers > tiny.n_layers and deep.d_model < tiny.d_model
+    assert [cfg.residual for cfg in variants.values()] == ["prenorm", "block_attnres", "block_attnres"]
+    assert deep.attnres_block_size == 4  # 4 blocks of 4 sub-layers
+    assert variants["Full AttnRes"].attnres_block_size == 1  # one block per sub-layer
+    _same_except(variants, {"residual", "attnres_block_size"})
+
+
+def test_balancing_variants_differ_only_in_the_balancing_rule():
+    variants = claims.balancing_variants()
+    assert [cfg.balancing for cfg in variants.values()] == ["quantile", "sign", "aux_loss"]
+    _same_except(variants, {"balancing"})
+    rules = [train.build_model(cfg, 0).moe_layers()[0].balancing for cfg in variants.values()]
+    assert rules == ["quantile", "sign", "aux"]
+
+
+def test_latent_variants_have_equal_active_flops_and_the_stated_all_to_all_bytes():
+    variants = claims.latent_variants()
+    full, latent, wide = variants.values()
+    assert full.latent_dim is None and latent.latent_dim == wide.latent_dim == full.d_model // 2
+    flops = [claims.moe_flops(cfg) for cfg in variants.values()]
+    assert max(flops) / min(flops) - 1 < 0.01
+    assert claims.all_to_all_bytes(full) == 2 * full.top_k * full.d_model * 2
+    assert claims.all_to_all_bytes(latent) == claims.all_to_all_bytes(full) // 2
+    assert claims.all_to_all_bytes(wide) == claims.all_to_all_bytes(full)  # K3 vs K2: 2k × ℓ = k × d
+    assert (wide.n_routed_experts, wide.top_k) == (2 * full.n_routed_experts, 2 * full.top_k)
+    _same_except(variants, {"latent_dim", "n_routed_experts", "top_k", "expert_dim"})
+
+
+def test_expert_count_variants_fix_the_active_parameters_and_lower_the_activation_ratio():
+    variants = claims.expert_count_variants()
+    ratios = [cfg.activation_ratio() for cfg in variants.values()]
+    assert ratios == [2 / n for n in claims.EXPERT_COUNTS] and ratios[0] == 0.25
+    assert ratios[-1] == pytest.approx(16 / 896, abs=1e-3)  # K3's activation ratio
+    without_router = {cfg.param_count().active - cfg.param_count().components["router"][1] for cfg in variants.values()}
+    assert len(without_router) == 1  # only the router (n·d per MoE layer) grows with n
+    totals = [cfg.param_count().total for cfg in variants.values()]
+    assert totals == sorted(totals) and totals[-1] > 4 * totals[0]
+    _same_except(variants, {"n_routed_experts"})

@@ -8,9 +8,8 @@ tiny K3 vs dense Transformer  the ``tiny`` preset          all-MLA (ungated), Sw
 hybrid ratio                  :data:`DEEP` (8 layers)      KDA:MLA 0:1, 1:1, 3:1, 7:1, all-KDA (``kda_per_mla``)
 residuals                     :data:`DEEP`                 PreNorm, Block AttnRes (4 blocks), Full AttnRes
 balancing                     :data:`SMALL`                quantile (K3), sign rule (DeepSeek-V3), aux loss (Switch)
-latent MoE                    :data:`SMALL`                full width, latent ℓ = d/2 (same experts), latent with
-                                                           2× experts and 2× top-k (K3 vs K2): expert widths solved
-                                                           for equal active MoE FLOPs; all-to-all bytes differ
+latent MoE                    :data:`SMALL`                full-width experts vs latent ℓ = d/2 (same n, k), the
+                                                           latent expert width solved for equal active MoE FLOPs
 more experts                  :data:`SMALL`                8, 32, 112 routed experts at top-2 (activation 25% → 1.8%)
 
 :func:`run_variant` trains one of them with the package's own training step (:func:`k3course.train.train_step`:
@@ -104,21 +103,12 @@ def all_to_all_bytes(cfg: K3Config) -> int:
 
 
 def latent_variants(cfg: K3Config = SMALL) -> dict[str, K3Config]:
-    """Full-width experts vs latent experts (ℓ = d/2) at equal active MoE FLOPs (expert widths solved).
-
-    full width    d-wide experts, cfg's n and k and expert width: the reference FLOPs
-    latent        the same n and k on ℓ = d/2: half the all-to-all bytes
-    latent 2n 2k  2n experts, top-2k on ℓ = d/2 (K3 vs K2: the bytes of full width, twice the experts)
-    """
+    """Full-width experts vs latent experts at equal active MoE FLOPs: cfg's n experts, top-k and expert width
+    on the full width d (the reference FLOPs), and the same n and k on ℓ = d/2 with the expert width solved for
+    equal active FLOPs (the down- and up-projections count): half the all-to-all bytes per token."""
     full = cfg.replace(latent_dim=None)
-    target = moe_flops(full)
-
-    def latent(n_experts: int, top_k: int) -> K3Config:
-        make = lambda width: cfg.replace(latent_dim=cfg.d_model // 2, n_routed_experts=n_experts, top_k=top_k,
-                                         expert_dim=width)
-        return solve_width(make, moe_flops, target)
-    return {"full width": full, "latent": latent(cfg.n_routed_experts, cfg.top_k),
-            f"latent {2 * cfg.n_routed_experts}e top-{2 * cfg.top_k}": latent(2 * cfg.n_routed_experts, 2 * cfg.top_k)}
+    make = lambda width: cfg.replace(latent_dim=cfg.d_model // 2, expert_dim=width)
+    return {"full width": full, "latent": solve_width(make, moe_flops, moe_flops(full))}
 
 
 EXPERT_COUNTS = (8, 32, 112)  # top-2 of 112 = 1.79%, K3's 16 of 896

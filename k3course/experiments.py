@@ -113,26 +113,63 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict,
     one thread; the first seed's run of each variant also returns a sample after ``sample_prompt`` (if given)."""
     variants = claims.CLAIMS[claim]()
     settings = train_config(train)
+    runs = []
     with torch_threads(1):
-        runs = [{"variant": label, "seed": seed,
-                 **claims.run_variant(cfg, settings, seed, task, sample_prompt=sample_prompt if seed == seeds[0]
-                                      else None)}
-                for label, cfg in variants.items() for seed in seeds]
+        for label, cfg in variants.items():
+            for seed in seeds:
+                prompt = sample_prompt if seed == seeds[0] else None
+                runs.append({"variant": label, "seed": seed,
+                             **claims.run_variant(cfg, settings, seed, task, sample_prompt=prompt)})
+                print(f"{claim}: {label}, seed {seed}: {runs[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
     return {"variants": {label: describe(cfg) for label, cfg in variants.items()}, "torch_threads": 1, "runs": runs}
 
 
-def spread(result: dict, metric: str) -> dict[str, dict]:
-    """{variant: {"mean", "std", "min", "max", "n"}} of ``metric`` over the seeds of a claim result's runs
-    (std: the sample standard deviation, 0 for one seed)."""
+def spread(result: dict, metric: str, key: str = "variant") -> dict[str, dict]:
+    """{variant: {"mean", "std", "min", "max", "n"}} of ``metric`` over the seeds of a result's runs, grouped by
+    ``key`` ("variant", or "mixer" for mqar-mixers); std is the sample standard deviation (0 for one seed)."""
     values: dict[str, list[float]] = {}
     for run in result["runs"]:
-        values.setdefault(run["variant"], []).append(run[metric])
+        values.setdefault(run[key], []).append(run[metric])
     table = {}
     for label, xs in values.items():
         mean = sum(xs) / len(xs)
         std = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
         table[label] = {"mean": mean, "std": std, "min": min(xs), "max": max(xs), "n": len(xs)}
     return table
+
+
+def spread_table(result: dict, metric: str, columns: tuple[str, ...] = (), key: str = "variant",
+                 digits: int = 3) -> str:
+    """A text table, one row per variant: the ``columns`` of its :func:`describe` entry, then ``metric`` as
+    mean ± std [min, max] over its seeds (n seeds)."""
+    table = spread(result, metric, key)
+    shown = lambda value: f"{value:,}" if isinstance(value, int) else str(value)
+    cells = {label: [shown(result["variants"][label][c]) for c in columns] for label in table}
+    widths = [max(len(c), *(len(cells[label][i]) for label in table)) + 2 for i, c in enumerate(columns)]
+    width = max(len(key), *(len(label) for label in table)) + 2
+    rows = [f"{key:<{width}}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths))
+            + f"   {metric}: mean ± std [min, max] (seeds)"]
+    for label, s in table.items():
+        rows.append(f"{label:<{width}}" + "".join(f"{v:>{w}}" for v, w in zip(cells[label], widths))
+                    + f"   {s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}, "
+                    f"{s['max']:.{digits}f}] ({s['n']})")
+    return "\n".join(rows)
+
+
+def plot_spread(axes, result: dict, metric: str, key: str = "variant") -> None:
+    """Each variant's seeds as dots and their mean ± std as a bar with error bars, on matplotlib ``axes``."""
+    table = spread(result, metric, key)
+    labels = list(table)
+    axes.bar(range(len(labels)), [table[v]["mean"] for v in labels], yerr=[table[v]["std"] for v in labels],
+             color="lightsteelblue", capsize=4, label="mean ± std")
+    for i, label in enumerate(labels):
+        seeds = [run[metric] for run in result["runs"] if run[key] == label]
+        axes.plot([i] * len(seeds), seeds, "k.", ms=5, label="one seed" if i == 0 else None)
+    axes.set_xticks(range(len(labels)), labels, rotation=15)
+    low = min(table[v]["min"] for v in labels)
+    high = max(table[v]["max"] for v in labels)
+    axes.set_ylim(low - 0.3 * (high - low + 1e-9), high + 0.3 * (high - low + 1e-9))
+    axes.set_ylabel(metric)
 
 
 def train_config(train: dict) -> TrainConfig:

@@ -42,7 +42,7 @@ from k3course.data import IGNORE, mqar
 from k3course.train import TrainConfig, lr_factor
 
 RESULTS = Path(__file__).parent / "results"
-MQAR_SETTINGS = dict(steps=300, batch_size=32, lr=5e-3, warmup_steps=30, d_model=32, n_heads=2, seeds=(0, 1, 2))
+MQAR_SETTINGS = dict(steps=300, batch_size=16, lr=5e-3, warmup_steps=30, d_model=32, n_heads=2, seeds=(0, 1, 2))
 
 
 @contextlib.contextmanager
@@ -89,10 +89,13 @@ def mqar_mixers(steps: int, batch_size: int, lr: float, warmup_steps: int, d_mod
                 seeds: tuple[int, ...]) -> dict:
     """Every mixer of :data:`k3course.attention.recall.MIXERS` × every seed:
     {"task": the MQAR setting, "torch_threads": 1, "runs": [{"mixer", "seed", ...run}, ...]}, on one thread."""
+    runs = []
     with torch_threads(1):
-        runs = [{"mixer": mixer, "seed": seed,
-                 **recall_run(mixer, seed, steps, batch_size, lr, warmup_steps, d_model, n_heads)}
-                for mixer in MIXERS for seed in seeds]
+        for mixer in MIXERS:
+            for seed in seeds:
+                runs.append({"mixer": mixer, "seed": seed,
+                             **recall_run(mixer, seed, steps, batch_size, lr, warmup_steps, d_model, n_heads)})
+                print(f"mqar-mixers: {mixer}, seed {seed}: {runs[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
     return {"task": claims.MQAR_TASK, "torch_threads": 1, "runs": runs}
 
 

@@ -15,6 +15,7 @@ from k3course.attention.decay_tasks import (
     DeltaNet,
     forget_model,
     recall_seeds,
+    retention_at_separators,
     segment_accuracy,
     segment_recall,
     train_segment_recall,
@@ -201,3 +202,16 @@ def test_recall_seeds_runs_every_mixer_and_seed():
     assert results["GDN"][0]["losses"] != results["GDN"][1]["losses"]
     with pytest.raises(ValueError, match="seeds"):
         recall_seeds(["GDN"], [], **setting)
+
+
+def test_retention_at_separators_reads_each_layers_gate():
+    torch.manual_seed(0)
+    tokens, _, _ = segment_recall(4, 3, 3, 2, 32, seed=0)
+    gdn, delta = forget_model("GDN", 32, d_model=16, n_heads=2), forget_model("DeltaNet", 32, d_model=16, n_heads=2)
+    for layer in gdn.mixers:  # make the gate a function of the token: forget fully at the separator only
+        layer.log_decay = lambda x: torch.where(tokens[..., None] == SEPARATOR, -3.0, -0.1).expand(*x.shape[:2], 2)
+    measured = retention_at_separators(gdn, tokens)
+    torch.testing.assert_close(measured["separator"], torch.full((2, 2), math.exp(-3.0)))
+    torch.testing.assert_close(measured["other"], torch.full((2, 2), math.exp(-0.1)))
+    assert (retention_at_separators(delta, tokens)["separator"] == 1).all()
+    assert not gdn.mixers[0]._forward_pre_hooks  # the hooks are removed

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from k3course.attention.kda import GatedDeltaNet, initial_dt_bias
 from k3course.attention.parallel import decay_attention_parallel
 from k3course.attention.recall import RecallModel, train_recall
+from k3course.data import IGNORE
 
 
 def _require_int(name: str, value, minimum: int) -> None:
@@ -155,8 +156,6 @@ def segment_recall(n_samples: int, n_segments: int, n_pairs: int, n_queries: int
     one. ``stale`` (bool) marks those: queries whose key the state may still hold from before the separator.
     ``targets`` is ``IGNORE`` (−100) off the queries, as in :func:`k3course.data.mqar`.
     """
-    from k3course.data import IGNORE
-
     for name, value, minimum in (("n_samples", n_samples, 1), ("n_segments", n_segments, 1),
                                  ("n_pairs", n_pairs, 1), ("n_queries", n_queries, 2)):
         _require_int(name, value, minimum)
@@ -225,8 +224,6 @@ def forget_model(mixer: str, vocab_size: int, **model_kwargs) -> RecallModel:
 def segment_accuracy(model: nn.Module, tokens, targets, stale) -> dict:
     """Arg-max accuracy on the queries of :func:`segment_recall`: ``{"stored", "stale"}`` — keys stored in the
     current segment (answer: the value), and keys stored only before the last separator (answer: NONE)."""
-    from k3course.data import IGNORE
-
     correct = model(tokens).argmax(-1) == targets
     stored = (targets != IGNORE) & (targets != NONE)
     return {"stored": correct[stored].float().mean().item(), "stale": correct[stale].float().mean().item()}
@@ -237,12 +234,11 @@ def train_segment_recall(mixer: str, steps: int = 300, batch_size: int = 32, n_s
                          **model_kwargs) -> dict:
     """Train a :func:`forget_model` on fresh :func:`segment_recall` batches (cross-entropy on the queries).
 
-    Returns ``{"mixer", "losses", "accuracy", "seconds"}`` with ``accuracy`` from :func:`segment_accuracy` on a
-    held-out batch of 256 sequences. Seeded like :func:`k3course.attention.recall.train_recall` (model under a
-    forked RNG, batches seed·10⁶ + step, held-out 10⁹ + seed).
+    Returns ``{"mixer", "losses", "accuracy", "model", "seconds"}`` with ``accuracy`` from
+    :func:`segment_accuracy` on a held-out batch of 256 sequences, and the trained model. Seeded like
+    :func:`k3course.attention.recall.train_recall` (model under a forked RNG, batches seed·10⁶ + step, held-out
+    10⁹ + seed).
     """
-    from k3course.data import IGNORE
-
     _require_int("steps", steps, 1)
     task = dict(n_segments=n_segments, n_pairs=n_pairs, n_queries=n_queries, vocab_size=vocab_size)
     with torch.random.fork_rng():
@@ -260,7 +256,24 @@ def train_segment_recall(mixer: str, steps: int = 300, batch_size: int = 32, n_s
         schedule.step()
         losses.append(loss.item())
     accuracy = segment_accuracy(model, *segment_recall(256, seed=10**9 + seed, **task))
-    return {"mixer": mixer, "losses": losses, "accuracy": accuracy, "seconds": time.perf_counter() - start}
+    return {"mixer": mixer, "losses": losses, "accuracy": accuracy, "model": model,
+            "seconds": time.perf_counter() - start}
+
+
+@torch.no_grad()
+def retention_at_separators(model: RecallModel, tokens) -> dict:
+    """Mean forget gate α = e^g of each layer and head ``[n_layers, H]``, at the separator tokens and at all
+    other tokens of ``tokens [B, T]``: ``{"separator", "other"}``. Reads each mixer's input with a forward hook."""
+    inputs = []
+    hooks = [mixer.register_forward_pre_hook(lambda module, args: inputs.append(args[0])) for mixer in model.mixers]
+    try:
+        model(tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    alpha = torch.stack([mixer.log_decay(x).exp() for mixer, x in zip(model.mixers, inputs)])  # [L, B, T, H]
+    at_separator = tokens == SEPARATOR
+    return {"separator": alpha[:, at_separator].mean(1), "other": alpha[:, ~at_separator].mean(1)}
 
 
 # --- lesson 06: the recall comparison over seeds -----------------------------------------------------------

@@ -139,6 +139,40 @@ def test_layer_with_torch_grouped_mm_matches_the_loop_forward_and_backward():
         assert torch.allclose(loop_tensor, torch_tensor, rtol=1e-5, atol=1e-5)
 
 
+def test_unsort_backward_gathers_the_gradient_in_sorted_order():
+    order = torch.tensor([3, 0, 4, 1, 2])
+    rows = torch.arange(10.0).view(5, 2).requires_grad_()
+    grad = torch.randn(5, 2, generator=torch.Generator().manual_seed(30))
+    unsort(rows, order).backward(grad)
+    assert torch.equal(rows.grad, grad[order])
+
+
+GROUPED_CASES = {
+    "an empty expert": [3, 3, 10, 13],
+    "every row in one expert": [0, 13, 13, 13],
+    "one row per expert, odd sizes": [1, 2, 3, 13],
+}
+
+
+@pytest.mark.parametrize("name", GROUPED_CASES)
+def test_grouped_mm_loop_gradients_match_per_row_products(name):
+    generator = torch.Generator().manual_seed(31)
+    offsets = torch.tensor(GROUPED_CASES[name], dtype=torch.int32)
+    owner = torch.repeat_interleave(torch.arange(4), torch.diff(offsets, prepend=torch.zeros(1, dtype=torch.int32)))
+    x, weight = torch.randn(13, 5, generator=generator), torch.randn(4, 5, 3, generator=generator)
+    grad = torch.randn(13, 3, generator=generator)
+    got, want = [], []
+    for result, run in ((got, lambda x_, w_: grouped_mm(x_, w_, offsets, "loop")),
+                        (want, lambda x_, w_: torch.einsum("md,mde->me", x_, w_[owner]))):
+        x_, w_ = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        run(x_, w_).backward(grad)
+        result += [x_.grad, w_.grad]
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5)
+    empty = offsets.diff(prepend=torch.zeros(1, dtype=torch.int32)) == 0
+    assert (got[1][empty] == 0).all()  # experts with no rows get a zero gradient
+
+
 # --- the layers against the reference loop ------------------------------------------------------------------
 
 LAYER_CASES = {
@@ -173,6 +207,61 @@ def test_layer_matches_reference_loop(name):
     assert_close(y, want)
     if hot_expert is not None:
         assert layer.routing_stats()["load"][hot_expert] == 37
+
+
+GRADIENT_CASES = {
+    "seeded, situ_glu": dict(m=37, k=2),
+    "k=1": dict(m=37, k=1),
+    "every token to one expert": dict(m=37, k=1, hot_expert=5),
+    "one token, k=n": dict(m=1, k=8),
+}
+
+
+@pytest.mark.parametrize("name", GRADIENT_CASES)
+def test_sort_based_gradients_match_the_per_token_loop(name):
+    """The expert-by-expert path's backward (blocks split, weights unbound) against autograd through the
+    per-token loop, which touches each token's experts one at a time: every weight, and the input."""
+    from k3course.bench.moe import per_token_loop
+
+    case = GRADIENT_CASES[name]
+    generator = torch.Generator().manual_seed(32)
+    layer = LatentMoE(24, 8, case["k"], d_expert=12, d_latent=10, activation="situ_glu", backend="loop",
+                      generator=generator)
+    if "hot_expert" in case:
+        with torch.no_grad():
+            layer.bias[case["hot_expert"]] = 100.0
+    x = torch.randn(case["m"], 24, generator=generator)
+    grad = torch.randn(case["m"], 24, generator=generator)
+    grads = []
+    for forward in (layer, lambda x_: per_token_loop(layer, x_)):
+        layer.zero_grad(set_to_none=True)
+        x_ = x.clone().requires_grad_()
+        forward(x_).backward(grad)
+        grads.append([x_.grad] + [p.grad for p in layer.parameters()])
+    for got, want in zip(*grads):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+    if "hot_expert" in case:  # the other experts saw no token: zero gradient, not a missing one
+        others = [j for j in range(8) if j != case["hot_expert"]]
+        assert (layer.experts.gate_up.grad[others] == 0).all() and layer.experts.gate_up.grad[5].abs().sum() > 0
+
+
+def test_bf16_layer_follows_the_fp32_layer_and_keeps_its_dtype():
+    """bf16 weights and tokens: bf16 outputs and gradients, within bf16 rounding of the fp32 layer (RMSNorm
+    runs in fp32; the GEMMs accumulate in fp32 inside torch)."""
+    def build():
+        return LatentMoE(32, 8, 2, n_shared=1, d_expert=16, activation="situ_glu",
+                         generator=torch.Generator().manual_seed(33))
+
+    x = torch.randn(29, 32, generator=torch.Generator().manual_seed(34))
+    want = build()(x)
+    low = build().to(torch.bfloat16)
+    x_low = x.to(torch.bfloat16).requires_grad_()
+    got = low(x_low)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= 0.05 * want.abs().max()
+    got.float().square().sum().backward()
+    assert x_low.grad.dtype == torch.bfloat16 and torch.isfinite(x_low.grad.float()).all()
+    assert all(p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad.float()).all() for p in low.parameters())
 
 
 def test_latent_moe_defaults_to_half_width_and_keeps_input_shape():
@@ -329,7 +418,25 @@ def test_bench_runs_small(capsys, dtype):
                "--repeats", "1", "--rounds", "1", "--loop-tokens", "8", "--dtype", dtype]
     assert main(options) == 0
     out = capsys.readouterr().out
-    assert f"{dtype}, backend=auto" in out
-    assert "faster than the per-token loop" in out and "CPU features: " in out
-    assert f"dense FFN's time (target <= {1.5 if dtype == 'float32' else 2.0}x in {dtype})" in out
-    assert all(f"  {stage}" in out for stage in ("route", "dispatch", "experts", "projections + combine"))
+    assert f"situ_glu, {dtype}, backend=auto, 1 CPU thread(s)" in out
+    assert "faster than the per-token loop" in out and "CPU: " in out and "bf16 " in out and "GFLOP/s" in out
+    for row in ("forward", "training step"):
+        assert f"{row}: sort-based MoE takes " in out
+        assert f"the dense FFN's time (target <= {1.5 if dtype == 'float32' else 2.0}x in {dtype}: " in out
+    assert all(f"  {stage}" in out for stage in ("route", "dispatch", "experts", "projections + combine",
+                                                  "GEMMs alone"))
+
+
+def test_bench_dense_baseline_has_a_gemm_friendly_width_within_the_moe_flops():
+    from k3course.bench.moe import dense_hidden_size
+
+    flops = moe_flops_per_token(256, 64, 4, 128, 128)  # the bench's default layer: 362.7 hidden units' worth
+    assert dense_hidden_size(flops, 256) == 352
+    assert dense_hidden_size(6 * 256 * 368, 256) == 368 and dense_hidden_size(100, 256) == 16
+
+
+def test_bench_rejects_a_zero_size():
+    from k3course.bench.moe import main
+
+    with pytest.raises(SystemExit):
+        main(["--m", "0"])

@@ -1,18 +1,30 @@
-"""``k3course bench moe``: the sort-based latent MoE forward vs a dense FFN of equal active FLOPs, and its stages.
+"""``k3course bench moe``: the sort-based latent MoE vs a dense FFN of equal active FLOPs, forward and training.
 
-Defaults: m = 4096 tokens, n = 64 experts, k = 4, d = 256, ℓ = 128, expert width 128, fp32 (``--dtype``), no grad.
-The dense FFN is a GLU at width d whose hidden size gives the same active FLOPs per token as the MoE
-(router + W↓ + W↑ + k experts). Times are the best over ``--rounds`` rounds of ``--repeats`` calls, the
-variants taking turns (robust to other processes on a shared machine); the ratios are what to read.
-``--threads 1`` avoids OpenMP spin-waits when the cores are oversubscribed, which can slow many small GEMMs
-(the per-expert loop) by 10x.
+The workload is K3's MoE at a CPU-sized width: latent experts (ℓ = d/2), sigmoid router, top-k on s + b,
+route scale 1, SiTU-GLU experts (K3's activation: two tanh per hidden unit, a large share of the time on a
+CPU); defaults m = 4096 tokens, n = 64 experts, k = 4, d = 256, ℓ = 128, expert width 128, fp32 (``--dtype``).
+Tokens are N(0, 1) rows (unit RMS, like the RMSNorm'd stream the layer reads); the random router then spreads
+them about evenly, as quantile balancing does in training (the bench prints the load's max-violation).
+Shared experts are left out of both sides: they are a dense FFN either way and would only dilute the ratio.
+
+The dense FFN is a GLU at width d with the same activation and the largest hidden size that is a multiple
+of 16 without exceeding the MoE's active FLOPs (router + W↓ + W↑ + k experts); a hidden size like 363 would
+make its GEMMs up to 2× slower and flatter the MoE. Two rows are timed for each: the forward (eval, no grad)
+and a training step (forward in training mode, backward of a fixed output gradient into the weights and the
+input, and, for the MoE, the quantile bias update, which a training loop runs once per optimizer step).
+
+Times are the best over ``--rounds`` rounds of ``--repeats`` calls, the variants taking turns (robust to
+other processes on a shared machine); the ratios are what to read. ``--threads`` defaults to 1: with more
+threads than free cores, OpenMP barriers in the per-expert loop's many small GEMMs cost more than the GEMMs.
 
 Targets: MoE / dense ≤ 1.5x in fp32 and ≤ 2x in bf16. The MoE does the dense FFN's FLOPs plus routing
-(top-k over n scores per token), dispatch (sort, gather, unsort) and the combine, so it cannot beat it; the
-stage breakdown shows what each costs. bf16 results depend on the CPU: with AVX512-BF16 / AMX the GEMMs run
-several times faster than in fp32 while routing and data movement do not, so their share grows; without bf16
-GEMMs bf16 runs far slower than fp32 for both (the bench prints which CPU features it found). The per-token
-loop and the NumPy rung are timed on ``--loop-tokens`` tokens and scaled, for the speed-up of chapter 01.
+(top-k over n scores per token), dispatch (sort, gather, unsort) and the combine, in GEMMs of m·k/n rows
+instead of m, so it cannot beat it; the stage breakdown shows what each costs. bf16 results depend on the CPU:
+the bench times one bf16 and one fp32 GEMM of the dense FFN's shape and prints the ratio. With AVX512-BF16 /
+AMX, bf16 GEMMs run several times faster than fp32 while routing and data movement do not, so their share
+grows; without bf16 GEMMs a bf16 GEMM takes a slow software path (~40x slower than fp32 on an AVX2 CPU), for
+the MoE and the dense FFN alike. The per-token loop and the NumPy rung are timed on ``--loop-tokens`` tokens
+and scaled, for the speed-up of chapter 01.
 """
 
 from __future__ import annotations
@@ -24,8 +36,9 @@ import torch
 from k3course.bench import best_seconds, interleaved_best_seconds
 from k3course.device import default_device
 from k3course.moe import GLUFFN, LatentMoE
-from k3course.moe.dispatch import sort_by_expert, unsort
+from k3course.moe.dispatch import grouped_mm, sort_by_expert, unsort
 from k3course.moe.latent import latent_combine, moe_flops_per_token, rms_norm
+from k3course.moe.stats import routing_stats
 from k3course.reference import moe as reference
 
 
@@ -55,14 +68,20 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--d", type=int, default=256, help="model width")
     parser.add_argument("--latent", type=int, default=128, help="latent width ℓ")
     parser.add_argument("--d-expert", type=int, default=128, help="expert inner width")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per round (the best is reported)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, each timing every variant in turn")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
-    parser.add_argument("--loop-tokens", type=int, default=512,
+    parser.add_argument("--activation", default="situ_glu", choices=["situ_glu", "swiglu"],
+                        help="expert activation (K3: situ_glu), the same in the dense FFN")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per round (the best is reported)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, each timing every variant in turn")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--loop-tokens", type=int, default=256,
                         help="tokens the per-token loop runs on (its time is scaled to m)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and tokens")
     parser.add_argument("--backend", default="auto", choices=["auto", "loop", "torch"], help="grouped_mm backend")
-    return parser.parse_args(options)
+    args = parser.parse_args(options)
+    for name in ("m", "n", "k", "d", "latent", "d_expert", "repeats", "rounds", "threads", "loop_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
 
 
 TARGETS = {"float32": 1.5, "bfloat16": 2.0}  # MoE / dense FFN time
@@ -79,12 +98,51 @@ def cpu_features() -> list[str]:
     return [feature for feature in CPU_FEATURES if feature in flags]
 
 
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("unknown CPU" elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+                        "unknown CPU")
+    except OSError:
+        return "unknown CPU"
+
+
+def gemm_rates(m: int, d: int, hidden: int, device: torch.device) -> dict[str, float]:
+    """FLOP/s of one [m, d] @ [d, hidden] GEMM in fp32 and in bf16, best of 3 each, measured now."""
+    a, b = torch.randn(m, d, device=device), torch.randn(d, hidden, device=device)
+    low_a, low_b = a.bfloat16(), b.bfloat16()
+    flops = 2 * m * d * hidden
+    return {"float32": flops / best_seconds(lambda: a @ b, 3, device),
+            "bfloat16": flops / best_seconds(lambda: low_a @ low_b, 3, device)}
+
+
+def dense_hidden_size(flops: int, d: int) -> int:
+    """The largest multiple of 16 whose GLU FFN (6·d·hidden FLOPs per token) does not exceed ``flops``."""
+    return max(16, 16 * (flops // (6 * d * 16)))
+
+
+def training_step(module: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
+    """A call that runs module(x) in training mode, backpropagates grad_out into its weights and x, and
+    applies the MoE's bias update (a training loop runs it once per optimizer step); gradients are dropped."""
+    x = x.detach().requires_grad_()
+
+    def step():
+        module(x).backward(grad_out)
+        if isinstance(module, LatentMoE):
+            module.update_bias()
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+    return step
+
+
 def stage_calls(layer: LatentMoE, x: torch.Tensor, repeats: int) -> dict:
     """The MoE forward cut into its stages, each a call on the previous stage's outputs (for the breakdown).
 
     route: router GEMM, scores, top-k;  dispatch: sort by expert, gather the tokens, unsort the outputs;
     experts: the routed experts' GEMMs and activation;  projections + combine: W↓, the weighted sum over k,
-    RMSNorm and W↑.
+    RMSNorm and W↑.  GEMMs alone: every matmul of the layer on the same shapes, nothing else (a subset of
+    the stages, to tell GEMM time from the rest).
     """
     _, _, expert_idx, weights = layer.route(x)
     z = x @ layer.down_proj
@@ -92,6 +150,8 @@ def stage_calls(layer: LatentMoE, x: torch.Tensor, repeats: int) -> dict:
     z_sorted = z.index_select(0, order // layer.top_k)
     out_sorted = layer.experts(z_sorted, group_offsets)
     slots = unsort(out_sorted, order).view(x.shape[0], layer.top_k, -1)
+    hidden_sorted = z_sorted.new_empty(z_sorted.shape[0], layer.experts.hidden).normal_()
+    u = slots.sum(1)
 
     def dispatch():
         unsort(out_sorted, sort_by_expert(expert_idx, layer.n_routed)[0])
@@ -101,48 +161,90 @@ def stage_calls(layer: LatentMoE, x: torch.Tensor, repeats: int) -> dict:
         x @ layer.down_proj
         latent_combine(slots, layer.route_scale * weights, layer.up_proj, layer.latent_norm, layer.eps)
 
+    def gemms():
+        x @ layer.router, x @ layer.down_proj, u @ layer.up_proj
+        grouped_mm(z_sorted, layer.experts.gate_up, group_offsets, "loop")
+        grouped_mm(hidden_sorted, layer.experts.down, group_offsets, "loop")
+
     return {"route": (lambda: layer.route(x), repeats), "dispatch": (dispatch, repeats),
             "experts": (lambda: layer.experts(z_sorted, group_offsets), repeats),
-            "projections + combine": (projections_and_combine, repeats)}
+            "projections + combine": (projections_and_combine, repeats), "GEMMs alone": (gemms, repeats)}
+
+
+def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """(MoE layer, dense FFN, tokens x [m, d], output gradient [m, d], dense hidden size)."""
+    generator = torch.Generator().manual_seed(0)
+    layer = LatentMoE(args.d, args.n, args.k, d_expert=args.d_expert, d_latent=args.latent,
+                      activation=args.activation, balancing="quantile", generator=generator,
+                      backend=args.backend).to(device, dtype)
+    flops = moe_flops_per_token(args.d, args.n, args.k, args.d_expert, args.latent)
+    hidden = dense_hidden_size(flops, args.d)
+    dense = GLUFFN(args.d, hidden, args.activation, generator=generator).to(device, dtype)
+    x = torch.randn(args.m, args.d, generator=generator).to(device, dtype)
+    grad_out = torch.randn(args.m, args.d, generator=generator).to(device, dtype)
+    return layer, dense, x, grad_out, hidden
+
+
+def _print_machine(args: argparse.Namespace, device: torch.device, hidden: int) -> None:
+    """Which CPU, its bf16 features, and how fast a bf16 GEMM runs next to an fp32 one on it, now."""
+    features = cpu_features()
+    rates = gemm_rates(min(args.m, 1024), args.d, hidden, device)
+    slowdown = rates["float32"] / rates["bfloat16"]
+    print(f"CPU: {cpu_name()}; features: {', '.join(features) or 'none of ' + ', '.join(CPU_FEATURES)}")
+    print(f"GEMM [{min(args.m, 1024)}x{args.d}]@[{args.d}x{hidden}]: fp32 {rates['float32'] / 1e9:.1f} GFLOP/s, "
+          f"bf16 {rates['bfloat16'] / 1e9:.1f} GFLOP/s ({slowdown:.1f}x the fp32 time)")
+    if device.type == "cpu" and not {"avx512_bf16", "amx_bf16"} & set(features):
+        print(f"this CPU has no bf16 GEMMs (no avx512_bf16 / amx_bf16): bf16 matmuls take a software path "
+              f"{slowdown:.0f}x slower than fp32, in the MoE and the dense FFN alike: a bf16 run compares two "
+              f"emulated layers, not what bf16 hardware would show")
 
 
 def main(options: list[str]) -> int:
     args = _options(options)
     device, dtype = default_device(), getattr(torch, args.dtype)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    generator = torch.Generator().manual_seed(0)
-    layer = LatentMoE(args.d, args.n, args.k, d_expert=args.d_expert, d_latent=args.latent, generator=generator,
-                      backend=args.backend).to(device, dtype).eval()
-    flops = moe_flops_per_token(args.d, args.n, args.k, args.d_expert, args.latent)
-    dense_hidden = round(flops / (6 * args.d))
-    dense = GLUFFN(args.d, dense_hidden, generator=generator).to(device, dtype).eval()
-    x = torch.randn(args.m, args.d, generator=generator).to(device, dtype)
+    torch.set_num_threads(args.threads)
+    layer, dense, x, grad_out, hidden = _build(args, device, dtype)
     loop_tokens = min(args.loop_tokens, args.m)
     with torch.no_grad():
+        layer.eval()
         sorted_out = layer(x)
         loop_out = per_token_loop(layer, x[:loop_tokens])
         error = float((loop_out - sorted_out[:loop_tokens]).abs().max() / sorted_out.abs().max())
+        balance = routing_stats(layer.route(x)[2], args.n)
         calls = {"sorted": (lambda: layer(x), args.repeats), "dense": (lambda: dense(x), args.repeats),
                  "loop": (lambda: per_token_loop(layer, x[:loop_tokens]), 1), **stage_calls(layer, x, args.repeats)}
         times = interleaved_best_seconds(calls, args.rounds, device)
+    layer.train(), dense.train()
+    train_calls = {"sorted": (training_step(layer, x, grad_out), args.repeats),
+                   "dense": (training_step(dense, x, grad_out), args.repeats)}
+    train_times = interleaved_best_seconds(train_calls, args.rounds, device)
     t_sorted, t_dense, t_loop = times["sorted"], times["dense"], times["loop"] * args.m / loop_tokens
     params, x_np = layer.reference_params(), x[:loop_tokens].cpu().double().numpy()
     t_numpy = best_seconds(lambda: reference.moe_forward(x_np, params, args.k), 1, device) * args.m / loop_tokens
-    features = ", ".join(cpu_features()) or "none of " + ", ".join(CPU_FEATURES)
-    print(f"latent MoE forward on {device.type}: m={args.m} n={args.n} k={args.k} d={args.d} "
-          f"latent={args.latent} d_expert={args.d_expert}, {args.dtype}, backend={args.backend}, "
+    flops = moe_flops_per_token(args.d, args.n, args.k, args.d_expert, args.latent)
+
+    print(f"latent MoE on {device.type}: m={args.m} n={args.n} k={args.k} d={args.d} latent={args.latent} "
+          f"d_expert={args.d_expert} {args.activation}, {args.dtype}, backend={args.backend}, "
           f"{torch.get_num_threads()} CPU thread(s)")
-    print(f"CPU features: {features}")
-    print(f"active FLOPs per token {flops / 1e6:.3f} M; dense GLU FFN hidden {dense_hidden} has the same")
+    _print_machine(args, device, hidden)
+    print(f"active FLOPs per token: MoE {flops / 1e6:.3f} M; dense GLU FFN hidden {hidden}: "
+          f"{6 * args.d * hidden / 1e6:.3f} M ({6 * args.d * hidden / flops:.1%} of the MoE's)")
+    print(f"routing: {args.m * args.k / args.n:.0f} rows per expert on average, max-violation "
+          f"{balance['max_violation']:.2f} (busiest expert / mean load - 1)")
     print(f"per-token loop  {t_loop * 1e3:10.1f} ms  (timed on {loop_tokens} tokens, scaled to {args.m})")
     print(f"NumPy rung 0    {t_numpy * 1e3:10.1f} ms  (fp64 loop, timed on {loop_tokens} tokens, scaled to {args.m})")
-    print(f"sort-based MoE  {t_sorted * 1e3:10.1f} ms  (max rel. difference from the loop {error:.1e})")
-    for stage in ("route", "dispatch", "experts", "projections + combine"):
+    print(f"sort-based MoE  {t_sorted * 1e3:10.1f} ms  forward (max rel. difference from the loop {error:.1e})")
+    for stage in ("route", "dispatch", "experts", "projections + combine", "GEMMs alone"):
         print(f"  {stage:22s}{times[stage] * 1e3:8.1f} ms  ({times[stage] / t_sorted:4.0%} of the MoE)")
-    print(f"dense FFN       {t_dense * 1e3:10.1f} ms")
+    print(f"dense FFN       {t_dense * 1e3:10.1f} ms  forward")
+    print(f"training step: sort-based MoE {train_times['sorted'] * 1e3:.1f} ms, dense FFN "
+          f"{train_times['dense'] * 1e3:.1f} ms  (forward + backward + bias update)")
     print(f"sort-based MoE is {t_loop / t_sorted:.0f}x faster than the per-token loop, "
           f"{t_numpy / t_sorted:.0f}x faster than the NumPy loop")
-    print(f"sort-based MoE takes {t_sorted / t_dense:.2f}x the dense FFN's time "
-          f"(target <= {TARGETS[args.dtype]}x in {args.dtype})")
+    target = TARGETS[args.dtype]
+    ratios = {"forward": t_sorted / t_dense, "training step": train_times["sorted"] / train_times["dense"]}
+    for row, ratio in ratios.items():
+        verdict = "met" if ratio <= target else "NOT met"
+        print(f"{row}: sort-based MoE takes {ratio:.2f}x the dense FFN's time "
+              f"(target <= {target}x in {args.dtype}: {verdict})")
     return 0

@@ -90,7 +90,7 @@ def quantile_balance_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> t
     target = (m * k) // n
     scores64, bias64 = scores.detach().double(), bias.detach().double()
     margins = scores64 - token_cutoffs(scores64, bias64, k)[:, None]  # [m, n]
-    kth = torch.sort(margins, dim=0, descending=True).values[target]  # [n]: (q+1)-th largest per expert
+    kth = torch.kthvalue(margins, m - target, dim=0).values  # [n]: (q+1)-th largest = (m-q)-th smallest
     new_bias = -kth
     return (new_bias - new_bias.mean()).to(bias.dtype)
 

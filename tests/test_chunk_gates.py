@@ -52,7 +52,9 @@ def outputs_and_gradients(op, tensors, **options):
 
 
 def assert_all_close(got, want, label: str) -> None:
-    for name, x, y in zip(("o", "final_state", *(f"d{n}" for n in NAMES)), got, want, strict=True):
+    """got, want: [o, final_state, dq, ...] or a prefix of it, e.g. [o, final_state]."""
+    names = ("o", "final_state", *(f"d{n}" for n in NAMES))[:len(want)]
+    for name, x, y in zip(names, got, want, strict=True):
         assert x is not None and torch.isfinite(x).all(), f"{label}: {name} has NaN/inf or is missing"
         error = ((x.double() - y.double()).norm() / y.double().norm()).item()
         assert error <= TOLERANCE, f"{label}: {name} relative error {error:.2e} > {TOLERANCE:g}"
@@ -100,8 +102,10 @@ def test_chunk_path_reads_nothing_back_to_the_host():
 
     leaves = [x.requires_grad_() for x in inputs("layer", scalar_gate=False, T=40)]
     with CountHostReads():
-        o, final = kda_chunk(*leaves[:5], initial_state=leaves[5], output_final_state=True, chunk_size=16)
-        (o.sum() + final.sum()).backward()
+        for lower_bound in (None, KDA_LOWER_BOUND):
+            o, final = kda_chunk(*leaves[:5], initial_state=leaves[5], output_final_state=True, chunk_size=16,
+                                 lower_bound=lower_bound)
+            (o.sum() + final.sum()).backward()
     assert CountHostReads.count == 0
 
 
@@ -140,3 +144,122 @@ def test_bf16_activations_with_a_float32_state(op):
     assert ((o_rest.float() - o[:, 25:].float()).norm() / o[:, 25:].float().norm()).item() < 1e-2
     with pytest.raises(TypeError, match="initial_state"):
         op(*(x.bfloat16() for x in (q, k, v, g, beta)), initial_state=s0.double())
+
+
+# --- the bounded-gate fast form: kda_chunk(..., lower_bound=L) ------------------------------------------------
+
+BOUND = KDA_LOWER_BOUND
+
+
+@pytest.mark.parametrize("kind", ["-3", "lower bound", "uniform", "layer"])
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_bounded_path_matches_recurrent_forward_and_all_gradients(kind, chunk_size):
+    """lower_bound = −5 (16-token sub-chunks referenced at their first token, one product per chunk): the
+    recurrent op's outputs and every input gradient, T = 100 (not a multiple of C), with an initial state."""
+    got = outputs_and_gradients(kda_chunk, inputs(kind, scalar_gate=False), chunk_size=chunk_size,
+                                lower_bound=BOUND)
+    assert_all_close(got, reference(kind, scalar_gate=False), f"bounded g={kind} C={chunk_size}")
+
+
+def exact_scores(a, b, G, strict: bool) -> torch.Tensor:
+    """Σ_d a_rd b_id e^{G_rd − G_id} (i < r, or i ≤ r), every pair formed on its own in float64."""
+    a, b, G = a.double(), b.double(), G.double()
+    weights = torch.exp((G.unsqueeze(-2) - G.unsqueeze(-3)).clamp(max=0))  # [..., r, i, K]
+    return (a.unsqueeze(-2) * b.unsqueeze(-3) * weights).sum(-1).tril(-1 if strict else 0)
+
+
+@pytest.mark.parametrize("C", [1, 10, 16, 24, 64, 100])
+@pytest.mark.parametrize("strict", [False, True])
+def test_bounded_scores_equal_the_float64_pairwise_sum(C, strict):
+    """Every entry of A, near the diagonal and far from it, at the bound and above it, for chunks that are not
+    whole sub-chunks: a chunk-wide reference (e^{−G} up to e^320) or a wrong bridge between sub-chunks fails."""
+    from k3course.attention.chunk import decayed_scores
+
+    gen = torch.Generator().manual_seed(C)
+    a, b = torch.randn(3, C, 16, generator=gen), F.normalize(torch.randn(3, C, 16, generator=gen), dim=-1)
+    for kind in ("lower bound", "layer", "-0.1"):
+        G = gate(kind, (3, C, 16), gen).cumsum(-2)
+        got_a, got_b = decayed_scores((a, b), b, G, strict, lower_bound=BOUND)
+        for got, left in ((got_a, a), (got_b, b)):
+            want = exact_scores(left, b, G, strict)
+            assert torch.isfinite(got).all(), f"C={C} g={kind}: non-finite scores"
+            error = ((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()  # C = 1: A_kk = 0
+            assert error < 1e-5, f"C={C} g={kind} strict={strict}: error {error:.1e} relative to the largest entry"
+            size = exact_scores(left.abs(), b.abs(), G, strict)  # Σ_d |a_rd b_id| e^{G_rd − G_id}: each entry's scale
+            seen = size > 1e-10  # also the small weights far below the diagonal, down to e^-23 (the floor is e^-30)
+            relative = ((got.double() - want).abs()[seen] / size[seen]).max().item() if seen.any() else 0.0
+            assert relative < 1e-5, f"C={C} g={kind}: an entry is off by {relative:.1e} of its own scale"
+
+
+def test_bounded_sub_chunk_keeps_every_factor_in_float32_range():
+    """The sub-chunk shrinks as the bound grows, (S − 1)·|L| ≤ 75; steeper bounds stay exact."""
+    from k3course.attention.chunk import _bounded_sub_chunk
+
+    assert _bounded_sub_chunk(-5.0, 64) == 16 and _bounded_sub_chunk(-5.0, 10) == 10
+    assert _bounded_sub_chunk(-10.0, 64) == 8 and _bounded_sub_chunk(-30.0, 64) == 2
+    assert _bounded_sub_chunk(-100.0, 64) == 1
+    q, k, v, _, beta, s0 = inputs("uniform", scalar_gate=False, T=130)
+    for bound in (-10.0, -30.0, -100.0):
+        g = torch.full_like(q, bound)
+        o, s = kda_chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True, lower_bound=bound)
+        o_rec, s_rec = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+        assert_all_close([o, s], [o_rec, s_rec], f"g = lower_bound = {bound}")
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 65, 130])
+def test_bounded_path_at_edge_lengths_against_recurrent_and_fla(T):
+    """T = 1, T < C, T = C, T = C + 1 and T not a multiple of C, initial and final state, at the bound."""
+    tensors = inputs("layer", scalar_gate=False, T=T)
+    q, k, v, g, beta, s0 = tensors
+    got = kda_chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True, lower_bound=BOUND)
+    want = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    assert_all_close(list(got), list(want), f"T={T} vs recurrent")
+    naive = pytest.importorskip("fla.ops.kda.naive")
+    assert_all_close(list(got), list(naive.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0.clone(),
+                                                               output_final_state=True)), f"T={T} vs fla")
+
+
+@pytest.mark.parametrize("lower_bound", [None, BOUND])
+def test_groups_of_chunks_pass_the_state_on(monkeypatch, lower_bound):
+    """One chunk per head per group and one group for everything give the same outputs and state."""
+    from k3course.attention import chunk
+
+    tensors = inputs("layer", scalar_gate=False, T=150)
+    runs = []
+    for per_group in (1, 1000):
+        monkeypatch.setattr(chunk, "CHUNKS_PER_GROUP", per_group)
+        runs.append(outputs_and_gradients(kda_chunk, tensors, chunk_size=16, lower_bound=lower_bound))
+    assert_all_close(runs[0], runs[1], f"groups of 1 vs 1000 chunks, lower_bound={lower_bound}")
+    assert_all_close(runs[0], outputs_and_gradients(kda_recurrent, tensors), "groups of 1 chunk vs recurrent")
+
+
+def test_lower_bound_is_checked_and_enforced():
+    from k3course import debug
+
+    q, k, v, g, beta, s0 = inputs("layer", scalar_gate=False, T=40)
+    for bad in (0, 1.0, "x", float("nan"), -float("inf"), True):
+        with pytest.raises(ValueError, match="lower_bound must be None or a negative finite number"):
+            kda_chunk(q, k, v, g, beta, lower_bound=bad)
+    steep = g - 3.0  # below the bound in places
+    o, _ = kda_chunk(q, k, v, steep, beta, lower_bound=BOUND)  # no host read: clamped at the bound, finite
+    o_clamped, _ = kda_recurrent(q, k, v, steep.clamp(min=BOUND), beta)
+    assert_all_close([o], [o_clamped], "a gate below the bound is clamped to it")
+    with debug.value_checks(), pytest.raises(ValueError, match="g has values below lower_bound"):
+        kda_chunk(q, k, v, steep, beta, lower_bound=BOUND)
+
+
+def test_bounded_path_in_bf16_and_fp64():
+    """fp64 inputs: o in fp64 equal to the fp32 run; bf16: o in bf16 close to the fp32 run on the same values;
+    the state is fp32 either way."""
+    q, k, v, g, beta, s0 = inputs("layer", scalar_gate=False, T=70)
+    o_32, s_32 = kda_chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True, lower_bound=BOUND)
+    o_64, s_64 = kda_chunk(*(x.double() for x in (q, k, v, g, beta)), initial_state=s0, output_final_state=True,
+                           lower_bound=BOUND)
+    assert o_64.dtype == torch.float64 and s_64.dtype == torch.float32
+    assert_all_close([o_64, s_64], [o_32, s_32], "fp64 inputs")
+    halves = [x.bfloat16() for x in (q, k, v, g, beta)]
+    o_16, s_16 = kda_chunk(*halves, initial_state=s0, output_final_state=True, lower_bound=BOUND)
+    o_ref, s_ref = kda_recurrent(*(x.float() for x in halves), initial_state=s0, output_final_state=True)
+    assert o_16.dtype == torch.bfloat16 and s_16.dtype == torch.float32
+    assert ((o_16.float() - o_ref).norm() / o_ref.norm()).item() < 1e-2
+    assert ((s_16 - s_ref).norm() / s_ref.norm()).item() < 1e-4

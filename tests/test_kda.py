@@ -239,12 +239,19 @@ def test_both_score_paths_are_exact_and_unbounded_gates_work():
 
 
 def test_bench_kda_runs_and_reports_its_ratios(capsys):
-    from k3course.bench.kda import chunk_flops, main
+    from k3course.bench.kda import chunk_flops, kda_inputs, main
 
     assert main(["--lengths", "32", "64", "--recurrent-length", "32", "--heads", "1", "--dim", "8", "--repeats", "1",
                  "--rounds", "1", "--chunk-size", "16"]) == 0
     report = capsys.readouterr().out
-    assert "recurrent T=    32" in report and "x the chunked path" in report and "(mild gates)" in report
-    assert "chunked time growth T=32 -> 64" in report and "(layer gates)" in report
+    for row in ("chunked, K3 gates, lower_bound=-5", "K3 layer's gates at init", "mild gates", "no bound",
+                "package recurrent (kda_recurrent)", "chunked growth T=32 -> 64 (2x longer)"):
+        assert row in report, f"the report lacks the row {row!r}"
+    assert "x the chunked path" in report and "of matmul rate" in report and "H·(6T·d² + 3T·C·d + T·C²)" in report
+    assert report.count(">= 10x: ") >= 1 and ">= 20%: " in report and "<= 9x: " in report  # each target, judged
     assert chunk_flops(64, 64, 64) == 10 * 64 * 64 * 64  # 6Td² + 3TCd + TC² with C = d
     assert torch.is_grad_enabled(), "the benchmark must not switch autograd off for its caller"
+    g = kda_inputs(4096, gates="layer")[3]  # K3's bounded gate over its whole range, down to the bound
+    assert -5.0 < g.min() < -4.9 and -0.1 < g.max() < 0 and abs(g.mean() + 2.5) < 0.05
+    g_init = kda_inputs(512, heads=2, dim=16, gates="init")[3]  # a freshly initialised layer's own gates
+    assert g_init.shape == (1, 512, 2, 16) and -5.0 < g_init.min() and g_init.max() < 0

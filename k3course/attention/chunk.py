@@ -15,16 +15,29 @@ Everything but the state passing (5 and 8) is batched over all chunks at once. E
 difference of cumulative log-decays, ≤ 0 (or G ≤ 0 itself), so nothing overflows, forward or backward, for any
 g ≤ 0: e^{−G} alone is never formed, and no factor is ever divided by another. Exponents are clamped below at
 ``DECAY_FLOOR`` so that no weight is a subnormal float (slow on CPUs). No value is read back to the host.
+
+A caller that guarantees a lower bound on the gate, g ≥ L (K3's gate is L·σ(·) with L = −5), gets the fast form
+of steps 2 and 6 (``lower_bound=L``): within a sub-chunk of S tokens with (S − 1)·|L| ≤ ``FACTOR_RANGE`` (16 for
+L = −5, as in fla's kernels and chapter 08's) every decay is referenced to the sub-chunk's first token, so one
+batched matrix product per chunk gives all of A_kk and A_qk, and no factor exceeds e^``FACTOR_RANGE``. Without a
+bound, blocks of doubling size keep every exponent ≤ 0 (exact for any g ≤ 0, several smaller products).
 GDN is KDA with one gate per head shared by the channels; GLA skips the delta steps (Ṽ = V).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from k3course import debug
 from k3course.attention.checks import validate
 
 SUB_CHUNK = 8  # smallest block of the UT transform
+SCORE_SUB_CHUNK = 16  # most tokens per sub-chunk of the bounded-gate scores (fla's and the Triton kernel's 16)
+CHUNKS_PER_GROUP = 64  # chunks processed together: [64, 64, 64] float32 temporaries of 1 MB stay in the caches
+FACTOR_RANGE = 75.0  # largest exponent of a bounded-gate factor: e^75 ≈ 4e32, so even the masked (discarded) entries,
+# sums of 128 such products, stay below float32's largest number, e^88.7
 DECAY_FLOOR = -30.0  # decay exponents are raised to this: e^-30 ≈ 9e-14 of the largest weight (1), far below fp32's
 # resolution, and it keeps every factor and every product of two factors a normal float (subnormals, e^x for
 # x < −87, make exp 20× and matmuls 50× slower on x86 CPUs)
@@ -101,6 +114,51 @@ def _channel_scores(a, b, G, strict: bool) -> torch.Tensor:
     return scores
 
 
+def _bounded_sub_chunk(lower_bound: float, C: int) -> int:
+    """Tokens per sub-chunk of :func:`_bounded_scores`: the largest S ≤ ``SCORE_SUB_CHUNK`` (halving) with
+    (S − 1)·|lower_bound| ≤ ``FACTOR_RANGE``, so that no factor exceeds e^``FACTOR_RANGE``; at most C."""
+    size = SCORE_SUB_CHUNK
+    while size > 1 and (size - 1) * -lower_bound > FACTOR_RANGE:
+        size //= 2
+    return min(size, C)
+
+
+def _bounded_scores(operands, b, G, strict: bool, S: int) -> list:
+    """decayed_scores for a channel gate with every step g ≥ L, in sub-chunks of S tokens, (S − 1)·|L| ≤ 75.
+
+    With p_a the first and e_a the last token of sub-chunk a, the weight of row r (in sub-chunk a) and column i
+    (in sub-chunk c ≤ a) is a product of three factors, each formed from one exponent:
+
+        e^{G_r − G_i} = e^{G_r − G_{p_a}} · e^{G_{p_a} − G_{e_c}} · e^{G_{e_c} − G_i}
+                        (row, ≤ 1)         (bridge)               (column, ≤ 1)
+
+    For c < a the bridge is ≤ 1 (a difference ≤ 0, floored at ``DECAY_FLOOR``); on the diagonal (c = a) it is
+    e^{G_{p_a} − G_{e_a}} ≤ e^{(S − 1)·|L|} ≤ e^75, and the row and column factors are ≥ e^−75: every factor is a
+    normal float32. The bridge scales the columns once per row sub-chunk ``[L, NC, C, K]``, so every chunk is one
+    batched product [n·S rows] × [C columns] per sub-chunk. Masked entries (i > r, up to e^75 · a·b) are dropped
+    by ``torch.where``. operands: n tensors ``[L, C, K]``; b, G ``[L, C, K]`` -> n tensors ``[L, C, C]``.
+    """
+    L, C, K = b.shape
+    pad = (-C) % S  # pad to whole sub-chunks: zero operands, G constant (g = 0)
+    if pad:
+        operands = [torch.cat([x, x.new_zeros(L, pad, K)], dim=-2) for x in operands]
+        b, G = torch.cat([b, b.new_zeros(L, pad, K)], dim=-2), torch.cat([G, G[:, -1:].expand(L, pad, K)], dim=-2)
+    n, padded = len(operands), C + pad
+    blocks = padded // S
+    G = G.view(L, blocks, S, K)
+    first, last = G[:, :, :1], G[:, :, -1:]  # G_p, G_e: [L, NC, 1, K]
+    row_factor = torch.exp((G - first).to(b.dtype))  # e^{G_r − G_p} ∈ [e^-75, 1], [L, NC, S, K]
+    columns = b.view(L, blocks, S, K) * torch.exp((last - G).to(b.dtype))  # b_i e^{G_e − G_i}
+    bridge = (first[:, :, None, 0] - last[:, None, :, 0]).to(b.dtype)  # G_{p_a} − G_{e_c}: [L, NC(a), NC(c), K]
+    bridge = torch.where(_causal_mask(blocks, False, bridge).bool().unsqueeze(-1),
+                         bridge.clamp(min=DECAY_FLOOR), float("-inf")).exp()  # 0 for c > a
+    columns = (columns.unsqueeze(1) * bridge.unsqueeze(-2)).view(L * blocks, padded, K)  # per row sub-chunk a
+    rows = torch.cat([x.view(L, blocks, S, K) * row_factor for x in operands], dim=-2)  # [L, NC, n·S, K]
+    scores = torch.bmm(rows.view(L * blocks, n * S, K), columns.mT).view(L, blocks, n, S, padded)
+    keep = _causal_mask(C, strict, b).bool()
+    return [torch.where(keep, scores[:, :, j].reshape(L, padded, padded)[:, :C, :C], 0.0) for j in range(n)]
+
+
 def _scalar_scores(a, b, G, strict: bool) -> torch.Tensor:
     """decayed_scores for a gate shared by the K channels (G ``[L, C, 1]``): (a bᵀ) ⊙ e^{G_r − G_i}, the decay one
     ``[C, C]`` matrix, exact for any g ≤ 0. a ``[n, L, C, K]``, b ``[L, C, K]`` -> ``[n, L, C, C]``."""
@@ -110,24 +168,30 @@ def _scalar_scores(a, b, G, strict: bool) -> torch.Tensor:
     return products.view(L, n, C, C).transpose(0, 1) * weights
 
 
-def decayed_scores(a, b, G, strict: bool):
+def decayed_scores(a, b, G, strict: bool, lower_bound: float | None = None):
     """A[r, i] = Σ_d a_rd b_id e^{G_rd − G_id} for i < r (strict) or i ≤ r, else 0.
 
     a, b ``[..., C, K]``, G ``[..., C, K]`` (the inclusive cumulative log-decay of a channel gate) or
     ``[..., C, 1]`` (a gate shared by the channels, as in GDN) -> ``[..., C, C]``; leading dims broadcast. ``a``
     may be a tuple of tensors (e.g. ``(k, q)``): then one result each, sharing the decay factors. Exact for every
-    g ≤ 0 up to weights below e^``DECAY_FLOOR``: every exponent is a difference G_r − G_i ≤ 0 (e^{−G} alone, which
-    overflows, is never formed), and the products are batched (:func:`_channel_scores`, :func:`_scalar_scores`).
+    g ≤ 0 up to weights below e^``DECAY_FLOOR``: e^{−G} alone, which overflows, is never formed, and the products
+    are batched. ``lower_bound`` L: the caller guarantees every step of G is ≥ L; then a channel gate takes the
+    fast form, one product per chunk (:func:`_bounded_scores`), else blocks of doubling size
+    (:func:`_channel_scores`); a shared gate needs one ``[C, C]`` weight matrix (:func:`_scalar_scores`).
     """
     many = isinstance(a, tuple)
     operands = a if many else (a,)
     C, K = b.shape[-2:]
     lead = torch.broadcast_shapes(*(x.shape[:-2] for x in operands), b.shape[:-2], G.shape[:-2])
-    stacked = torch.stack([x.expand(*lead, C, K).reshape(-1, C, K) for x in operands])  # [n, L, C, K]
-    b = b.expand(*lead, C, K).reshape(-1, C, K)
-    G = G.expand(*lead, *G.shape[-2:]).reshape(-1, *G.shape[-2:])
-    scores = (_scalar_scores if G.shape[-1] == 1 else _channel_scores)(stacked, b, G, strict)
-    scores = scores.reshape(len(operands), *lead, C, C)
+    flat = lambda x: x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:])  # [L, C, ·]
+    operands, b, G = [flat(x) for x in operands], flat(b), flat(G)
+    if G.shape[-1] == 1:
+        scores = _scalar_scores(torch.stack(operands), b, G, strict)
+    elif lower_bound is None:
+        scores = _channel_scores(torch.stack(operands), b, G, strict)
+    else:
+        scores = _bounded_scores(operands, b, G, strict, _bounded_sub_chunk(lower_bound, C))
+    scores = [x.reshape(*lead, C, C) for x in scores]
     return tuple(scores) if many else scores[0]
 
 
@@ -225,51 +289,88 @@ def _pass_states(W, U, k, G, state):
             state.reshape(*leading, *state.shape[1:]))
 
 
-def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
+def _chunk_group(q, k, v, g, beta, state, lower_bound):
+    """Steps 1–8 for a group of consecutive chunks of every head, q (scaled), k, g ``[B·H, n, C, K]``, v
+    ``[B·H, n, C, V]``, beta ``[B·H, n, C]`` (None for GLA), state ``[B·H, K, V]`` entering the group's first
+    chunk. Returns ``(o [B·H, n, C, V], state leaving the group)``.
+
+    G is summed in float64 (then only exponents are formed from it): a chunk of 64 tokens at g = −5 reaches
+    G = −320, where a float32 cumulative sum is off by ~3e-5, and every weight e^{G_r − G_i} would inherit that
+    relative error."""
+    heads, n, C = q.shape[:3]
+    chunks = lambda x: None if x is None else x.flatten(0, 1)  # [B·H·n, C, ·]: every chunk one batch entry
+    per_head = lambda x: None if x is None else x.unflatten(0, (heads, n))  # [B·H, n, C, ·]
+    G = g.double().cumsum(-2)  # step 1, inclusive; float64 (see above)
+    q, k, v, G, beta = (chunks(x) for x in (q, k, v, G, beta))
+    decay = _decay(G, q)  # Γ = e^G ≤ 1
+    if beta is None:  # GLA: no delta steps, Ṽ = V
+        W, U, A_qk = None, v, decayed_scores(q, k, G, strict=False, lower_bound=lower_bound)
+    else:
+        A_kk, A_qk = decayed_scores((k, q), k, G, strict=False, lower_bound=lower_bound)  # steps 2 and 6 share
+        A_kk = A_kk * _causal_mask(C, True, A_kk) * beta.unsqueeze(-1)  # step 2 (strictly lower)
+        M = ut_transform(A_kk, beta)  # step 3
+        W, U = M @ (decay * k), M @ v  # step 4
+    entering, v_new, state = _pass_states(per_head(W), per_head(U), per_head(k), per_head(G), state)  # 5, 8
+    o = torch.baddbmm(A_qk @ v_new.flatten(0, 1), decay * q, entering.flatten(0, 1))  # step 7
+    return per_head(o), state
+
+
+def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, lower_bound=None):
     """Chunkwise KDA (beta given) or GLA (beta None) on validated inputs, g ``[B, T, H, K]`` (channel gate) or
     ``[B, T, H, 1]`` (one gate per head, broadcast over the K channels: GDN and scalar-decay attention).
 
-    All chunks of all heads are one batch ``[B·H·N, C, ·]``; only steps 5 and 8 loop over chunks. G is summed
-    in float64 (then only exponents are formed from it): a chunk of 64 tokens at g = −5 reaches G = −320, where a
-    float32 cumulative sum is off by ~3e-5, and every weight e^{G_r − G_i} would inherit that relative error."""
+    The chunks ``[B·H, N, C, ·]`` are taken in groups of consecutive chunks (``CHUNKS_PER_GROUP`` chunks of all
+    heads together), the state passed from group to group as from chunk to chunk: within a group every step
+    but the state passing (5, 8) is batched over its chunks (:func:`_chunk_group`), and a group's temporaries are
+    small enough to stay in the CPU's caches, so the time grows linearly with T. ``lower_bound`` L (a channel
+    gate known to be ≥ L): g is clamped at L, and steps 2 and 6 take the fast form (:func:`decayed_scores`)."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     dtype, (batch, time, heads, key_dim), value_dim = q.dtype, q.shape, v.shape[-1]
+    if lower_bound is not None:
+        g = g.clamp(min=lower_bound)  # the guarantee, enforced: a step below L would overflow a factor
     # padded tokens (k = 0, β = 0, g = 0) leave the state unchanged
-    q, k, v, g = (_to_chunks(x.float(), chunk_size) for x in (q, k, v, g))  # [B·H·N, C, ·]
+    per_head = lambda x: None if x is None else _to_chunks(x.float(), chunk_size).unflatten(0, (batch * heads, -1))
+    q, k, v, g, beta = (per_head(x) for x in (q, k, v, g, beta))  # [B·H, N, C, ·]
     q = q * scale
-    G = g.double().cumsum(-2)  # step 1, inclusive; float64 (see above)
-    decay = _decay(G, q)  # Γ = e^G ≤ 1
-    if beta is None:  # GLA: no delta steps, Ṽ = V
-        W, U, A_qk = None, v, decayed_scores(q, k, G, strict=False)
-    else:
-        beta = _to_chunks(beta.float(), chunk_size)  # [B·H·N, C]
-        A_kk, A_qk = decayed_scores((k, q), k, G, strict=False)  # steps 2 and 6 share their decays
-        A_kk = A_kk * _causal_mask(chunk_size, True, A_kk) * beta.unsqueeze(-1)  # step 2 (strictly lower)
-        M = ut_transform(A_kk, beta)  # step 3
-        W, U = M @ (decay * k), M @ v  # step 4
     state = q.new_zeros(batch * heads, key_dim, value_dim)
     if initial_state is not None:
         state = state + initial_state.float().reshape(batch * heads, key_dim, value_dim)
-    per_head = (lambda x: None if x is None else x.unflatten(0, (batch * heads, -1)))  # [B·H, N, ...]
-    entering, v_new, state = _pass_states(per_head(W), per_head(U), per_head(k), per_head(G), state)  # 5, 8
-    o = torch.baddbmm(A_qk @ v_new.flatten(0, 1), decay * q, entering.flatten(0, 1))  # step 7
-    o = o.reshape(batch, heads, -1, value_dim).transpose(1, 2)[:, :time]
+    group = max(1, CHUNKS_PER_GROUP // (batch * heads))  # chunks of each head per group
+    outputs = []
+    for start in range(0, q.shape[1], group):
+        part = slice(start, start + group)
+        o, state = _chunk_group(*(None if x is None else x[:, part] for x in (q, k, v, g, beta)), state, lower_bound)
+        outputs.append(o)
+    o = torch.cat(outputs, dim=1).reshape(batch, heads, -1, value_dim).transpose(1, 2)[:, :time]
     final = state.reshape(batch, heads, key_dim, value_dim) if output_final_state else None
     return o.to(dtype), final
 
 
+def _check_lower_bound(lower_bound, g) -> None:
+    """``lower_bound`` is None or a negative finite number; under the debug switch g must respect it."""
+    if lower_bound is None:
+        return
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, int | float) or not -math.inf < lower_bound < 0:
+        raise ValueError(f"lower_bound must be None or a negative finite number, got {lower_bound!r}")
+    if debug.enabled() and bool((g < lower_bound).any()):
+        raise ValueError(f"g has values below lower_bound = {lower_bound}: the gate must satisfy g ≥ lower_bound "
+                         "(K3's is lower_bound·σ(·)); pass lower_bound=None for an unbounded gate")
+
+
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64, *,
-              allow_neg_eigval=False):
+              allow_neg_eigval=False, lower_bound=None):
     """Chunkwise Kimi Delta Attention; same result as :func:`~k3course.attention.recurrent.kda_recurrent`.
 
     q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]`` (log-decay, ≤ 0); beta ``[B, T, H]``;
-    any T (padded internally to a multiple of ``chunk_size``); differentiable. Returns ``o [B, T, H, V]`` in
-    the input dtype and the final state ``[B, H, K, V]`` in float32 (or None).
+    any T (padded internally to a multiple of ``chunk_size``); differentiable. ``lower_bound``: a number L < 0
+    with g ≥ L guaranteed (K3's bounded gate: −5), for the fast intra-chunk form; g is clamped at L. Returns
+    ``o [B, T, H, V]`` in the input dtype and the final state ``[B, H, K, V]`` in float32 (or None).
     """
     scale = validate(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,
                      allow_neg_eigval=allow_neg_eigval)
-    return _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+    _check_lower_bound(lower_bound, g)
+    return _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, lower_bound)
 
 
 def gdn_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64, *,

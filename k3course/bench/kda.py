@@ -1,12 +1,15 @@
 """``k3course bench kda``: chunked vs recurrent KDA on this machine (fp32, B=1, H=4, K=V=64 by default).
 
-The workload is the K3 layer's gate: g = −5·σ(z) per channel (``kda_gate`` with z ~ N(0, 1)), down to the lower
-bound, so a 64-token chunk decays by up to ~320; mild gates g ~ −U(0, 1) are a second row. Reports, from one
-run (every variant takes turns over ``--rounds`` rounds, so that a busy spell of a shared machine slows all of
-them alike): fla's naive recurrent reference (when fla is installed) and the package's recurrent path against
-the chunked one at T = 4096 (target ≥ 10× each), the chunked time growth from T = 1024 to 8192 (target ≤ 9× for
-8× the length: linear in T), and the chunked path's GFLOP/s as a fraction of this machine's measured fp32
-matmul rate (target ≥ 20%), FLOPs counted by :func:`chunk_flops`.
+The workload is K3's bounded gate g = −5·σ(z) per channel (``kda_gate``, z ~ N(0, 1)), spanning (−5, 0) down to
+the lower bound, so a 64-token chunk decays by up to ~320, passed to the chunked op with the bound the layer
+guarantees (``lower_bound=-5``). Further rows at T = 4096: the gates of a freshly initialised K3 KDA layer (its own
+``log_decay`` on random inputs: milder, −0.13 on average), mild gates g ~ −U(0, 1), and the K3 gates without the
+bound (the exact path for any g ≤ 0). Reports, from one run (every variant takes turns over ``--rounds`` rounds, so
+that a busy spell of a shared machine slows all of them alike), as a table with each target and whether it is met:
+fla's naive recurrent reference (when fla is installed) and the package's recurrent path against the chunked one
+at T = 4096 (target ≥ 10× each), the chunked time growth from T = 1024 to 8192 (target ≤ 9× for 8× the length:
+linear in T), and the chunked path's GFLOP/s as a fraction of this machine's fp32 matmul rate measured in the same
+run (target ≥ 20%), FLOPs counted by :func:`chunk_flops`.
 """
 
 from __future__ import annotations
@@ -18,15 +21,19 @@ import torch
 import torch.nn.functional as F
 
 from k3course.attention.chunk import kda_chunk
-from k3course.attention.kda import kda_gate
+from k3course.attention.kda import KDA_LOWER_BOUND, KimiDeltaAttention, kda_gate
 from k3course.attention.recurrent import kda_recurrent
 from k3course.bench import best_seconds, interleaved_best_seconds
 
-GATES = ("layer", "mild")
+GATES = ("layer", "init", "mild")
+TARGETS = {"recurrent": 10.0, "fla naive": 10.0, "matmul fraction": 0.2, "growth": 9.0}
 
 
-def chunk_flops(T: int, d: int, chunk_size: int) -> float:
-    """FLOPs of chunkwise KDA for one head (DESIGN §6): ≈ 6T·d² + 3T·C·d + T·C²."""
+def chunk_flops(T, d: int, chunk_size: int):
+    """FLOPs of chunkwise KDA's forward for one head, T tokens, K = V = d, chunk C (DESIGN §6):
+    6T·d² + 3T·C·d + T·C² (the state products W S, (Γ⊙Q) S, K̃ᵀṼ at 2d² each per token, plus the intra-chunk
+    products). Counting every matmul of steps 2–8 with the triangular ones at half, 6T·d² + 5T·C·d + T·C²/3, is
+    13% more at C = d = 64; this smaller count is the one the targets use."""
     return 6 * T * d * d + 3 * T * chunk_size * d + T * chunk_size * chunk_size
 
 
@@ -41,10 +48,22 @@ def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n ** 3 / best_seconds(lambda: a @ b, repeats) / 1e9
 
 
+def layer_gates(T: int, heads: int, dim: int, seed: int) -> torch.Tensor:
+    """The log-decay a freshly initialised K3 KDA layer (d_model = heads·dim) produces on x ~ N(0, 1):
+    ``[1, T, heads, dim]``, detached."""
+    with torch.random.fork_rng():  # the layer's initialisation, without touching the caller's generator
+        torch.manual_seed(seed)
+        layer = KimiDeltaAttention(heads * dim, heads, dim)
+    x = torch.randn(1, T, heads * dim, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return layer.log_decay(x)
+
+
 def kda_inputs(T: int, heads: int = 4, dim: int = 64, seed: int = 0, gates: str = "layer"):
     """Seeded q, k (unit norm), v, g, beta for one sequence: ``[1, T, heads, dim]``.
 
-    gates ``"layer"``: the K3 layer's gate −5·σ(z) (A_log = 0, dt_bias = 0, z ~ N(0, 1)); ``"mild"``: −U(0, 1)."""
+    gates ``"layer"``: K3's gate over its whole range, −5·σ(z) (A_log = 0, dt_bias = 0, z ~ N(0, 1));
+    ``"init"``: a freshly initialised K3 layer's own gates (:func:`layer_gates`); ``"mild"``: −U(0, 1)."""
     if gates not in GATES:
         raise ValueError(f"gates must be one of {GATES}, got {gates!r}")
     gen = torch.Generator().manual_seed(seed)
@@ -54,18 +73,58 @@ def kda_inputs(T: int, heads: int = 4, dim: int = 64, seed: int = 0, gates: str 
     z = torch.randn(1, T, heads, dim, generator=gen)
     if gates == "layer":
         g = kda_gate(z, torch.zeros(heads), torch.zeros(heads, dim))
+    elif gates == "init":
+        g = layer_gates(T, heads, dim, seed)
     else:
         g = -torch.rand(z.shape, generator=gen)
     return q, k, v, g, torch.rand(1, T, heads, generator=gen)
 
 
 def fla_naive_recurrent():
-    """fla's naive recurrent KDA reference (the ``oracle`` extra), or None when fla is not installed."""
+    """fla's naive recurrent KDA reference, ``fla.ops.kda.naive.naive_recurrent_kda`` (the ``oracle`` extra),
+    or None when fla is not installed."""
     if importlib.util.find_spec("fla") is None:
         return None
     from fla.ops.kda.naive import naive_recurrent_kda
 
     return naive_recurrent_kda
+
+
+def _verdict(value: float, target: float, at_least: bool, unit: str = "x") -> str:
+    """'>= 10x: met', '<= 9x: NOT met', '>= 20%: met' ..."""
+    met = value >= target if at_least else value <= target
+    shown = f"{target:.0%}" if unit == "%" else f"{target:g}x"
+    return f"{'>=' if at_least else '<='} {shown}: {'met' if met else 'NOT met'}"
+
+
+def _report(times: dict, peak: float, args, lengths: list[int]) -> list[str]:
+    """The table: one row per timed variant, with its ratio, target and verdict."""
+    T_rec, short, long = args.recurrent_length, min(args.lengths), max(args.lengths)
+    flops = lambda T: args.heads * chunk_flops(T, args.dim, args.chunk_size)
+    lines = [f"fp32 matmul (1024²): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads; B=1, H={args.heads}, "
+             f"K=V={args.dim}, chunk size C={args.chunk_size}; best of {args.rounds} rounds",
+             f"FLOPs of the chunked forward: H·(6T·d² + 3T·C·d + T·C²) = {flops(T_rec) / 1e6:.0f} MFLOP at T={T_rec}",
+             f"{'variant':<44} {'T':>6} {'ms':>9}  {'measure':<26} target",
+             "-" * 104]
+    rows = [("chunked, K3 gates, lower_bound=-5", T, T) for T in lengths]
+    rows += [("chunked, K3 layer's gates at init, bound -5", T_rec, "init"), ("chunked, mild gates -U(0,1), bound -5",
+             T_rec, "mild"), ("chunked, K3 gates, no bound (exact any g)", T_rec, "unbounded")]
+    for label, T, key in rows:
+        fraction = flops(T) / times[key] / 1e9 / peak
+        lines.append(f"{label:<44} {T:>6} {times[key] * 1e3:9.1f}  {f'{fraction:.1%} of matmul rate':<26} "
+                     f"{_verdict(fraction, TARGETS['matmul fraction'], True, '%')}")
+    for name, label in (("recurrent", "package recurrent (kda_recurrent)"),
+                        ("fla naive", "fla naive_recurrent_kda")):
+        if name in times:
+            ratio = times[name] / times[T_rec]
+            lines.append(f"{label:<44} {T_rec:>6} {times[name] * 1e3:9.1f}  {f'{ratio:.1f}x the chunked path':<26} "
+                         f"{_verdict(ratio, TARGETS[name], True)}")
+        else:
+            lines.append(f"{label:<44} {T_rec:>6} {'-':>9}  not installed")
+    growth = times[long] / times[short]
+    lines.append(f"{f'chunked growth T={short} -> {long} ({long // short}x longer)':<44} {'':>6} {'':>9}  "
+                 f"{f'{growth:.1f}x':<26} {_verdict(growth, TARGETS['growth'], False)}")
+    return lines
 
 
 def main(options: list[str]) -> int:
@@ -83,9 +142,13 @@ def main(options: list[str]) -> int:
         torch.set_num_threads(args.threads)
     lengths, T_rec = sorted(set(args.lengths) | {args.recurrent_length}), args.recurrent_length
     inputs = {T: kda_inputs(T, args.heads, args.dim) for T in lengths}
-    mild = kda_inputs(T_rec, args.heads, args.dim, gates="mild")
-    calls = {T: (lambda T=T: kda_chunk(*inputs[T], chunk_size=args.chunk_size), args.repeats) for T in lengths}
-    calls["mild"] = (lambda: kda_chunk(*mild, chunk_size=args.chunk_size), args.repeats)
+    inputs["init"] = kda_inputs(T_rec, args.heads, args.dim, gates="init")
+    inputs["mild"] = kda_inputs(T_rec, args.heads, args.dim, gates="mild")
+    chunked = lambda key, bound: (lambda: kda_chunk(*inputs[key], chunk_size=args.chunk_size, lower_bound=bound))
+    calls = {T: (chunked(T, KDA_LOWER_BOUND), args.repeats) for T in lengths}
+    calls["init"] = (chunked("init", KDA_LOWER_BOUND), args.repeats)
+    calls["mild"] = (chunked("mild", KDA_LOWER_BOUND), args.repeats)
+    calls["unbounded"] = (chunked(T_rec, None), args.repeats)
     calls["recurrent"] = (lambda: kda_recurrent(*inputs[T_rec]), 1)
     naive = fla_naive_recurrent()
     if naive is not None:
@@ -93,20 +156,5 @@ def main(options: list[str]) -> int:
     with torch.no_grad():
         peak = matmul_gflops()
         times = interleaved_best_seconds(calls, args.rounds)
-    print(f"fp32 matmul (1024²): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads; chunk size {args.chunk_size}; "
-          f"best of {args.rounds} rounds; FLOPs per head 6T·d² + 3T·C·d + T·C² (d = {args.dim}, C = {args.chunk_size})")
-    rows = [(f"chunked   T={T:>6} (layer gates)", T, times[T]) for T in lengths]
-    rows.append((f"chunked   T={T_rec:>6} (mild gates) ", T_rec, times["mild"]))
-    for label, T, seconds in rows:
-        achieved = args.heads * chunk_flops(T, args.dim, args.chunk_size) / seconds / 1e9
-        print(f"{label}: {seconds * 1e3:9.1f} ms  {achieved:6.2f} GFLOP/s = {achieved / peak:.1%} of matmul "
-              "(target >= 20%)")
-    chunked = times[T_rec]
-    for name in ("recurrent", "fla naive"):
-        if name in times:
-            print(f"{name:<9} T={T_rec:>6}: {times[name] * 1e3:9.1f} ms  = {times[name] / chunked:.1f}x the chunked "
-                  "path (target >= 10x)")
-    short, long = min(args.lengths), max(args.lengths)
-    growth = times[long] / times[short]
-    print(f"chunked time growth T={short} -> {long} ({long // short}x longer): {growth:.1f}x (target <= 9x)")
+    print("\n".join(_report(times, peak, args, lengths)))
     return 0

@@ -102,13 +102,15 @@ class DecayMemory(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must be [B, T, n_inputs={self.q_proj.in_features}], got {shape}")
-        heads = lambda y, width: y.unflatten(-1, (self.n_heads, width))  # noqa: E731
-        q, k = heads(self.q_proj(x), self.key_dim), heads(self.k_proj(x), self.key_dim)
-        o = decay_attention_parallel(q, k, heads(self.v_proj(x), self.value_dim), self.log_decay(x), scale=1.0)
+        q, k, v = (self._heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        o = decay_attention_parallel(q, k, v, self.log_decay(x), scale=1.0)  # [B, T, H, V]
         return self.o_proj(o.flatten(-2))
 
+    def _heads(self, y):
+        return y.unflatten(-1, (self.n_heads, -1))  # [B, T, H·D] -> [B, T, H, D]
 
-def train_two_timescales(gate: str, steps: int = 300, batch_size: int = 64, seq_len: int = 64, lr: float = 3e-2,
+
+def train_two_timescales(gate: str, steps: int = 200, batch_size: int = 32, seq_len: int = 40, lr: float = 3e-2,
                          seed: int = 0, fast_decay: float = 0.7, **model_kwargs) -> dict:
     """Train a :class:`DecayMemory` on fresh :func:`two_timescales` batches with the mean squared error.
 
@@ -229,8 +231,8 @@ def segment_accuracy(model: nn.Module, tokens, targets, stale) -> dict:
     return {"stored": correct[stored].float().mean().item(), "stale": correct[stale].float().mean().item()}
 
 
-def train_segment_recall(mixer: str, steps: int = 300, batch_size: int = 32, n_segments: int = 3, n_pairs: int = 4,
-                         n_queries: int = 4, vocab_size: int = 32, lr: float = 5e-3, seed: int = 0,
+def train_segment_recall(mixer: str, steps: int = 250, batch_size: int = 32, n_segments: int = 5, n_pairs: int = 3,
+                         n_queries: int = 2, vocab_size: int = 32, lr: float = 5e-3, seed: int = 0,
                          **model_kwargs) -> dict:
     """Train a :func:`forget_model` on fresh :func:`segment_recall` batches (cross-entropy on the queries).
 

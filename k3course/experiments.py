@@ -18,7 +18,9 @@ latent-moe       full-width vs latent MoE at equal active FLOPs, with all-to-all
 expert-count     8, 32, 112 routed experts at top-2 and fixed expert width (activation ratio 25% → 1.8%).
 
 The claim experiments (the last six) train each variant of :mod:`k3course.claims` for every seed with one
-runner, :func:`k3course.claims.run_variant`, on one thread.
+runner, :func:`k3course.claims.run_variant`, on one thread. A variant that another experiment already trained
+with the same config, settings and seeds is copied from its saved result (checked), not trained again: residuals'
+Block AttnRes is hybrid-ratio's 3:1, expert-count's 8 experts is balancing's quantile.
 """
 
 from __future__ import annotations
@@ -108,23 +110,47 @@ def describe(cfg) -> dict:
             "activation_ratio": cfg.activation_ratio()}
 
 
-def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict,
-                   sample_prompt: str | None = None) -> dict:
+def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, sample_prompt: str | None = None,
+                   reuse: dict[str, tuple[str, str]] | None = None) -> dict:
     """Every variant of ``claim`` (:data:`k3course.claims.CLAIMS`) × every seed, trained by
     :func:`k3course.claims.run_variant` with ``TrainConfig(**train)``:
     {"variants": {label: :func:`describe`}, "torch_threads": 1, "runs": [{"variant", "seed", ...run}, ...]}, on
-    one thread; the first seed's run of each variant also returns a sample after ``sample_prompt`` (if given)."""
+    one thread; the first seed's run of each variant also returns a sample after ``sample_prompt`` (if given).
+
+    ``reuse`` {label: (experiment, its label)}: that variant's runs are copied from the saved result of another
+    experiment that trained the same config with the same task, training settings and seeds (checked), instead
+    of training it again; they keep a "reused_from" note.
+    """
     variants = claims.CLAIMS[claim]()
     settings = train_config(train)
     runs = []
     with torch_threads(1):
         for label, cfg in variants.items():
+            if label in (reuse or {}):
+                runs += reused_runs(cfg, label, *reuse[label], seeds=seeds, task=task, train=train)
+                continue
             for seed in seeds:
                 prompt = sample_prompt if seed == seeds[0] else None
                 runs.append({"variant": label, "seed": seed,
                              **claims.run_variant(cfg, settings, seed, task, sample_prompt=prompt)})
                 print(f"{claim}: {label}, seed {seed}: {runs[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
     return {"variants": {label: describe(cfg) for label, cfg in variants.items()}, "torch_threads": 1, "runs": runs}
+
+
+def reused_runs(cfg, label: str, experiment: str, their_label: str, seeds: tuple[int, ...], task: str,
+                train: dict) -> list[dict]:
+    """The runs of ``their_label`` in the saved ``experiment``, relabelled ``label``, after checking that they
+    trained ``cfg`` with the same task, training settings and seeds (ValueError naming what differs)."""
+    saved = load(experiment)
+    plain = lambda value: json.loads(json.dumps(value))
+    checks = {"config": (saved["result"]["variants"][their_label]["config"], plain(dataclasses.asdict(cfg))),
+              "train": (saved["settings"]["train"], plain(train)), "seeds": (saved["settings"]["seeds"], list(seeds)),
+              "task": (saved["settings"]["task"], task)}
+    differ = [name for name, (theirs, ours) in checks.items() if theirs != ours]
+    if differ:
+        raise ValueError(f"reuse: {experiment}'s {their_label!r} runs differ from {label!r} in {', '.join(differ)}")
+    return [{**run, "variant": label, "reused_from": f"{experiment}: {their_label}"}
+            for run in saved["result"]["runs"] if run["variant"] == their_label]
 
 
 def spread(result: dict, metric: str, key: str = "variant") -> dict[str, dict]:
@@ -210,8 +236,13 @@ _TEXT = dict(seeds=SEEDS, task="text", train=dataclasses.asdict(claims.TEXT_TRAI
 EXPERIMENTS = {
     "tiny-default": (tiny_default, {}),
     "mqar-mixers": (mqar_mixers, MQAR_SETTINGS),
-    **{claim: (claim_variants, {"claim": claim, **_TEXT}) for claim in claims.CLAIMS if claim != "dense-baseline"},
     "dense-baseline": (claim_variants, {"claim": "dense-baseline", **_TEXT, "sample_prompt": "def "}),
+    "hybrid-ratio": (claim_variants, {"claim": "hybrid-ratio", **_TEXT}),
+    "residuals": (claim_variants, {"claim": "residuals", **_TEXT, "reuse": {"Block AttnRes": ("hybrid-ratio", "3:1")}}),
+    "balancing": (claim_variants, {"claim": "balancing", **_TEXT}),
+    "latent-moe": (claim_variants, {"claim": "latent-moe", **_TEXT}),
+    "expert-count": (claim_variants, {"claim": "expert-count", **_TEXT,
+                                      "reuse": {"8 experts (25.0%)": ("balancing", "quantile")}}),
 }
 
 

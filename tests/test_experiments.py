@@ -83,6 +83,29 @@ def test_a_saved_claim_run_replays_and_its_variants_are_the_current_configs(name
     assert replay["max_violation"] == pytest.approx(last["max_violation"][:REPLAY_STEPS], abs=1e-6)
 
 
+@pytest.mark.parametrize("name", [n for n in CLAIM_EXPERIMENTS if experiments.EXPERIMENTS[n][1].get("reuse")])
+def test_reused_runs_are_the_other_experiments_runs_of_the_same_config(name):
+    settings = experiments.EXPERIMENTS[name][1]
+    saved = experiments.load(name)["result"]
+    for label, (experiment, their_label) in settings["reuse"].items():
+        source = experiments.load(experiment)
+        assert source["settings"]["train"] == saved_train(name)
+        assert source["settings"]["seeds"] == list(settings["seeds"])
+        assert claims.CLAIMS[settings["claim"]]()[label] == claims.CLAIMS[source["settings"]["claim"]]()[their_label]
+        theirs = [r for r in source["result"]["runs"] if r["variant"] == their_label]
+        ours = [r for r in saved["runs"] if r["variant"] == label]
+        assert [r["losses"] for r in ours] == [r["losses"] for r in theirs] and len(ours) == len(settings["seeds"])
+        assert all(r["reused_from"] == f"{experiment}: {their_label}" for r in ours)
+    other = claims.SMALL.replace(n_routed_experts=32)
+    with pytest.raises(ValueError, match="reuse: .* differ .* in config"):
+        experiments.reused_runs(other, "x", experiment, their_label, seeds=settings["seeds"], task="text",
+                                train=settings["train"])
+
+
+def saved_train(name: str) -> dict:
+    return experiments.load(name)["settings"]["train"]
+
+
 def test_the_saved_mqar_run_replays():
     saved = experiments.load("mqar-mixers")
     result, settings = saved["result"], dict(saved["settings"])

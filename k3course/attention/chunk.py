@@ -143,20 +143,22 @@ def _bounded_scores(operands, b, G, strict: bool, S: int) -> list:
     if pad:
         operands = [torch.cat([x, x.new_zeros(L, pad, K)], dim=-2) for x in operands]
         b, G = torch.cat([b, b.new_zeros(L, pad, K)], dim=-2), torch.cat([G, G[:, -1:].expand(L, pad, K)], dim=-2)
-    n, padded = len(operands), C + pad
+    padded = C + pad
     blocks = padded // S
     G = G.view(L, blocks, S, K)
     first, last = G[:, :, :1], G[:, :, -1:]  # G_p, G_e: [L, NC, 1, K]
     row_factor = torch.exp((G - first).to(b.dtype))  # e^{G_r − G_p} ∈ [e^-75, 1], [L, NC, S, K]
-    columns = b.view(L, blocks, S, K) * torch.exp((last - G).to(b.dtype))  # b_i e^{G_e − G_i}
+    columns = b.reshape(L, blocks, S, K) * torch.exp((last - G).to(b.dtype))  # b_i e^{G_e − G_i}
     bridge = (first[:, :, None, 0] - last[:, None, :, 0]).to(b.dtype)  # G_{p_a} − G_{e_c}: [L, NC(a), NC(c), K]
     bridge = torch.where(_causal_mask(blocks, False, bridge).bool().unsqueeze(-1),
                          bridge.clamp(min=DECAY_FLOOR), float("-inf")).exp()  # 0 for c > a
-    columns = (columns.unsqueeze(1) * bridge.unsqueeze(-2)).view(L * blocks, padded, K)  # per row sub-chunk a
-    rows = torch.cat([x.view(L, blocks, S, K) * row_factor for x in operands], dim=-2)  # [L, NC, n·S, K]
-    scores = torch.bmm(rows.view(L * blocks, n * S, K), columns.mT).view(L, blocks, n, S, padded)
-    keep = _causal_mask(C, strict, b).bool()
-    return [torch.where(keep, scores[:, :, j].reshape(L, padded, padded)[:, :C, :C], 0.0) for j in range(n)]
+    columns = (columns.unsqueeze(1) * bridge.unsqueeze(-2)).view(L * blocks, padded, K).mT  # per row sub-chunk a
+    keep = _causal_mask(padded, strict, b).bool()
+    scores = []
+    for x in operands:
+        rows = (x.reshape(L, blocks, S, K) * row_factor).reshape(L * blocks, S, K)  # a_r e^{G_r − G_p}
+        scores.append(torch.where(keep, torch.bmm(rows, columns).view(L, padded, padded), 0.0)[:, :C, :C])
+    return scores
 
 
 def _scalar_scores(a, b, G, strict: bool) -> torch.Tensor:

@@ -172,7 +172,8 @@ def spread_table(result: dict, metric: str, columns: tuple[str, ...] = (), key: 
     """A text table, one row per variant: the ``columns`` of its :func:`describe` entry, then ``metric`` as
     mean ± std [min, max] over its seeds (n seeds)."""
     table = spread(result, metric, key)
-    shown = lambda value: f"{value:,}" if isinstance(value, int) else str(value)
+    shown = lambda value: f"{value:,}" if isinstance(value, int) else f"{value:.3g}" if isinstance(value, float) \
+        else str(value)
     cells = {label: [shown(result["variants"][label][c]) for c in columns] for label in table}
     widths = [max(len(c), *(len(cells[label][i]) for label in table)) + 2 for i, c in enumerate(columns)]
     width = max(len(key), *(len(label) for label in table)) + 2

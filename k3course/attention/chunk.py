@@ -11,7 +11,8 @@ Per chunk of C tokens with state S entering it (one head; G is the in-chunk incl
 7. O = (Γ ⊙ Q) S + A_qk Ṽ.
 8. S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
 
-Everything but the state passing (5 and 8) is batched over all chunks at once. Every exponent is a
+Everything but the state passing (5 and 8) is batched over the chunks of a group (64 chunks of all heads, see
+:func:`_chunk_core`). Every exponent is a
 difference of cumulative log-decays, ≤ 0 (or G ≤ 0 itself), so nothing overflows, forward or backward, for any
 g ≤ 0: e^{−G} alone is never formed, and no factor is ever divided by another. Exponents are clamped below at
 ``DECAY_FLOOR`` so that no weight is a subnormal float (slow on CPUs). No value is read back to the host.
@@ -134,9 +135,10 @@ def _bounded_scores(operands, b, G, strict: bool, S: int) -> list:
 
     For c < a the bridge is ≤ 1 (a difference ≤ 0, floored at ``DECAY_FLOOR``); on the diagonal (c = a) it is
     e^{G_{p_a} − G_{e_a}} ≤ e^{(S − 1)·|L|} ≤ e^75, and the row and column factors are ≥ e^−75: every factor is a
-    normal float32. The bridge scales the columns once per row sub-chunk ``[L, NC, C, K]``, so every chunk is one
-    batched product [n·S rows] × [C columns] per sub-chunk. Masked entries (i > r, up to e^75 · a·b) are dropped
-    by ``torch.where``. operands: n tensors ``[L, C, K]``; b, G ``[L, C, K]`` -> n tensors ``[L, C, C]``.
+    normal float32. The bridge scales the columns once per row sub-chunk ``[L, NC, C, K]``, so each operand's scores
+    are one batched product, [S rows] × [C columns] per sub-chunk of every chunk. Masked entries (i > r, up to
+    e^75 · a·b) are dropped by ``torch.where``. operands: n tensors ``[L, C, K]``; b, G ``[L, C, K]`` -> n tensors
+    ``[L, C, C]``.
     """
     L, C, K = b.shape
     pad = (-C) % S  # pad to whole sub-chunks: zero operands, G constant (g = 0)

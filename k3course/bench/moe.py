@@ -15,16 +15,18 @@ input, and, for the MoE, the quantile bias update, which a training loop runs on
 
 Times are the best over ``--rounds`` rounds of ``--repeats`` calls, the variants taking turns (robust to
 other processes on a shared machine); the ratios are what to read. ``--threads`` defaults to 1: with more
-threads than free cores, OpenMP barriers in the per-expert loop's many small GEMMs cost more than the GEMMs.
+threads than free cores, OpenMP barriers in the per-expert loop's many small ops can cost more than the work
+(2 threads on a busy 2-core machine: a 7x slower MoE forward + backward, a 1.4x slower dense one).
 
 Targets: MoE / dense ≤ 1.5x in fp32 and ≤ 2x in bf16. The MoE does the dense FFN's FLOPs plus routing
 (top-k over n scores per token), dispatch (sort, gather, unsort) and the combine, in GEMMs of m·k/n rows
 instead of m, so it cannot beat it; the stage breakdown shows what each costs. bf16 results depend on the CPU:
 the bench times one bf16 and one fp32 GEMM of the dense FFN's shape and prints the ratio. With AVX512-BF16 /
 AMX, bf16 GEMMs run several times faster than fp32 while routing and data movement do not, so their share
-grows; without bf16 GEMMs a bf16 GEMM takes a slow software path (~40x slower than fp32 on an AVX2 CPU), for
-the MoE and the dense FFN alike. The per-token loop and the NumPy rung are timed on ``--loop-tokens`` tokens
-and scaled, for the speed-up of chapter 01.
+grows; without bf16 GEMMs a bf16 GEMM takes a slow software path, for the MoE and the dense FFN alike (on an
+AVX2 EPYC, x @ W measured 18-55x slower than fp32; the transposed products of backward run several times
+faster than x @ W there, so a bf16 training step costs about what its forward does). The per-token loop and
+the NumPy rung are timed on ``--loop-tokens`` tokens and scaled, for the speed-up of chapter 01.
 """
 
 from __future__ import annotations

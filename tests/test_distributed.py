@@ -189,8 +189,10 @@ def test_expert_parallel_training_matches_one_process_on_the_concatenated_batch(
     from k3course.train import TrainConfig, build_model, make_optimizer, train_step
 
     model_config = dataclasses.replace(K3Config.preset("tiny"), balancing="sign")  # the sign rule is exact
-    train_config = TrainConfig(steps=10, batch_size=4, seq_len=16, grad_accum=2, warmup_steps=1)
-    tokens = torch.randint(0, 256, (10, 2, 4, 17), generator=torch.Generator().manual_seed(0))
+    # five steps: the ranks sum in another order, and the runs agree to rounding until a router score near a tie
+    # flips and a token changes expert (step 7 of 10 on an AMD EPYC / AVX2: grad norms then 7e-4 apart)
+    train_config = TrainConfig(steps=5, batch_size=4, seq_len=16, grad_accum=2, warmup_steps=1)
+    tokens = torch.randint(0, 256, (5, 2, 4, 17), generator=torch.Generator().manual_seed(0))
     batches = [[(window[:, :-1], window[:, 1:]) for window in step] for step in tokens]
     case = {"model": model_config, "train": train_config, "batches": batches}
     ranks = run_ranks(train_steps, 2, case, timeout_s=240)

@@ -260,7 +260,8 @@ class KimiDeltaAttention(_GatedMixer):
 
             return kda_triton(q, k, v, g, beta, initial_state, self.chunk_size)
         op = kda_chunk if chunked else kda_recurrent
-        extra = dict(chunk_size=self.chunk_size) if chunked else {}
+        # a bounded gate (K3) lets the chunked path take its fast sub-chunk form (lesson 07)
+        extra = dict(chunk_size=self.chunk_size, lower_bound=self.lower_bound) if chunked else {}
         return op(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                   allow_neg_eigval=self.allow_neg_eigval, **extra)
 

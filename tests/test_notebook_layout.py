@@ -19,3 +19,15 @@ def test_each_lesson_has_an_exercise_pair():
     lessons = {p.name for p in notebooks("notebooks")}
     assert lessons, "no lessons found"
     assert lessons == {p.name for p in notebooks("solutions")} == {p.name for p in notebooks("exercises")}
+
+
+def test_nothing_a_learner_reads_cites_a_file_outside_the_repository():
+    """Lessons, exercises, docstrings and the README point at lessons and papers, never at "DESIGN §N" (the
+    course's design notes are not shipped to learners)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*root.glob("k3course/**/*.py"), *root.glob("notebooks/*.ipynb"), *root.glob("solutions/*.ipynb"),
+             *root.glob("exercises/*.ipynb"), root / "README.md"]
+    citing = [str(path.relative_to(root)) for path in files if "DESIGN §" in path.read_text(encoding="utf-8")]
+    assert not citing, f"these cite DESIGN §N, which learners do not have: {citing}"

@@ -1,4 +1,4 @@
-"""Rung 2: the chunkwise-parallel KDA / GDN / GLA, following DESIGN §6 step by step, in log space.
+"""Rung 2: the chunkwise-parallel KDA / GDN / GLA, following lesson 07 step by step, in log space.
 
 Per chunk of C tokens with state S entering it (one head; G is the in-chunk inclusive cumsum of g, Γ = e^G):
 

@@ -30,7 +30,7 @@ TARGETS = {"recurrent": 10.0, "fla naive": 10.0, "matmul fraction": 0.2, "growth
 
 
 def chunk_flops(T, d: int, chunk_size: int):
-    """FLOPs of chunkwise KDA's forward for one head, T tokens, K = V = d, chunk C (DESIGN §6):
+    """FLOPs of chunkwise KDA's forward for one head, T tokens, K = V = d, chunk C (lesson 07):
     6T·d² + 3T·C·d + T·C² (the state products W S, (Γ⊙Q) S, K̃ᵀṼ at 2d² each per token, plus the intra-chunk
     products). Counting every matmul of steps 2–8 with the triangular ones at half, 6T·d² + 5T·C·d + T·C²/3, is
     13% more at C = d = 64; this smaller count is the one the targets use."""
@@ -38,7 +38,7 @@ def chunk_flops(T, d: int, chunk_size: int):
 
 
 def attention_flops(T: int, d: int) -> float:
-    """FLOPs of causal softmax attention for one head, counted as 2T²·d (DESIGN §6)."""
+    """FLOPs of causal softmax attention for one head, counted as 2T²·d."""
     return 2 * T * T * d
 
 

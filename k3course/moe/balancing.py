@@ -2,7 +2,7 @@
 
 The sign rule and quantile balancing move a per-expert bias b that steers top-k selection only
 (:func:`k3course.moe.routing.topk_route`); they run under ``no_grad`` after each step, and the new bias is
-used from the next step on. See DESIGN §6 and notebook 03 for the LP-dual derivation.
+used from the next step on. See lesson 03 for the LP-dual derivation.
 """
 
 from __future__ import annotations

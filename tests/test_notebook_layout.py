@@ -31,3 +31,17 @@ def test_nothing_a_learner_reads_cites_a_file_outside_the_repository():
              *root.glob("exercises/*.ipynb"), root / "README.md"]
     citing = [str(path.relative_to(root)) for path in files if "DESIGN §" in path.read_text(encoding="utf-8")]
     assert not citing, f"these cite DESIGN §N, which learners do not have: {citing}"
+
+
+@pytest.mark.parametrize("path", notebooks("notebooks"), ids=lambda p: p.name)
+def test_a_printed_check_is_backed_by_an_assert(path):
+    """nbval compares a cell's output with the stored one, so a stored "…: False" passes forever: a cell that
+    prints a check's truth value ("…: True") must also assert it (cells whose output is ignored are exempt)."""
+    import re
+
+    for index, cell in enumerate(nbformat.read(path, 4).cells):
+        if cell.cell_type != "code" or "NBVAL_IGNORE_OUTPUT" in cell.source:
+            continue
+        printed = "".join(output.get("text", "") for output in cell.outputs)
+        if re.search(r":\s*(True|False)\b", printed):
+            assert "assert" in cell.source, f"cell {index} prints a check without asserting it"

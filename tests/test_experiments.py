@@ -27,11 +27,9 @@ def _same_except(configs: dict[str, K3Config], allowed: set[str]) -> None:
 
 
 def _replayed(losses: list[float], saved: list[float], saved_machine: str) -> None:
-    """Bit for bit on the machine that saved them; to float32 rounding on a CPU whose kernels sum in another order."""
-    if saved_machine == experiments.machine():
-        assert losses == saved
-    else:
-        assert losses == pytest.approx(saved, rel=1e-5, abs=0), (saved_machine, experiments.machine())
+    """To float32 rounding (1e-5 relative): bit-exact equality held on the saving machine when each run was made,
+    but later speed-ups of the KDA chunk and MoE code (same maths, other summation order) move the last bits."""
+    assert losses == pytest.approx(saved, rel=1e-5, abs=0), (saved_machine, experiments.machine())
 
 
 # --- the command ------------------------------------------------------------------------------------------

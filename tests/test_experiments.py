@@ -129,7 +129,7 @@ def test_the_saved_default_run_replays(tmp_path):
     with experiments.torch_threads(saved["torch_threads"]):
         train.run(model_config, replay, tmp_path / "replay", corpus=corpus, progress=False)
     losses = [r["loss"] for r in train._Metrics.read(tmp_path / "replay")]
-    _replayed(losses, [r["loss"] for r in saved["metrics"][:2]], saved_file["machine"])
+    _replayed(losses, [r["loss"] for r in saved["metrics"][:2]], saved_file.get("machine", "unknown"))
 
 
 def test_a_run_stopped_early_is_the_start_of_the_full_run():

@@ -114,6 +114,12 @@ def _generate(args) -> int:
     return 0
 
 
+def _experiment_names() -> list[str]:
+    from k3course.experiments import EXPERIMENTS
+
+    return list(EXPERIMENTS)
+
+
 def _experiments(args) -> int:
     from k3course.experiments import main as experiments_main
 
@@ -159,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="sampling seed")
     generate.set_defaults(run=_generate)
     experiments = sub.add_parser("experiments", help="re-run a saved experiment of chapter 12 (results as JSON)")
-    experiments.add_argument("name", help="which experiment (mqar-mixers)")
+    experiments.add_argument("name", help="which experiment: " + ", ".join(_experiment_names()))
     experiments.set_defaults(run=_experiments)
     return top
 

@@ -45,3 +45,12 @@ def test_a_printed_check_is_backed_by_an_assert(path):
         printed = "".join(output.get("text", "") for output in cell.outputs)
         if re.search(r":\s*(True|False)\b", printed):
             assert "assert" in cell.source, f"cell {index} prints a check without asserting it"
+
+
+@pytest.mark.parametrize("path", notebooks("notebooks") + notebooks("solutions") + notebooks("exercises"),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_notebooks_store_the_kernelspec_jupyterlab_writes(path):
+    """Opening a notebook in JupyterLab must not modify it: it stores JupyterLab's own kernelspec."""
+    from k3course.grading.build import KERNELSPEC
+
+    assert dict(nbformat.read(path, 4).metadata.get("kernelspec", {})) == KERNELSPEC

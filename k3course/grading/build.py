@@ -10,7 +10,8 @@ In a solution notebook, each answer sits between marker lines::
 
 The exercise keeps everything outside the markers and replaces each region by one line,
 ``raise NotImplementedError(...)``, at the indentation of the ``BEGIN`` marker. Outputs, execution counts
-and execution metadata are cleared.
+and execution metadata are cleared, and the kernelspec is the one JupyterLab writes (so an exercise opens
+unmodified).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import nbformat
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("exercise: replace this line with your code")'
+# What JupyterLab (ipykernel) stores for a Python 3 notebook; every notebook of the course carries it.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
 
 class MarkerError(ValueError):
@@ -54,6 +57,7 @@ def exercise_notebook(solution: nbformat.NotebookNode, name: str) -> nbformat.No
     """The exercise version of a solutions notebook: regions stubbed, outputs and counts cleared."""
     nb = nbformat.from_dict(solution)
     nb.metadata.pop("widgets", None)
+    nb.metadata.kernelspec = dict(KERNELSPEC)
     for index, cell in enumerate(nb.cells):
         cell.metadata.pop("execution", None)
         if cell.cell_type != "code":

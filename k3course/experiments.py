@@ -36,11 +36,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from k3course import claims
-from k3course.attention.recall import MIXERS, RecallModel, recall_accuracy
-from k3course.data import IGNORE, mqar
+from k3course.attention.recall import MIXERS, RecallModel, fit_cross_entropy, recall_accuracy
+from k3course.data import mqar
 from k3course.train import TrainConfig, lr_factor
 
 RESULTS = Path(__file__).parent / "results"
@@ -74,15 +73,9 @@ def recall_run(mixer: str, seed: int, steps: int, batch_size: int, lr: float, wa
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     factor = functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=steps, min_lr_ratio=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    losses, began = [], time.perf_counter()
-    for step in range(steps if stop_after is None else stop_after):
-        tokens, targets = mqar(batch_size, seed=seed * 10**6 + step, **task)
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
+    began = time.perf_counter()
+    losses = fit_cross_entropy(model, range(steps if stop_after is None else stop_after), optimizer, scheduler,
+                               lambda step: mqar(batch_size, seed=seed * 10**6 + step, **task))
     held_out = mqar(claims.MQAR_HELD_OUT, seed=10**9 + seed, **task)
     return {"losses": losses, "accuracy": recall_accuracy(model, *held_out), "seconds": time.perf_counter() - began}
 

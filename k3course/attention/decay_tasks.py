@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from k3course.attention.kda import GatedDeltaNet, initial_dt_bias
 from k3course.attention.parallel import decay_attention_parallel
-from k3course.attention.recall import RecallModel, train_recall
+from k3course.attention.recall import RecallModel, fit_cross_entropy, train_recall
 from k3course.data import IGNORE
 
 
@@ -248,15 +248,9 @@ def train_segment_recall(mixer: str, steps: int = 250, batch_size: int = 32, n_s
         model = forget_model(mixer, vocab_size, **model_kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    losses, start = [], time.perf_counter()
-    for step in range(steps):
-        tokens, targets, _ = segment_recall(batch_size, seed=seed * 10**6 + step, **task)
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
+    start = time.perf_counter()
+    losses = fit_cross_entropy(model, range(steps), optimizer, schedule,
+                               lambda step: segment_recall(batch_size, seed=seed * 10**6 + step, **task)[:2])
     accuracy = segment_accuracy(model, *segment_recall(256, seed=10**9 + seed, **task))
     return {"mixer": mixer, "losses": losses, "accuracy": accuracy, "model": model,
             "seconds": time.perf_counter() - start}

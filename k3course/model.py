@@ -164,8 +164,9 @@ class K3Model(nn.Module):
         return logits, loss, cache
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over labelled positions (fp32), plus the MoE auxiliary losses in training."""
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+        """Mean cross-entropy over labelled positions (in fp32 or fp64), plus the MoE auxiliary losses in training."""
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(wide.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
         if self.training:
             for moe in self.moe_layers():
                 loss = loss + moe.aux_loss + self.cfg.z_loss_weight * moe.z_loss

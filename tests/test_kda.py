@@ -138,6 +138,27 @@ def test_low_precision_inputs_return_their_dtype():
     assert_close(o_ch.float(), o_rec.float(), 2e-2)
 
 
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_fp64_inputs_are_computed_in_fp64(lower_bound):
+    """fp64 stays fp64 (a reference dtype, and what gradcheck needs): the ops agree with NumPy to fp64 rounding."""
+    q, k, v, g, beta, s0 = inputs(70, seed=21, dtype=torch.float64)
+    o_np, s_np = ref.kda(*numpy_all(q, k, v, g, beta), initial_state=s0.numpy())
+    o_rec, s_rec = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o_ch, s_ch = kda_chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=16,
+                           lower_bound=lower_bound)
+    for got in (o_rec, s_rec, o_ch, s_ch):
+        assert got.dtype == torch.float64
+    for what, got, want in [("recurrent o", o_rec, o_np), ("recurrent state", s_rec, s_np),
+                            ("chunk o", o_ch, o_np), ("chunk state", s_ch, s_np)]:
+        assert_close(got, want, 1e-12, what)
+
+
+def test_kda_chunk_passes_gradcheck_in_fp64():
+    leaves = [x.requires_grad_(True) for x in inputs(19, seed=22, B=1, H=1, K=4, V=3, dtype=torch.float64)]
+    op = lambda *xs: kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True, chunk_size=8)
+    assert torch.autograd.gradcheck(op, leaves)
+
+
 def test_gradients_of_chunked_and_recurrent_agree():
     tensors = inputs(45, seed=11, B=1)
     leaves = [x.clone().requires_grad_(True) for x in tensors]

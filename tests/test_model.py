@@ -62,6 +62,19 @@ def test_prefill_then_decode_equals_the_full_forward(schedule, batch):
             assert relative_error(decoded, full[:, :prompt + 4]) <= 1e-4, f"prompt {prompt}"
 
 
+def test_an_fp64_model_computes_and_caches_in_fp64():
+    model = tiny_model().double()
+    tokens = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full, _, _ = model(tokens)
+        decoded = decode_logits(model, tokens, 65)
+    assert full.dtype == decoded.dtype == torch.float64
+    assert relative_error(decoded, full) <= 1e-10  # fp32 anywhere inside would leave ~1e-7
+    cache = model.new_cache(2, 8)
+    assert all(tensor.dtype == torch.float64 for layer in cache.layers for tensor in vars(layer).values()
+               if isinstance(tensor, torch.Tensor) and tensor.is_floating_point())
+
+
 def test_decode_equals_forward_on_the_triton_path(monkeypatch):
     monkeypatch.setenv("K3COURSE_KERNELS", "triton")
     model = tiny_model(seed=2)

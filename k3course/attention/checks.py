@@ -7,8 +7,9 @@ or ``[B, T, H, K]`` (channel gate), already activated, so g ≤ 0; beta ``[B, T,
 Value checks (NaN or inf, g > 0, beta out of range) read values back to the host, so they run only under
 the debug switch (:func:`k3course.debug.value_checks` or ``K3COURSE_DEBUG=1``); shape, dtype and device checks
 always run. Documented handling: non-contiguous tensors are accepted (the ops only reshape copies); every tensor must
-share one floating dtype (the initial state may instead be float32: the recurrent state is always
-kept in float32, as in fla) and one device, otherwise a ``TypeError`` / ``ValueError`` names the argument.
+share one floating dtype (the initial state may instead be float32: the recurrent state is kept in
+float32, as in fla, or float64 for float64 inputs) and one device, otherwise a ``TypeError`` / ``ValueError``
+names the argument.
 """
 
 from __future__ import annotations

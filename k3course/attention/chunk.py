@@ -331,15 +331,16 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chun
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     dtype, (batch, time, heads, key_dim), value_dim = q.dtype, q.shape, v.shape[-1]
+    wide = torch.promote_types(dtype, torch.float32)  # the precision of the computation and of the state
     if lower_bound is not None:
         g = g.clamp(min=lower_bound)  # the guarantee, enforced: a step below L would overflow a factor
     # padded tokens (k = 0, β = 0, g = 0) leave the state unchanged
-    per_head = lambda x: None if x is None else _to_chunks(x.float(), chunk_size).unflatten(0, (batch * heads, -1))
+    per_head = lambda x: None if x is None else _to_chunks(x.to(wide), chunk_size).unflatten(0, (batch * heads, -1))
     q, k, v, g, beta = (per_head(x) for x in (q, k, v, g, beta))  # [B·H, N, C, ·]
     q = q * scale
     state = q.new_zeros(batch * heads, key_dim, value_dim)
     if initial_state is not None:
-        state = state + initial_state.float().reshape(batch * heads, key_dim, value_dim)
+        state = state + initial_state.to(wide).reshape(batch * heads, key_dim, value_dim)
     group = max(1, CHUNKS_PER_GROUP // (batch * heads))  # chunks of each head per group
     outputs = []
     for start in range(0, q.shape[1], group):
@@ -369,7 +370,8 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]`` (log-decay, ≤ 0); beta ``[B, T, H]``;
     any T (padded internally to a multiple of ``chunk_size``); differentiable. ``lower_bound``: a number L < 0
     with g ≥ L guaranteed (K3's bounded gate: −5), for the fast intra-chunk form; g is clamped at L. Returns
-    ``o [B, T, H, V]`` in the input dtype and the final state ``[B, H, K, V]`` in float32 (or None).
+    ``o [B, T, H, V]`` in the input dtype and the final state ``[B, H, K, V]`` in float32, float64 for float64
+    inputs (or None).
     """
     scale = validate(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,
                      allow_neg_eigval=allow_neg_eigval)

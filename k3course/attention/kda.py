@@ -37,8 +37,9 @@ class KDACache:
     """What a KDA / GDN / decayed-linear-attention layer carries between calls, for a batch of B sequences.
 
     conv_q, conv_k ``[B, conv_size − 1, H·K]``, conv_v ``[B, conv_size − 1, H·V]``: the last inputs of the short
-    convolutions, in the activation dtype; state ``[B, H, K, V]``: the recurrent memory S, always float32 (as in
-    fla), whatever the activations' dtype; length: tokens seen. Its size does not depend on the length.
+    convolutions, in the activation dtype; state ``[B, H, K, V]``: the recurrent memory S, float32 (as in fla)
+    whatever the activations' dtype, or float64 for float64 activations; length: tokens seen. Its size does not
+    depend on the length.
     """
 
     conv_q: torch.Tensor
@@ -52,7 +53,7 @@ class KDACache:
         return self.state.shape[0]
 
     def nbytes(self) -> int:
-        """Bytes held: the fp32 state plus the three conv tails (all of it is in use, at any length)."""
+        """Bytes held: the state plus the three conv tails (all of it is in use, at any length)."""
         return sum(t.numel() * t.element_size() for t in (self.conv_q, self.conv_k, self.conv_v, self.state))
 
 
@@ -153,16 +154,17 @@ class _GatedMixer(nn.Module):
         return {}
 
     def new_cache(self, batch: int, max_len: int | None = None, device=None, dtype=None) -> KDACache:
-        """An empty cache for ``batch`` sequences (zero conv tails, zero fp32 state). ``max_len`` is accepted for
-        the common layer interface and unused: the cache does not grow. dtype: the activations' (default: the
-        layer's parameters')."""
+        """An empty cache for ``batch`` sequences (zero conv tails; a zero state in fp32, or fp64 for fp64
+        activations). ``max_len`` is accepted for the common layer interface and unused: the cache does not grow.
+        dtype: the activations' (default: the layer's parameters')."""
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be a positive int, got {batch!r}")
         weight = self.q_proj.weight
         device, dtype = device or weight.device, dtype or weight.dtype
         width, tail = self.n_heads * self.head_dim, self.conv_size - 1
         conv = lambda: torch.zeros(batch, tail, width, device=device, dtype=dtype)
-        state = torch.zeros(batch, self.n_heads, self.head_dim, self.head_dim, device=device, dtype=torch.float32)
+        state = torch.zeros(batch, self.n_heads, self.head_dim, self.head_dim, device=device,
+                            dtype=torch.promote_types(dtype, torch.float32))
         return KDACache(conv(), conv(), conv(), state)
 
     def _heads(self, x):
@@ -172,7 +174,7 @@ class _GatedMixer(nn.Module):
         raise NotImplementedError
 
     def mix(self, q, k, v, g, beta, initial_state, chunked: bool):
-        """The one place the layer calls its op: ``(o [B, T, H, V], final_state [B, H, K, V] fp32)``."""
+        """The one place the layer calls its op: ``(o [B, T, H, V], final_state [B, H, K, V] fp32 or fp64)``."""
         raise NotImplementedError
 
     def output_gate(self, x):
@@ -196,9 +198,10 @@ class _GatedMixer(nn.Module):
         if tuple(cache.state.shape) != want or cache.conv_q.shape[1] != self.conv_size - 1:
             raise ValueError(f"cache does not match this layer and batch: expected state {list(want)} "
                              f"(B = {x.shape[0]}), got {list(cache.state.shape)}")
-        if cache.state.dtype != torch.float32 or cache.conv_q.dtype != x.dtype:
+        state_dtype = torch.promote_types(x.dtype, torch.float32)
+        if cache.state.dtype != state_dtype or cache.conv_q.dtype != x.dtype:
             raise ValueError(f"cache has conv tails in {cache.conv_q.dtype} and state in {cache.state.dtype}; "
-                             f"expected {x.dtype} (the dtype of x) and torch.float32")
+                             f"expected {x.dtype} (the dtype of x) and {state_dtype}")
 
     def forward(self, x, cache: KDACache | None = None):
         """x ``[B, T, d_model]`` -> ``(y [B, T, d_model], KDACache)``; a given ``cache`` continues its sequences

@@ -19,8 +19,8 @@ def decay_attention_parallel(q, k, v, g, scale=None):
     """
     gate = "scalar" if isinstance(g, torch.Tensor) and g.dim() == 3 else "channel"
     scale = validate(q, k, v, g, gate=gate, scale=scale)
-    dtype = q.dtype
-    q, k, v, g = (x.float() for x in (q, k, v, g))
+    dtype, wide = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    q, k, v, g = (x.to(wide) for x in (q, k, v, g))
     if gate == "scalar":
         g = g.unsqueeze(-1).expand_as(q)
     G = g.cumsum(1).transpose(1, 2)  # [B, H, T, K]

@@ -7,8 +7,8 @@ sequence ops below validate once and then loop.
 
 The sequence ops follow fla's signature ``(q, k, v, g, beta, scale=None, initial_state=None,
 output_final_state=False) -> (o, final_state)`` with layouts from :mod:`k3course.attention.checks`. They
-compute in float32 whatever the input dtype, return ``o`` in the input dtype and the final state in float32
-(``None`` unless ``output_final_state``).
+compute in float32 whatever the input dtype (float64 stays float64), return ``o`` in the input dtype and the
+final state in that precision (``None`` unless ``output_final_state``).
 """
 
 from __future__ import annotations
@@ -68,14 +68,15 @@ def kda_step(state, q, k, v, g, beta):
 
 
 def _run(step, q, k, v, gates: tuple, scale, initial_state, output_final_state):
-    """Loop ``step`` over time in float32; gates are the per-token tensors after v (g, beta, ...)."""
-    dtype = q.dtype
-    q, k, v = (x.float() for x in (q, k, v))
-    gates = tuple(x.float() for x in gates)
+    """Loop ``step`` over time in float32 (float64 stays float64); gates are the per-token tensors after v
+    (g, beta, ...)."""
+    dtype, wide = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    q, k, v = (x.to(wide) for x in (q, k, v))
+    gates = tuple(x.to(wide) for x in gates)
     batch, time, heads, key_dim = q.shape
     state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
     if initial_state is not None:
-        state = state + initial_state.float()
+        state = state + initial_state.to(wide)
     q = q * scale
     outputs = []
     for t in range(time):
@@ -115,7 +116,8 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final
     S_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t-1} + β_t k_t v_tᵀ,  o_t = S_tᵀ (scale·q_t).
 
     ``allow_neg_eigval`` admits β ∈ [0, 2] (the transition may then flip a direction's sign).
-    Returns ``o [B, T, H, V]`` (input dtype) and the final state ``[B, H, K, V]`` in float32 (or None).
+    Returns ``o [B, T, H, V]`` (input dtype) and the final state ``[B, H, K, V]`` in float32, float64 for
+    float64 inputs (or None).
     """
     scale = validate(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,
                      allow_neg_eigval=allow_neg_eigval)

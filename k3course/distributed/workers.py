@@ -93,13 +93,14 @@ def failing(rank: int, world_size: int, how: str) -> None:
 
 
 def train_steps(rank: int, world_size: int, case: dict) -> dict:
-    """``case["steps"]`` expert-parallel training steps of a K3Model preset on random bytes, each rank reading
-    its 1/P of every micro-batch. Returns the losses, grad norms and the gathered single-process state dict."""
+    """``case["train"].steps`` expert-parallel training steps of a K3Model preset on ``case["batches"]``, each rank
+    reading its 1/P of every micro-batch, the model in ``case["dtype"]`` (default float32). Returns the losses,
+    grad norms and the gathered single-process state dict."""
     from k3course.distributed.training import gather_state_dict, make_expert_parallel, train_step
     from k3course.train import build_model, make_optimizer
 
     model_config, train_config = case["model"], case["train"]
-    model = make_expert_parallel(build_model(model_config, train_config.seed))
+    model = make_expert_parallel(build_model(model_config, train_config.seed).to(case.get("dtype", torch.float32)))
     optimizer, scheduler = make_optimizer(model, train_config)
     records = []
     for step in range(train_config.steps):

@@ -39,7 +39,8 @@ def switch_aux_loss(probs: torch.Tensor, expert_idx: torch.Tensor, alpha: float 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """Router z-loss (ST-MoE): mean_t (logsumexp_j logit_tj)², keeps router logits small. [m, n] -> scalar."""
     _check_scores(logits, "logits")
-    return torch.logsumexp(logits.float(), dim=-1).square().mean().to(logits.dtype)
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.logsumexp(wide, dim=-1).square().mean().to(logits.dtype)
 
 
 def sign_rule_update(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> torch.Tensor:

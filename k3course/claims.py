@@ -6,11 +6,11 @@ claim                         variants of                  what differs
 tiny K3 vs dense Transformer  the ``tiny`` preset          all-MLA (ungated), SwiGLU, PreNorm, a dense FFN in every
                                                            layer, its width solved so the active parameters match
 hybrid ratio                  :data:`DEEP` (8 layers)      KDA:MLA 0:1, 1:1, 3:1, 7:1, all-KDA (``kda_per_mla``)
-residuals                     :data:`DEEP`                 PreNorm vs Block AttnRes (4 blocks)
+residuals                     :data:`DEEP`                 PreNorm, Block AttnRes (4 blocks), Full AttnRes
 balancing                     :data:`SMALL`                quantile (K3), sign rule (DeepSeek-V3), aux loss (Switch)
 latent MoE                    :data:`SMALL`                full-width experts vs latent ℓ = d/2 (same n, k), the
                                                            latent expert width solved for equal active MoE FLOPs
-more experts                  :data:`SMALL`                8 vs 112 routed experts at top-2 (activation 25% → 1.8%)
+more experts                  :data:`SMALL`                8, 32, 112 routed experts at top-2 (activation 25% → 1.8%)
 
 :func:`run_variant` trains one of them with the package's own training step (:func:`k3course.train.train_step`:
 AdamW, warmup + cosine, clipping, the MoE bias update) on the stdlib bytes or on MQAR, and returns its per-step
@@ -79,9 +79,10 @@ def hybrid_variants(cfg: K3Config = DEEP) -> dict[str, K3Config]:
 
 
 def residual_variants(cfg: K3Config = DEEP) -> dict[str, K3Config]:
-    """PreNorm and Block AttnRes (``cfg.attnres_block_size`` sub-layers per block). Full AttnRes is
-    ``cfg.replace(attnres_block_size=1)``; it is not trained here (the shared CPU's budget ran out first)."""
-    return {"PreNorm": cfg.replace(residual="prenorm"), "Block AttnRes": cfg.replace(residual="block_attnres")}
+    """PreNorm, Block AttnRes (``cfg.attnres_block_size`` sub-layers per block) and Full AttnRes (blocks of one
+    sub-layer: every layer attends over every earlier output)."""
+    return {"PreNorm": cfg.replace(residual="prenorm"), "Block AttnRes": cfg.replace(residual="block_attnres"),
+            "Full AttnRes": cfg.replace(residual="block_attnres", attnres_block_size=1)}
 
 
 def balancing_variants(cfg: K3Config = SMALL) -> dict[str, K3Config]:
@@ -111,7 +112,7 @@ def latent_variants(cfg: K3Config = SMALL) -> dict[str, K3Config]:
     return {"full width": full, "latent": solve_width(make, moe_flops, moe_flops(full))}
 
 
-EXPERT_COUNTS = (8, 112)  # top-2 of 112 = 1.79%, K3's 16 of 896
+EXPERT_COUNTS = (8, 32, 112)  # top-2: 25%, 6.25%, 1.79% (K3: 16 of 896)
 
 
 def expert_count_variants(cfg: K3Config = SMALL, counts: tuple[int, ...] = EXPERT_COUNTS) -> dict[str, K3Config]:

@@ -12,10 +12,10 @@ mqar-mixers      KDA vs Gated DeltaNet vs decayed linear attention on harder MQA
                  more pairs than a head's state has dimensions), the same small recall model around each.
 dense-baseline   the tiny K3 vs a dense Transformer of equal active parameters, and a sample of each.
 hybrid-ratio     KDA:MLA 0:1 (all-MLA), 1:1, 3:1, 7:1 and all-KDA in an 8-layer K3, validation bits/byte.
-residuals        PreNorm vs Block AttnRes in the same 8-layer, 64-wide K3.
+residuals        PreNorm vs Block vs Full AttnRes in the same 8-layer, 64-wide K3.
 balancing        quantile balancing vs the sign rule vs the aux loss: max-violation per step and final loss.
 latent-moe       full-width vs latent MoE at equal active FLOPs, with all-to-all bytes per token.
-expert-count     8 vs 112 routed experts at top-2 and fixed expert width (activation ratio 25% → 1.8%).
+expert-count     8, 32 and 112 routed experts at top-2 and fixed expert width (activation ratio 25% → 1.8%).
 
 The claim experiments (the last six) train each variant of :mod:`k3course.claims` for every seed with one
 runner, :func:`k3course.claims.run_variant`, on one thread. A variant that another experiment already trained

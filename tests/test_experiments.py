@@ -197,10 +197,11 @@ def test_residual_variants_differ_only_in_the_residual_in_a_deeper_narrower_mode
     tiny, variants = K3Config.preset("tiny"), claims.residual_variants()
     deep = variants["Block AttnRes"]
     assert deep.n_layers > tiny.n_layers and deep.d_model < tiny.d_model
-    assert [cfg.residual for cfg in variants.values()] == ["prenorm", "block_attnres"]
+    assert [cfg.residual for cfg in variants.values()] == ["prenorm", "block_attnres", "block_attnres"]
     assert deep.attnres_block_size == 4 and 2 * deep.n_layers // deep.attnres_block_size == 4  # 4 blocks
+    assert variants["Full AttnRes"].attnres_block_size == 1  # a block per sub-layer: attention over all of them
     assert deep == claims.hybrid_variants()["3:1"]  # so residuals reuses hybrid-ratio's 3:1 runs
-    _same_except(variants, {"residual"})
+    _same_except(variants, {"residual", "attnres_block_size"})
 
 
 def test_balancing_variants_differ_only_in_the_balancing_rule():

@@ -44,6 +44,9 @@ TEXT_TRAIN = train.TrainConfig(steps=120, batch_size=8, seq_len=64, lr=3e-3, war
                                eval_bytes=16384, checkpoint_every=0)
 # Harder MQAR than lesson 06 (6 pairs in 16-channel heads): 20 pairs, more than a 16-channel head has dimensions.
 MQAR_TASK = dict(seq_len=64, n_pairs=20, vocab_size=64)
+# The hybrid schedules on that MQAR: 1500 steps of 16 sequences (at 300 every schedule is still at chance).
+MQAR_TRAIN = train.TrainConfig(steps=1500, batch_size=16, seq_len=MQAR_TASK["seq_len"], lr=3e-3, warmup_steps=30,
+                               eval_every=0, checkpoint_every=0)
 MQAR_HELD_OUT = 256  # held-out sequences for recall accuracy (seed 10⁹ + seed, never a training seed)
 
 

@@ -123,7 +123,7 @@ def _experiment_names() -> list[str]:
 def _experiments(args) -> int:
     from k3course.experiments import main as experiments_main
 
-    return experiments_main([args.name])
+    return experiments_main([args.name, "--jobs", str(args.jobs)])
 
 
 def _doctor(args) -> int:
@@ -166,6 +166,8 @@ def parser() -> argparse.ArgumentParser:
     generate.set_defaults(run=_generate)
     experiments = sub.add_parser("experiments", help="re-run a saved experiment of chapter 12 (results as JSON)")
     experiments.add_argument("name", help="which experiment: " + ", ".join(_experiment_names()))
+    experiments.add_argument("--jobs", type=int, default=1,
+                             help="claim experiments: runs trained at a time, each in its own process")
     experiments.set_defaults(run=_experiments)
     return top
 

@@ -12,15 +12,18 @@ mqar-mixers      KDA vs Gated DeltaNet vs decayed linear attention on harder MQA
                  more pairs than a head's state has dimensions), the same small recall model around each.
 dense-baseline   the tiny K3 vs a dense Transformer of equal active parameters, and a sample of each.
 hybrid-ratio     KDA:MLA 0:1 (all-MLA), 1:1, 3:1, 7:1 and all-KDA in an 8-layer K3, validation bits/byte.
+hybrid-mqar      the same five schedules trained on the harder MQAR, held-out recall accuracy.
 residuals        PreNorm vs Block vs Full AttnRes in the same 8-layer, 64-wide K3.
 balancing        quantile balancing vs the sign rule vs the aux loss: max-violation per step and final loss.
 latent-moe       full-width vs latent MoE at equal active FLOPs, with all-to-all bytes per token.
 expert-count     8, 32 and 112 routed experts at top-2 and fixed expert width (activation ratio 25% → 1.8%).
 
-The claim experiments (the last six) train each variant of :mod:`k3course.claims` for every seed with one
-runner, :func:`k3course.claims.run_variant`, on one thread. A variant that another experiment already trained
-with the same config, settings and seeds is copied from its saved result (checked), not trained again: residuals'
-Block AttnRes is hybrid-ratio's 3:1, expert-count's 8 experts is balancing's quantile.
+The claim experiments (all but the first two) train each variant of :mod:`k3course.claims` for every seed with
+one runner, :func:`k3course.claims.run_variant`, on one thread per run; ``--jobs N`` trains N runs at a time in
+separate processes (the same numbers: each run is seeded and single-threaded, whichever process runs it). A
+variant that another experiment already trained with the same config, settings and seeds is copied from its saved
+result (checked), not trained again: residuals' Block AttnRes is hybrid-ratio's 3:1, expert-count's 8 experts is
+balancing's quantile.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import multiprocessing
 import platform
 import sys
 import time
@@ -103,8 +107,16 @@ def describe(cfg) -> dict:
             "activation_ratio": cfg.activation_ratio()}
 
 
+def _train_variant(label: str, cfg, settings: TrainConfig, seed: int, task: str, prompt: str | None) -> dict:
+    """One run of a claim experiment, on one thread (called in this process or in a worker)."""
+    with torch_threads(1):
+        run = {"variant": label, "seed": seed, **claims.run_variant(cfg, settings, seed, task, sample_prompt=prompt)}
+    print(f"{label}, seed {seed}: {run['seconds']:.0f} s", file=sys.stderr, flush=True)
+    return run
+
+
 def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, sample_prompt: str | None = None,
-                   reuse: dict[str, tuple[str, str]] | None = None) -> dict:
+                   reuse: dict[str, tuple[str, str]] | None = None, jobs: int = 1) -> dict:
     """Every variant of ``claim`` (:data:`k3course.claims.CLAIMS`) × every seed, trained by
     :func:`k3course.claims.run_variant` with ``TrainConfig(**train)``:
     {"variants": {label: :func:`describe`}, "torch_threads": 1, "runs": [{"variant", "seed", ...run}, ...]}, on
@@ -112,21 +124,24 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
 
     ``reuse`` {label: (experiment, its label)}: that variant's runs are copied from the saved result of another
     experiment that trained the same config with the same task, training settings and seeds (checked), instead
-    of training it again; they keep a "reused_from" note.
+    of training it again; they keep a "reused_from" note. ``jobs`` > 1: that many runs at a time, each in its
+    own process (spawned); the runs and their order are the same as with one.
     """
     variants = claims.CLAIMS[claim]()
     settings = train_config(train)
+    todo = [(label, cfg, settings, seed, task, sample_prompt if seed == seeds[0] else None)
+            for label, cfg in variants.items() if label not in (reuse or {}) for seed in seeds]
+    if jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            trained = pool.starmap(_train_variant, todo)
+    else:
+        trained = [_train_variant(*job) for job in todo]
     runs = []
-    with torch_threads(1):
-        for label, cfg in variants.items():
-            if label in (reuse or {}):
-                runs += reused_runs(cfg, label, *reuse[label], seeds=seeds, task=task, train=train)
-                continue
-            for seed in seeds:
-                prompt = sample_prompt if seed == seeds[0] else None
-                runs.append({"variant": label, "seed": seed,
-                             **claims.run_variant(cfg, settings, seed, task, sample_prompt=prompt)})
-                print(f"{claim}: {label}, seed {seed}: {runs[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
+    for label, cfg in variants.items():
+        if label in (reuse or {}):
+            runs += reused_runs(cfg, label, *reuse[label], seeds=seeds, task=task, train=train)
+        else:
+            runs += [run for run in trained if run["variant"] == label]
     return {"variants": {label: describe(cfg) for label, cfg in variants.items()}, "torch_threads": 1, "runs": runs}
 
 
@@ -232,6 +247,8 @@ EXPERIMENTS = {
     "mqar-mixers": (mqar_mixers, MQAR_SETTINGS),
     "dense-baseline": (claim_variants, {"claim": "dense-baseline", **_TEXT, "sample_prompt": "def "}),
     "hybrid-ratio": (claim_variants, {"claim": "hybrid-ratio", **_TEXT}),
+    "hybrid-mqar": (claim_variants, {"claim": "hybrid-ratio", "seeds": SEEDS, "task": "mqar",
+                                     "train": dataclasses.asdict(claims.MQAR_TRAIN)}),
     "residuals": (claim_variants, {"claim": "residuals", **_TEXT, "reuse": {"Block AttnRes": ("hybrid-ratio", "3:1")}}),
     "balancing": (claim_variants, {"claim": "balancing", **_TEXT}),
     "latent-moe": (claim_variants, {"claim": "latent-moe", **_TEXT}),
@@ -257,13 +274,20 @@ def load(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def run_experiment(name: str) -> Path:
-    """Run experiment ``name`` with its settings and save the result; returns the JSON file."""
+def run_experiment(name: str, jobs: int = 1) -> Path:
+    """Run experiment ``name`` with its settings (claim experiments: ``jobs`` runs at a time) and save the result;
+    returns the JSON file."""
     if name not in EXPERIMENTS:
         raise ValueError(f"name: unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an int ≥ 1, got {jobs!r}")
     function, settings = EXPERIMENTS[name]
+    if jobs > 1 and function is not claim_variants:
+        raise ValueError(f"jobs: {name} runs in one process; --jobs applies to the claim experiments")
     began = time.perf_counter()
-    result = {"command": f"k3course experiments {name}", "settings": settings, "result": function(**settings),
+    options = {"jobs": jobs} if function is claim_variants else {}
+    outcome = function(**settings, **options)
+    result = {"command": f"k3course experiments {name}", "settings": settings, "result": outcome,
               "seconds": time.perf_counter() - began, "torch": torch.__version__, "machine": machine()}
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
@@ -274,9 +298,10 @@ def run_experiment(name: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="k3course experiments", description=__doc__.splitlines()[0])
     parser.add_argument("name", help=f"one of {', '.join(EXPERIMENTS)}")
+    parser.add_argument("--jobs", type=int, default=1, help="claim experiments: runs trained at a time (processes)")
     args = parser.parse_args(argv)
     try:
-        path = run_experiment(args.name)
+        path = run_experiment(args.name, args.jobs)
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2

@@ -135,10 +135,10 @@ def _bounded_scores(operands, b, G, strict: bool, S: int) -> list:
 
     For c < a the bridge is ≤ 1 (a difference ≤ 0, floored at ``DECAY_FLOOR``); on the diagonal (c = a) it is
     e^{G_{p_a} − G_{e_a}} ≤ e^{(S − 1)·|L|} ≤ e^75, and the row and column factors are ≥ e^−75: every factor is a
-    normal float32. The bridge scales the columns once per row sub-chunk ``[L, NC, C, K]``, so each operand's scores
-    are one batched product, [S rows] × [C columns] per sub-chunk of every chunk. Masked entries (i > r, up to
-    e^75 · a·b) are dropped by ``torch.where``. operands: n tensors ``[L, C, K]``; b, G ``[L, C, K]`` -> n tensors
-    ``[L, C, C]``.
+    normal float32. The bridge scales the columns once per row sub-chunk ``[L, NC, C, K]``, so the scores of all
+    operands are one batched product, [n·S rows] × [C columns] per sub-chunk of every chunk (the n operands
+    stacked). Masked entries (i > r, up to e^75 · a·b) are dropped by ``torch.where``. operands: n tensors
+    ``[L, C, K]``; b, G ``[L, C, K]`` -> n tensors ``[L, C, C]``.
     """
     L, C, K = b.shape
     pad = (-C) % S  # pad to whole sub-chunks: zero operands, G constant (g = 0)
@@ -152,15 +152,15 @@ def _bounded_scores(operands, b, G, strict: bool, S: int) -> list:
     row_factor = torch.exp((G - first).to(b.dtype))  # e^{G_r − G_p} ∈ [e^-75, 1], [L, NC, S, K]
     columns = b.reshape(L, blocks, S, K) * torch.exp((last - G).to(b.dtype))  # b_i e^{G_e − G_i}
     bridge = (first[:, :, None, 0] - last[:, None, :, 0]).to(b.dtype)  # G_{p_a} − G_{e_c}: [L, NC(a), NC(c), K]
-    bridge = torch.where(_causal_mask(blocks, False, bridge).bool().unsqueeze(-1),
-                         bridge.clamp(min=DECAY_FLOOR), float("-inf")).exp()  # 0 for c > a
+    # for c > a the exponent is positive (up to 320): capped at FACTOR_RANGE, then multiplied by 0
+    bridge = bridge.clamp(DECAY_FLOOR, FACTOR_RANGE).exp() * _causal_mask(blocks, False, bridge).unsqueeze(-1)
     columns = (columns.unsqueeze(1) * bridge.unsqueeze(-2)).view(L * blocks, padded, K).mT  # per row sub-chunk a
-    keep = _causal_mask(padded, strict, b).bool()
-    scores = []
-    for x in operands:
-        rows = (x.reshape(L, blocks, S, K) * row_factor).reshape(L * blocks, S, K)  # a_r e^{G_r − G_p}
-        scores.append(torch.where(keep, torch.bmm(rows, columns).view(L, padded, padded), 0.0)[:, :C, :C])
-    return scores
+    n = len(operands)
+    rows = torch.stack([x.reshape(L, blocks, S, K) for x in operands], dim=2)  # [L, NC, n, S, K]
+    rows = rows * row_factor.unsqueeze(2)  # a_r e^{G_r − G_p}
+    products = torch.bmm(rows.view(L * blocks, n * S, K), columns).view(L, blocks, n, S, padded)  # one product
+    keep = _causal_mask(padded, strict, b).bool().view(blocks, S, padded)
+    return [torch.where(keep, products[:, :, i], 0.0).view(L, padded, padded)[:, :C, :C] for i in range(n)]
 
 
 def _scalar_scores(a, b, G, strict: bool) -> torch.Tensor:
@@ -262,41 +262,34 @@ def _to_chunks(x, chunk_size: int) -> torch.Tensor:
 
 
 def _pass_states(W, U, k, G, state):
-    """Steps 5 and 8, the only loop over chunks. Substituting step 5 into step 8 makes each chunk an affine map
-    of the state, S ← A S + B, with A = Diag(Γ_C) − K̃ᵀW and B = K̃ᵀU (K̃ = K ⊙ e^{G_C − G}); A and B do not
-    depend on the state, so they are computed for all chunks at once and the loop is one product per chunk.
-    Ṽ = U − W S is then batched over all chunks from the states that entered them.
+    """Steps 5 and 8, the only loop over chunks: per chunk, Ṽ = U − W S (GLA: Ṽ = U), then
+    S ← Diag(Γ_C) S + K̃ᵀṼ with K̃ = K ⊙ e^{G_C − G}. Everything that does not depend on the state (K̃ᵀ, Γ_C) is
+    formed for all chunks at once; the loop is two products per chunk, batched over the heads.
 
-    W (None for GLA: no delta correction, Ṽ = U = V, A = Diag(Γ_C)), U ``[..., N, C, ·]``; k ``[..., N, C, K]``;
-    G ``[..., N, C, K]`` or ``[..., N, C, 1]`` (a gate shared by the channels); state ``[..., K, V]``. Returns
-    the states entering each chunk ``[..., N, K, V]``, Ṽ ``[..., N, C, V]`` and the final state ``[..., K, V]``."""
+    W (None for GLA: no delta correction), U ``[..., N, C, ·]``; k ``[..., N, C, K]``; G ``[..., N, C, K]`` or
+    ``[..., N, C, 1]`` (a gate shared by the channels); state ``[..., K, V]``. Returns the states entering each
+    chunk ``[..., N, K, V]``, Ṽ ``[..., N, C, V]`` and the final state ``[..., K, V]``."""
     leading = state.shape[:-2]
     as_batch = (lambda x: None if x is None else x.reshape(-1, *x.shape[-3:]))  # [L, N, ·, ·]
     decay_to_end = as_batch(_decay(G[..., -1:, :], k).mT)  # Γ_C, [L, N, K, 1] (or [L, N, 1, 1])
     k_to_end = as_batch((k * _decay(G[..., -1:, :] - G, k)).mT)  # K̃ᵀ, [L, N, K, C]
     W, U, state = as_batch(W), as_batch(U), state.reshape(-1, *state.shape[-2:])
-    increment = k_to_end @ U  # B = K̃ᵀU, [L, N, K, V]
-    if W is not None:
-        eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
-        transition = decay_to_end * eye - k_to_end @ W  # A, [L, N, K, K]
-    entering = []
-    maps = zip(increment.unbind(1), (decay_to_end if W is None else transition).unbind(1))  # per chunk (B, A)
-    for chunk_increment, chunk_map in maps:
+    entering, corrected = [], []
+    for n, (chunk_decay, chunk_keys) in enumerate(zip(decay_to_end.unbind(1), k_to_end.unbind(1))):
         entering.append(state)
-        if W is None:
-            state = torch.addcmul(chunk_increment, chunk_map, state)  # Diag(Γ_C) S + B
-        else:
-            state = torch.baddbmm(chunk_increment, chunk_map, state)  # A S + B
-    entering = torch.stack(entering, dim=1)  # [L, N, K, V]
-    corrected = U if W is None else U - W @ entering  # Ṽ, [L, N, C, V]
+        v_new = U[:, n] if W is None else torch.baddbmm(U[:, n], W[:, n], state, alpha=-1.0)  # Ṽ = U − W S
+        corrected.append(v_new)
+        state = torch.baddbmm(chunk_decay * state, chunk_keys, v_new)  # Diag(Γ_C) S + K̃ᵀṼ
+    entering, corrected = torch.stack(entering, dim=1), torch.stack(corrected, dim=1)  # [L, N, K, V], [L, N, C, V]
     return (entering.reshape(*leading, *entering.shape[1:]), corrected.reshape(*leading, *corrected.shape[1:]),
             state.reshape(*leading, *state.shape[1:]))
 
 
-def _chunk_group(q, k, v, g, beta, state, lower_bound):
-    """Steps 1–8 for a group of consecutive chunks of every head, q (scaled), k, g ``[B·H, n, C, K]``, v
+def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
+    """Steps 1–8 for a group of consecutive chunks of every head, q, k, g ``[B·H, n, C, K]``, v
     ``[B·H, n, C, V]``, beta ``[B·H, n, C]`` (None for GLA), state ``[B·H, K, V]`` entering the group's first
-    chunk. Returns ``(o [B·H, n, C, V], state leaving the group)``.
+    chunk. Returns ``(o [B·H, n, C, V], state leaving the group)``. The query scale is applied to the output of
+    step 7 (o is linear in q); g is clamped at ``lower_bound`` when one is given.
 
     G is summed in float64 (then only exponents are formed from it): a chunk of 64 tokens at g = −5 reaches
     G = −320, where a float32 cumulative sum is off by ~3e-5, and every weight e^{G_r − G_i} would inherit that
@@ -304,7 +297,10 @@ def _chunk_group(q, k, v, g, beta, state, lower_bound):
     heads, n, C = q.shape[:3]
     chunks = lambda x: None if x is None else x.flatten(0, 1)  # [B·H·n, C, ·]: every chunk one batch entry
     per_head = lambda x: None if x is None else x.unflatten(0, (heads, n))  # [B·H, n, C, ·]
-    G = g.double().cumsum(-2)  # step 1, inclusive; float64 (see above)
+    G = g.double()
+    if lower_bound is not None:
+        G = G.clamp(min=lower_bound)  # the guarantee, enforced: a step below L would overflow a factor
+    G = G.cumsum(-2)  # step 1, inclusive; float64 (see above)
     q, k, v, G, beta = (chunks(x) for x in (q, k, v, G, beta))
     decay = _decay(G, q)  # Γ = e^G ≤ 1
     if beta is None:  # GLA: no delta steps, Ṽ = V
@@ -315,7 +311,7 @@ def _chunk_group(q, k, v, g, beta, state, lower_bound):
         M = ut_transform(A_kk, beta)  # step 3
         W, U = M @ (decay * k), M @ v  # step 4
     entering, v_new, state = _pass_states(per_head(W), per_head(U), per_head(k), per_head(G), state)  # 5, 8
-    o = torch.baddbmm(A_qk @ v_new.flatten(0, 1), decay * q, entering.flatten(0, 1))  # step 7
+    o = torch.baddbmm(A_qk @ v_new.flatten(0, 1), decay * q, entering.flatten(0, 1), beta=scale, alpha=scale)  # 7
     return per_head(o), state
 
 
@@ -323,31 +319,28 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chun
     """Chunkwise KDA (beta given) or GLA (beta None) on validated inputs, g ``[B, T, H, K]`` (channel gate) or
     ``[B, T, H, 1]`` (one gate per head, broadcast over the K channels: GDN and scalar-decay attention).
 
-    The chunks ``[B·H, N, C, ·]`` are taken in groups of consecutive chunks (``CHUNKS_PER_GROUP`` chunks of all
-    heads together), the state passed from group to group as from chunk to chunk: within a group every step
-    but the state passing (5, 8) is batched over its chunks (:func:`_chunk_group`), and a group's temporaries are
-    small enough to stay in the CPU's caches, so the time grows linearly with T. ``lower_bound`` L (a channel
-    gate known to be ≥ L): g is clamped at L, and steps 2 and 6 take the fast form (:func:`decayed_scores`)."""
+    The tokens are taken in groups of consecutive chunks (``CHUNKS_PER_GROUP`` chunks of all heads together),
+    the state passed from group to group as from chunk to chunk: a group is cut into chunks ``[B·H, n, C, ·]``
+    when its turn comes, every step but the state passing (5, 8) is batched over its chunks
+    (:func:`_chunk_group`), and its output is written back in the token layout, so that a group's temporaries
+    stay in the CPU's caches and the time grows linearly with T. ``lower_bound`` L (a channel gate known to be
+    ≥ L): g is clamped at L, and steps 2 and 6 take the fast form (:func:`decayed_scores`)."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     dtype, (batch, time, heads, key_dim), value_dim = q.dtype, q.shape, v.shape[-1]
     wide = torch.promote_types(dtype, torch.float32)  # the precision of the computation and of the state
-    if lower_bound is not None:
-        g = g.clamp(min=lower_bound)  # the guarantee, enforced: a step below L would overflow a factor
-    # padded tokens (k = 0, β = 0, g = 0) leave the state unchanged
-    per_head = lambda x: None if x is None else _to_chunks(x.to(wide), chunk_size).unflatten(0, (batch * heads, -1))
-    q, k, v, g, beta = (per_head(x) for x in (q, k, v, g, beta))  # [B·H, N, C, ·]
-    q = q * scale
-    state = q.new_zeros(batch * heads, key_dim, value_dim)
+    state = q.new_zeros(batch * heads, key_dim, value_dim, dtype=wide)
     if initial_state is not None:
         state = state + initial_state.to(wide).reshape(batch * heads, key_dim, value_dim)
-    group = max(1, CHUNKS_PER_GROUP // (batch * heads))  # chunks of each head per group
+    tokens = chunk_size * max(1, CHUNKS_PER_GROUP // (batch * heads))  # tokens of each head per group
+    # padded tokens (k = 0, β = 0, g = 0) leave the state unchanged
+    cut = lambda x, start: None if x is None else (  # [B·H, n, C, ·]
+        _to_chunks(x[:, start:start + tokens], chunk_size).to(wide).unflatten(0, (batch * heads, -1)))
     outputs = []
-    for start in range(0, q.shape[1], group):
-        part = slice(start, start + group)
-        o, state = _chunk_group(*(None if x is None else x[:, part] for x in (q, k, v, g, beta)), state, lower_bound)
-        outputs.append(o)
-    o = torch.cat(outputs, dim=1).reshape(batch, heads, -1, value_dim).transpose(1, 2)[:, :time]
+    for start in range(0, time, tokens):
+        o, state = _chunk_group(*(cut(x, start) for x in (q, k, v, g, beta)), state, scale, lower_bound)
+        outputs.append(o.unflatten(0, (batch, heads)).movedim(1, 3).flatten(1, 2))  # [B, n·C, H, V], a view
+    o = torch.cat(outputs, dim=1)[:, :time] if time else q.new_zeros(batch, 0, heads, value_dim)
     final = state.reshape(batch, heads, key_dim, value_dim) if output_final_state else None
     return o.to(dtype), final
 

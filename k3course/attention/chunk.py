@@ -47,7 +47,7 @@ DECAY_FLOOR = -30.0  # decay exponents are raised to this: e^-30 ≈ 9e-14 of th
 def _decay(exponent, like) -> torch.Tensor:
     """e^x for an exponent x ≤ 0 (a difference of cumulative log-decays) in ``like``'s dtype (x may be float64,
     see :func:`_chunk_core`), as e^{max(x, DECAY_FLOOR)}: that changes a weight by less than e^-30."""
-    return torch.exp(exponent.to(like.dtype).clamp(min=DECAY_FLOOR))
+    return exponent.to(like.dtype).clamp(min=DECAY_FLOOR).exp_()  # in place on the fresh clamped copy
 
 
 def _causal_mask(C: int, strict: bool, like) -> torch.Tensor:
@@ -149,11 +149,11 @@ def _bounded_scores(operands, b, G, strict: bool, S: int) -> list:
     blocks = padded // S
     G = G.view(L, blocks, S, K)
     first, last = G[:, :, :1], G[:, :, -1:]  # G_p, G_e: [L, NC, 1, K]
-    row_factor = torch.exp((G - first).to(b.dtype))  # e^{G_r − G_p} ∈ [e^-75, 1], [L, NC, S, K]
-    columns = b.reshape(L, blocks, S, K) * torch.exp((last - G).to(b.dtype))  # b_i e^{G_e − G_i}
+    row_factor = (G - first).to(b.dtype).exp_()  # e^{G_r − G_p} ∈ [e^-75, 1], [L, NC, S, K]
+    columns = b.reshape(L, blocks, S, K) * (last - G).to(b.dtype).exp_()  # b_i e^{G_e − G_i}
     bridge = (first[:, :, None, 0] - last[:, None, :, 0]).to(b.dtype)  # G_{p_a} − G_{e_c}: [L, NC(a), NC(c), K]
     # for c > a the exponent is positive (up to 320): capped at FACTOR_RANGE, then multiplied by 0
-    bridge = bridge.clamp(DECAY_FLOOR, FACTOR_RANGE).exp() * _causal_mask(blocks, False, bridge).unsqueeze(-1)
+    bridge = bridge.clamp(DECAY_FLOOR, FACTOR_RANGE).exp_() * _causal_mask(blocks, False, bridge).unsqueeze(-1)
     columns = (columns.unsqueeze(1) * bridge.unsqueeze(-2)).view(L * blocks, padded, K).mT  # per row sub-chunk a
     n = len(operands)
     rows = torch.stack([x.reshape(L, blocks, S, K) for x in operands], dim=2)  # [L, NC, n, S, K]
@@ -297,10 +297,9 @@ def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
     heads, n, C = q.shape[:3]
     chunks = lambda x: None if x is None else x.flatten(0, 1)  # [B·H·n, C, ·]: every chunk one batch entry
     per_head = lambda x: None if x is None else x.unflatten(0, (heads, n))  # [B·H, n, C, ·]
-    G = g.double()
     if lower_bound is not None:
-        G = G.clamp(min=lower_bound)  # the guarantee, enforced: a step below L would overflow a factor
-    G = G.cumsum(-2)  # step 1, inclusive; float64 (see above)
+        g = g.clamp(min=lower_bound)  # the guarantee, enforced: a step below L would overflow a factor
+    G = g.double().cumsum(-2)  # step 1, inclusive; float64 (see above)
     q, k, v, G, beta = (chunks(x) for x in (q, k, v, G, beta))
     decay = _decay(G, q)  # Γ = e^G ≤ 1
     if beta is None:  # GLA: no delta steps, Ṽ = V

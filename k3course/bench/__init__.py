@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import time
 
 import torch
@@ -38,3 +40,35 @@ def interleaved_best_seconds(calls: dict, rounds: int = 3, device: torch.device 
         for name, (fn, repeats) in calls.items():
             best[name] = min(best[name], best_seconds(fn, repeats, device))
     return best
+
+
+def page_faults_per_call(fn, calls: int = 2) -> float | None:
+    """Minor page faults per call of ``fn()``, over ``calls`` calls after one to warm up: pages of fresh memory
+    the OS maps in on first touch. On a VM that returns freed pages to its host, each costs microseconds, which
+    can weigh on an op that allocates large temporaries more than its arithmetic does. None where the platform
+    does not count them (no ``resource`` module)."""
+    if importlib.util.find_spec("resource") is None:
+        return None
+    import resource
+
+    fn()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory in the process (never trim the heap, serve blocks up to 32 MB, its
+    largest setting, from the heap instead of fresh mappings), as torch's CUDA caching allocator does on a GPU:
+    freed tensors are then reused without page faults. Process-wide, for benchmarks and training runs. Returns
+    False where the C library is not glibc (nothing is changed there)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))

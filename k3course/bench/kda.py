@@ -9,7 +9,10 @@ that a busy spell of a shared machine slows all of them alike), as a table with 
 fla's naive recurrent reference (when fla is installed) and the package's recurrent path against the chunked one
 at T = 4096 (target ≥ 10× each), the chunked time growth from T = 1024 to 8192 (target ≤ 9× for 8× the length:
 linear in T), and the chunked path's GFLOP/s as a fraction of this machine's fp32 matmul rate measured in the same
-run (target ≥ 20%), FLOPs counted by :func:`chunk_flops`.
+run (target ≥ 20%), FLOPs counted by :func:`chunk_flops`. It also counts the page faults per call of the chunked
+and recurrent paths: the chunked one allocates megabyte temporaries, and where freed memory goes back to the OS
+(glibc trims its heap) every call maps them in afresh; ``--keep-freed-memory`` keeps it in the process
+(:func:`~k3course.bench.keep_freed_memory`), to see what that costs on this machine.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from k3course.attention.chunk import kda_chunk
 from k3course.attention.kda import KDA_LOWER_BOUND, KimiDeltaAttention, kda_gate
 from k3course.attention.recurrent import kda_recurrent
-from k3course.bench import best_seconds, interleaved_best_seconds
+from k3course.bench import best_seconds, interleaved_best_seconds, keep_freed_memory, page_faults_per_call
 
 GATES = ("layer", "init", "mild")
 TARGETS = {"recurrent": 10.0, "fla naive": 10.0, "matmul fraction": 0.2, "growth": 9.0}
@@ -137,9 +140,13 @@ def main(options: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="chunked calls per round; each time is the best call")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each timing every variant in turn")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="keep freed memory in the process (glibc), so temporaries are not faulted in anew")
     args = parser.parse_args(options)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.keep_freed_memory and not keep_freed_memory():
+        parser.error("--keep-freed-memory needs glibc's malloc (Linux), which this Python does not use")
     lengths, T_rec = sorted(set(args.lengths) | {args.recurrent_length}), args.recurrent_length
     inputs = {T: kda_inputs(T, args.heads, args.dim) for T in lengths}
     inputs["init"] = kda_inputs(T_rec, args.heads, args.dim, gates="init")
@@ -156,5 +163,16 @@ def main(options: list[str]) -> int:
     with torch.no_grad():
         peak = matmul_gflops()
         times = interleaved_best_seconds(calls, args.rounds)
+        faults = {key: page_faults_per_call(calls[key][0]) for key in (T_rec, "recurrent")}
     print("\n".join(_report(times, peak, args, lengths)))
+    print(_faults_line(faults, args.keep_freed_memory))
     return 0
+
+
+def _faults_line(faults: dict, kept: bool) -> str:
+    """Page faults per call of the chunked and recurrent paths at the recurrent length, and the allocator setting."""
+    if None in faults.values():
+        return "page faults: not counted on this platform"
+    chunked, recurrent = (faults[key] for key in faults)
+    setting = "freed memory kept in the process" if kept else "freed memory returned to the OS (glibc's default)"
+    return f"page faults per call: chunked {chunked:.0f}, package recurrent {recurrent:.0f}; {setting}"

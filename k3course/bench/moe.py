@@ -27,6 +27,12 @@ grows; without bf16 GEMMs a bf16 GEMM takes a slow software path, for the MoE an
 AVX2 EPYC, x @ W measured 18-55x slower than fp32; the transposed products of backward run several times
 faster than x @ W there, so a bf16 training step costs about what its forward does). The per-token loop and
 the NumPy rung are timed on ``--loop-tokens`` tokens and scaled, for the speed-up of chapter 01.
+
+Page faults per call are printed for both sides: the dense FFN's temporaries are m × hidden (megabytes), the
+MoE's per-expert blocks are small, so where freed memory goes back to the OS (glibc trims its heap; on a VM each
+fresh page then costs microseconds) the dense side pays more for it. ``--keep-freed-memory`` keeps freed memory
+in the process for both (:func:`~k3course.bench.keep_freed_memory`): the ratios then compare the arithmetic and
+data movement alone.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import argparse
 
 import torch
 
-from k3course.bench import best_seconds, interleaved_best_seconds
+from k3course.bench import best_seconds, interleaved_best_seconds, keep_freed_memory, page_faults_per_call
 from k3course.device import default_device
 from k3course.moe import GLUFFN, LatentMoE
 from k3course.moe.dispatch import grouped_mm, sort_by_expert, unsort
@@ -79,10 +85,14 @@ def _options(options: list[str]) -> argparse.Namespace:
                         help="tokens the per-token loop runs on (its time is scaled to m)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and tokens")
     parser.add_argument("--backend", default="auto", choices=["auto", "loop", "torch"], help="grouped_mm backend")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="keep freed memory in the process (glibc), so temporaries are not faulted in anew")
     args = parser.parse_args(options)
     for name in ("m", "n", "k", "d", "latent", "d_expert", "repeats", "rounds", "threads", "loop_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.keep_freed_memory and not keep_freed_memory():
+        parser.error("--keep-freed-memory needs glibc's malloc (Linux), which this Python does not use")
     return args
 
 
@@ -201,6 +211,15 @@ def _print_machine(args: argparse.Namespace, device: torch.device, hidden: int) 
               f"emulated layers, not what bf16 hardware would show")
 
 
+def _faults_line(faults: dict, train_faults: dict, kept: bool) -> str:
+    """Page faults per call of each side, forward and training step, and the allocator setting."""
+    if None in faults.values() or None in train_faults.values():
+        return "page faults: not counted on this platform"
+    setting = "freed memory kept in the process" if kept else "freed memory returned to the OS (glibc's default)"
+    return (f"page faults per call: forward MoE {faults['sorted']:.0f}, dense {faults['dense']:.0f}; training step "
+            f"MoE {train_faults['sorted']:.0f}, dense {train_faults['dense']:.0f}; {setting}")
+
+
 def main(options: list[str]) -> int:
     args = _options(options)
     device, dtype = default_device(), getattr(torch, args.dtype)
@@ -216,10 +235,12 @@ def main(options: list[str]) -> int:
         calls = {"sorted": (lambda: layer(x), args.repeats), "dense": (lambda: dense(x), args.repeats),
                  "loop": (lambda: per_token_loop(layer, x[:loop_tokens]), 1), **stage_calls(layer, x, args.repeats)}
         times = interleaved_best_seconds(calls, args.rounds, device)
+        faults = {name: page_faults_per_call(calls[name][0]) for name in ("sorted", "dense")}
     layer.train(), dense.train()
     train_calls = {"sorted": (training_step(layer, x, grad_out), args.repeats),
                    "dense": (training_step(dense, x, grad_out), args.repeats)}
     train_times = interleaved_best_seconds(train_calls, args.rounds, device)
+    train_faults = {name: page_faults_per_call(train_calls[name][0]) for name in train_calls}
     t_sorted, t_dense, t_loop = times["sorted"], times["dense"], times["loop"] * args.m / loop_tokens
     params, x_np = layer.reference_params(), x[:loop_tokens].cpu().double().numpy()
     t_numpy = best_seconds(lambda: reference.moe_forward(x_np, params, args.k), 1, device) * args.m / loop_tokens
@@ -243,6 +264,7 @@ def main(options: list[str]) -> int:
           f"{train_times['dense'] * 1e3:.1f} ms  (forward + backward + bias update)")
     print(f"sort-based MoE is {t_loop / t_sorted:.0f}x faster than the per-token loop, "
           f"{t_numpy / t_sorted:.0f}x faster than the NumPy loop")
+    print(_faults_line(faults, train_faults, args.keep_freed_memory))
     target = TARGETS[args.dtype]
     ratios = {"forward": t_sorted / t_dense, "training step": train_times["sorted"] / train_times["dense"]}
     for row, ratio in ratios.items():

@@ -172,8 +172,15 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+TRAINING_COMMANDS = ("train", "experiments")  # long runs whose steps allocate the same temporaries again and again
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command in TRAINING_COMMANDS:
+        from k3course.device import keep_freed_memory
+
+        keep_freed_memory()  # reuse freed memory instead of faulting it in anew every step
     return args.run(args)
 
 

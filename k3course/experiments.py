@@ -44,6 +44,7 @@ import torch
 from k3course import claims
 from k3course.attention.recall import MIXERS, RecallModel, fit_cross_entropy, recall_accuracy
 from k3course.data import mqar
+from k3course.device import keep_freed_memory
 from k3course.train import TrainConfig, lr_factor
 
 RESULTS = Path(__file__).parent / "results"
@@ -132,7 +133,7 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
     todo = [(label, cfg, settings, seed, task, sample_prompt if seed == seeds[0] else None)
             for label, cfg in variants.items() if label not in (reuse or {}) for seed in seeds]
     if jobs > 1:
-        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        with multiprocessing.get_context("spawn").Pool(jobs, initializer=keep_freed_memory) as pool:
             trained = pool.starmap(_train_variant, todo)
     else:
         trained = [_train_variant(*job) for job in todo]

@@ -32,7 +32,8 @@ def test_keep_freed_memory_lets_freed_tensors_be_reused_without_page_faults():
     # in a fresh process: the setting is process-wide
     script = textwrap.dedent("""
         import torch
-        from k3course.bench import keep_freed_memory, page_faults_per_call
+        from k3course.bench import page_faults_per_call
+        from k3course.device import keep_freed_memory
         assert keep_freed_memory()
         work = lambda: [torch.ones(1 << 20) * 2 for _ in range(4)]  # 4 MB temporaries, freed after each call
         print(min(page_faults_per_call(work) for _ in range(3)))  # steady state: the best of three counts

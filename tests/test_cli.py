@@ -39,6 +39,19 @@ def test_progress_on_a_missing_folder_names_it(tmp_path, capsys):
     assert "no exercise notebooks" in capsys.readouterr().err
 
 
+def test_training_commands_keep_freed_memory_and_the_others_do_not(monkeypatch, tmp_path, capsys):
+    import k3course.device
+
+    calls = []
+    monkeypatch.setattr(k3course.device, "keep_freed_memory", lambda: calls.append(True) or True)
+    assert main(["experiments", "no-such-experiment"]) == 2  # fails after the setting: a bad name
+    assert main(["train", "--preset", "no-such-preset"]) == 2
+    assert len(calls) == 2, "train and experiments must keep freed memory for their many steps"
+    assert main(["progress", str(tmp_path / "missing")]) == 2 and main(["bench", "nope"]) == 2
+    assert len(calls) == 2, "other commands leave the allocator alone"
+    capsys.readouterr()
+
+
 def test_unknown_command_is_an_argparse_error():
     with pytest.raises(SystemExit):
         main(["fly"])

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import time
 
@@ -56,19 +55,3 @@ def page_faults_per_call(fn, calls: int = 2) -> float | None:
     for _ in range(calls):
         fn()
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc's malloc to keep freed memory in the process (never trim the heap, serve blocks up to 32 MB, its
-    largest setting, from the heap instead of fresh mappings), as torch's CUDA caching allocator does on a GPU:
-    freed tensors are then reused without page faults. Process-wide, for benchmarks and training runs. Returns
-    False where the C library is not glibc (nothing is changed there)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))

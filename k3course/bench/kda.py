@@ -12,7 +12,7 @@ linear in T), and the chunked path's GFLOP/s as a fraction of this machine's fp3
 run (target ≥ 20%), FLOPs counted by :func:`chunk_flops`. It also counts the page faults per call of the chunked
 and recurrent paths: the chunked one allocates megabyte temporaries, and where freed memory goes back to the OS
 (glibc trims its heap) every call maps them in afresh; ``--keep-freed-memory`` keeps it in the process
-(:func:`~k3course.bench.keep_freed_memory`), to see what that costs on this machine.
+(:func:`~k3course.device.keep_freed_memory`), to see what that costs on this machine.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from k3course.attention.chunk import kda_chunk
 from k3course.attention.kda import KDA_LOWER_BOUND, KimiDeltaAttention, kda_gate
 from k3course.attention.recurrent import kda_recurrent
-from k3course.bench import best_seconds, interleaved_best_seconds, keep_freed_memory, page_faults_per_call
+from k3course.bench import best_seconds, interleaved_best_seconds, page_faults_per_call
+from k3course.device import keep_freed_memory
 
 GATES = ("layer", "init", "mild")
 TARGETS = {"recurrent": 10.0, "fla naive": 10.0, "matmul fraction": 0.2, "growth": 9.0}

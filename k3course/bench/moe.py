@@ -31,7 +31,7 @@ the NumPy rung are timed on ``--loop-tokens`` tokens and scaled, for the speed-u
 Page faults per call are printed for both sides: the dense FFN's temporaries are m × hidden (megabytes), the
 MoE's per-expert blocks are small, so where freed memory goes back to the OS (glibc trims its heap; on a VM each
 fresh page then costs microseconds) the dense side pays more for it. ``--keep-freed-memory`` keeps freed memory
-in the process for both (:func:`~k3course.bench.keep_freed_memory`): the ratios then compare the arithmetic and
+in the process for both (:func:`~k3course.device.keep_freed_memory`): the ratios then compare the arithmetic and
 data movement alone.
 """
 
@@ -41,8 +41,8 @@ import argparse
 
 import torch
 
-from k3course.bench import best_seconds, interleaved_best_seconds, keep_freed_memory, page_faults_per_call
-from k3course.device import default_device
+from k3course.bench import best_seconds, interleaved_best_seconds, page_faults_per_call
+from k3course.device import default_device, keep_freed_memory
 from k3course.moe import GLUFFN, LatentMoE
 from k3course.moe.dispatch import grouped_mm, sort_by_expert, unsort
 from k3course.moe.latent import latent_combine, moe_flops_per_token, rms_norm

@@ -136,11 +136,11 @@ def train_step(model: torch.nn.Module, optimizer, scheduler, micro_batches, grad
     "max_violation", "max_violation_per_layer"}.
     """
     model.train()
-    total = torch.zeros(())
+    total = torch.zeros((), dtype=torch.float64)  # the reported loss is summed in float64, as on the EP ranks
     for inputs, targets in micro_batches:
         _, loss, _ = model(inputs, targets=targets)
         (loss / len(micro_batches)).backward()
-        total += loss.detach().cpu()
+        total += loss.detach().double().cpu()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()

@@ -203,7 +203,7 @@ def test_expert_parallel_training_matches_one_process_on_the_concatenated_batch(
         want = train_step(model, optimizer, scheduler, batches[step], train_config.grad_clip)
         for rank in ranks:
             got = rank["records"][step]
-            assert abs(got["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"]), step  # the loss sums in float32
+            assert abs(got["loss"] - want["loss"]) <= 1e-9 * abs(want["loss"]), step  # both sum it in float64
             assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-9 * want["grad_norm"], step
     assert set(ranks[0]["state"]) == set(model.state_dict())  # the gathered state dict is the single-process one
     for name, tensor in model.state_dict().items():

@@ -50,7 +50,7 @@ def test_the_benchmarks_report_page_faults_and_the_allocator_setting(bench):
                      "--repeats", "1", "--rounds", "1", "--chunk-size", "16"],
              "moe": ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--d-expert", "16",
                      "--repeats", "1", "--rounds", "1", "--loop-tokens", "8"]}[bench]
-    for flag, setting in (([], "freed memory returned to the OS"), (["--keep-freed-memory"], "freed memory kept")):
+    for flag, setting in (([], "freed memory kept in the process"), (["--return-freed-memory"], "returned to the OS")):
         result = subprocess.run([sys.executable, "-m", "k3course.cli", "bench", bench, *small, *flag],
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr

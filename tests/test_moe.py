@@ -415,7 +415,8 @@ def test_bench_runs_small(capsys, dtype):
     from k3course.bench.moe import main
 
     options = ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--d-expert", "16",
-               "--repeats", "1", "--rounds", "1", "--loop-tokens", "8", "--dtype", dtype]
+               "--repeats", "1", "--rounds", "1", "--loop-tokens", "8", "--dtype", dtype,
+               "--return-freed-memory"]  # in-process: leave the test process's allocator alone
     assert main(options) == 0
     out = capsys.readouterr().out
     assert f"situ_glu, {dtype}, backend=auto, 1 CPU thread(s)" in out

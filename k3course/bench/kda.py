@@ -9,10 +9,10 @@ that a busy spell of a shared machine slows all of them alike), as a table with 
 fla's naive recurrent reference (when fla is installed) and the package's recurrent path against the chunked one
 at T = 4096 (target ≥ 10× each), the chunked time growth from T = 1024 to 8192 (target ≤ 9× for 8× the length:
 linear in T), and the chunked path's GFLOP/s as a fraction of this machine's fp32 matmul rate measured in the same
-run (target ≥ 20%), FLOPs counted by :func:`chunk_flops`. It also counts the page faults per call of the chunked
-and recurrent paths: the chunked one allocates megabyte temporaries, and where freed memory goes back to the OS
-(glibc trims its heap) every call maps them in afresh; ``--keep-freed-memory`` keeps it in the process
-(:func:`~k3course.device.keep_freed_memory`), to see what that costs on this machine.
+run (target ≥ 20%), FLOPs counted by :func:`chunk_flops`. Freed memory is kept in the process, as ``k3course
+train`` keeps it (:func:`~k3course.device.keep_freed_memory`); ``--return-freed-memory`` leaves glibc's default,
+which hands large freed blocks back to the OS, so that a call may map its megabyte temporaries in afresh. The page
+faults per call of the chunked and recurrent paths are printed either way.
 """
 
 from __future__ import annotations
@@ -141,13 +141,13 @@ def main(options: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="chunked calls per round; each time is the best call")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each timing every variant in turn")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="keep freed memory in the process (glibc), so temporaries are not faulted in anew")
+    parser.add_argument("--return-freed-memory", action="store_true",
+                        help="leave glibc's default: freed memory goes back to the OS and is faulted in anew "
+                             "(by default it is kept in the process, as in k3course train)")
     args = parser.parse_args(options)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.keep_freed_memory and not keep_freed_memory():
-        parser.error("--keep-freed-memory needs glibc's malloc (Linux), which this Python does not use")
+    kept = not args.return_freed_memory and keep_freed_memory()  # as k3course train does (glibc only)
     lengths, T_rec = sorted(set(args.lengths) | {args.recurrent_length}), args.recurrent_length
     inputs = {T: kda_inputs(T, args.heads, args.dim) for T in lengths}
     inputs["init"] = kda_inputs(T_rec, args.heads, args.dim, gates="init")
@@ -166,7 +166,7 @@ def main(options: list[str]) -> int:
         times = interleaved_best_seconds(calls, args.rounds)
         faults = {key: page_faults_per_call(calls[key][0]) for key in (T_rec, "recurrent")}
     print("\n".join(_report(times, peak, args, lengths)))
-    print(_faults_line(faults, args.keep_freed_memory))
+    print(_faults_line(faults, kept))
     return 0
 
 
@@ -175,5 +175,6 @@ def _faults_line(faults: dict, kept: bool) -> str:
     if None in faults.values():
         return "page faults: not counted on this platform"
     chunked, recurrent = (faults[key] for key in faults)
-    setting = "freed memory kept in the process" if kept else "freed memory returned to the OS (glibc's default)"
+    setting = ("freed memory kept in the process (as in k3course train)" if kept
+               else "freed memory returned to the OS (glibc's default, --return-freed-memory)")
     return f"page faults per call: chunked {chunked:.0f}, package recurrent {recurrent:.0f}; {setting}"

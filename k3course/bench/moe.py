@@ -28,11 +28,11 @@ AVX2 EPYC, x @ W measured 18-55x slower than fp32; the transposed products of ba
 faster than x @ W there, so a bf16 training step costs about what its forward does). The per-token loop and
 the NumPy rung are timed on ``--loop-tokens`` tokens and scaled, for the speed-up of chapter 01.
 
-Page faults per call are printed for both sides: the dense FFN's temporaries are m × hidden (megabytes), the
-MoE's per-expert blocks are small, so where freed memory goes back to the OS (glibc trims its heap; on a VM each
-fresh page then costs microseconds) the dense side pays more for it. ``--keep-freed-memory`` keeps freed memory
-in the process for both (:func:`~k3course.device.keep_freed_memory`): the ratios then compare the arithmetic and
-data movement alone.
+Freed memory is kept in the process, as ``k3course train`` keeps it (:func:`~k3course.device.keep_freed_memory`),
+and page faults per call are printed for both sides. ``--return-freed-memory`` leaves glibc's default, which hands
+large freed blocks back to the OS: the dense FFN's temporaries are m × hidden (megabytes), the MoE's per-expert
+blocks small, so the dense side then pays more page faults (on a 2-core VM, ~4,400 per bf16 forward, which made
+the MoE's bf16 forward ratio look 1.8x instead of 2.4x).
 """
 
 from __future__ import annotations
@@ -85,14 +85,13 @@ def _options(options: list[str]) -> argparse.Namespace:
                         help="tokens the per-token loop runs on (its time is scaled to m)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and tokens")
     parser.add_argument("--backend", default="auto", choices=["auto", "loop", "torch"], help="grouped_mm backend")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="keep freed memory in the process (glibc), so temporaries are not faulted in anew")
+    parser.add_argument("--return-freed-memory", action="store_true",
+                        help="leave glibc's default: freed memory goes back to the OS and is faulted in anew "
+                             "(by default it is kept in the process, as in k3course train)")
     args = parser.parse_args(options)
     for name in ("m", "n", "k", "d", "latent", "d_expert", "repeats", "rounds", "threads", "loop_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.keep_freed_memory and not keep_freed_memory():
-        parser.error("--keep-freed-memory needs glibc's malloc (Linux), which this Python does not use")
     return args
 
 
@@ -215,13 +214,15 @@ def _faults_line(faults: dict, train_faults: dict, kept: bool) -> str:
     """Page faults per call of each side, forward and training step, and the allocator setting."""
     if None in faults.values() or None in train_faults.values():
         return "page faults: not counted on this platform"
-    setting = "freed memory kept in the process" if kept else "freed memory returned to the OS (glibc's default)"
+    setting = ("freed memory kept in the process (as in k3course train)" if kept
+               else "freed memory returned to the OS (glibc's default, --return-freed-memory)")
     return (f"page faults per call: forward MoE {faults['sorted']:.0f}, dense {faults['dense']:.0f}; training step "
             f"MoE {train_faults['sorted']:.0f}, dense {train_faults['dense']:.0f}; {setting}")
 
 
 def main(options: list[str]) -> int:
     args = _options(options)
+    kept = not args.return_freed_memory and keep_freed_memory()  # as k3course train does (glibc only)
     device, dtype = default_device(), getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     layer, dense, x, grad_out, hidden = _build(args, device, dtype)
@@ -264,7 +265,7 @@ def main(options: list[str]) -> int:
           f"{train_times['dense'] * 1e3:.1f} ms  (forward + backward + bias update)")
     print(f"sort-based MoE is {t_loop / t_sorted:.0f}x faster than the per-token loop, "
           f"{t_numpy / t_sorted:.0f}x faster than the NumPy loop")
-    print(_faults_line(faults, train_faults, args.keep_freed_memory))
+    print(_faults_line(faults, train_faults, kept))
     target = TARGETS[args.dtype]
     ratios = {"forward": t_sorted / t_dense, "training step": train_times["sorted"] / train_times["dense"]}
     for row, ratio in ratios.items():

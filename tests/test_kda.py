@@ -276,3 +276,17 @@ def test_bench_kda_runs_and_reports_its_ratios(capsys):
     assert -5.0 < g.min() < -4.9 and -0.1 < g.max() < 0 and abs(g.mean() + 2.5) < 0.05
     g_init = kda_inputs(512, heads=2, dim=16, gates="init")[3]  # a freshly initialised layer's own gates
     assert g_init.shape == (1, 512, 2, 16) and -5.0 < g_init.min() and g_init.max() < 0
+
+
+def test_chunked_ops_on_zero_tokens_return_an_empty_output_and_the_initial_state():
+    from k3course.attention.chunk import gdn_chunk, gla_chunk, kda_chunk
+
+    B, H, K, V = 2, 3, 8, 5
+    q, k, g = (torch.zeros(B, 0, H, K) for _ in range(3))
+    v, beta, state = torch.zeros(B, 0, H, V), torch.zeros(B, 0, H), torch.randn(B, H, K, V)
+    outputs = {"kda": kda_chunk(q, k, v, g, beta, initial_state=state, output_final_state=True, lower_bound=-5.0),
+               "gdn": gdn_chunk(q, k, v, g[..., 0], beta, initial_state=state, output_final_state=True),
+               "gla": gla_chunk(q, k, v, g, initial_state=state, output_final_state=True)}
+    for name, (o, final) in outputs.items():
+        assert o.shape == (B, 0, H, V), name
+        assert torch.equal(final, state), f"{name}: no token, so the state must pass through unchanged"

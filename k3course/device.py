@@ -21,8 +21,8 @@ def keep_freed_memory() -> bool:
     freed tensors are then reused without page faults. By default glibc returns large freed blocks to the OS,
     and every step maps its temporaries in again, page by page (on a VM that hands freed pages back to its host,
     a few microseconds each: a tiny K3 training step measured ~2,400–7,200 faults and a ~13% longer median step).
-    Process-wide; ``k3course train`` and ``experiments`` call it, benchmarks on request. The process keeps its
-    peak memory. Returns False where the C library is not glibc (nothing is changed there)."""
+    Process-wide; ``k3course train``, ``experiments`` and ``bench kda`` / ``bench moe`` call it. The process
+    keeps its peak memory. Returns False where the C library is not glibc (nothing is changed there)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt

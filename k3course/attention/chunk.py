@@ -46,7 +46,7 @@ DECAY_FLOOR = -30.0  # decay exponents are raised to this: e^-30 ≈ 9e-14 of th
 
 def _decay(exponent, like) -> torch.Tensor:
     """e^x for an exponent x ≤ 0 (a difference of cumulative log-decays) in ``like``'s dtype (x may be float64,
-    see :func:`_chunk_core`), as e^{max(x, DECAY_FLOOR)}: that changes a weight by less than e^-30."""
+    see :func:`_chunk_group`), as e^{max(x, DECAY_FLOOR)}: that changes a weight by less than e^-30."""
     return exponent.to(like.dtype).clamp(min=DECAY_FLOOR).exp_()  # in place on the fresh clamped copy
 
 

@@ -11,7 +11,8 @@ The dense FFN is a GLU at width d with the same activation and the largest hidde
 of 16 without exceeding the MoE's active FLOPs (router + W↓ + W↑ + k experts); a hidden size like 363 would
 make its GEMMs up to 2× slower and flatter the MoE. Two rows are timed for each: the forward (eval, no grad)
 and a training step (forward in training mode, backward of a fixed output gradient into the weights and the
-input, and, for the MoE, the quantile bias update, which a training loop runs once per optimizer step).
+input, and, for the MoE, the quantile bias update, which a training loop runs once per optimizer step). Both are
+broken down by stage (route, dispatch, experts, projections + combine; and the bias update in training).
 
 Times are the best over ``--rounds`` rounds of ``--repeats`` calls, the variants taking turns (robust to
 other processes on a shared machine); the ratios are what to read. ``--threads`` defaults to 1: with more
@@ -44,6 +45,7 @@ import torch
 from k3course.bench import best_seconds, interleaved_best_seconds, page_faults_per_call
 from k3course.device import default_device, keep_freed_memory
 from k3course.moe import GLUFFN, LatentMoE
+from k3course.moe.balancing import quantile_balance_bias
 from k3course.moe.dispatch import grouped_mm, sort_by_expert, unsort
 from k3course.moe.latent import latent_combine, moe_flops_per_token, rms_norm
 from k3course.moe.stats import routing_stats
@@ -182,6 +184,47 @@ def stage_calls(layer: LatentMoE, x: torch.Tensor, repeats: int) -> dict:
             "projections + combine": (projections_and_combine, repeats), "GEMMs alone": (gemms, repeats)}
 
 
+def training_stage_calls(layer: LatentMoE, x: torch.Tensor, repeats: int) -> dict:
+    """The training step cut into the stages of :func:`stage_calls`, each a forward and a backward (of a random
+    output gradient) on the previous stage's outputs, detached, plus the quantile bias update: where a training
+    step's time goes. The stages' weights get gradients, dropped after each call."""
+    generator = torch.Generator(device=x.device).manual_seed(1)
+    like = lambda t: torch.randn(t.shape, generator=generator, device=t.device).to(t.dtype)  # an output gradient
+    leaf = lambda t: t.detach().requires_grad_()
+    with torch.no_grad():
+        _, scores, expert_idx, weights = layer.route(x)
+        z = x @ layer.down_proj
+        order, group_offsets = sort_by_expert(expert_idx, layer.n_routed)
+        z_sorted = z.index_select(0, order // layer.top_k)
+        out_sorted = layer.experts(z_sorted, group_offsets)
+        slots = unsort(out_sorted, order).view(x.shape[0], layer.top_k, -1)
+    x, z, z_sorted, out_sorted, slots, weights = (leaf(t) for t in (x, z, z_sorted, out_sorted, slots, weights))
+    grads = {name: like(t) for name, t in (("weights", weights), ("z", z), ("z_sorted", z_sorted),
+                                           ("out_sorted", out_sorted), ("slots", slots), ("x", x))}
+
+    def backward(*pairs):
+        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        layer.zero_grad(set_to_none=True)
+
+    def route():
+        backward((layer.route(x)[3], grads["weights"]))
+
+    def dispatch():
+        backward((z.index_select(0, order // layer.top_k), grads["z_sorted"]),
+                 (unsort(out_sorted, sort_by_expert(expert_idx, layer.n_routed)[0]), grads["z_sorted"]))
+
+    def experts():
+        backward((layer.experts(z_sorted, group_offsets), grads["out_sorted"]))
+
+    def projections_and_combine():
+        combined = latent_combine(slots, layer.route_scale * weights, layer.up_proj, layer.latent_norm, layer.eps)
+        backward((x @ layer.down_proj, grads["z"]), (combined, grads["x"]))
+
+    return {"route": (route, repeats), "dispatch": (dispatch, repeats), "experts": (experts, repeats),
+            "projections + combine": (projections_and_combine, repeats),
+            "bias update": (lambda: quantile_balance_bias(scores, layer.bias, layer.top_k), repeats)}
+
+
 def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """(MoE layer, dense FFN, tokens x [m, d], output gradient [m, d], dense hidden size)."""
     generator = torch.Generator().manual_seed(0)
@@ -239,9 +282,10 @@ def main(options: list[str]) -> int:
         faults = {name: page_faults_per_call(calls[name][0]) for name in ("sorted", "dense")}
     layer.train(), dense.train()
     train_calls = {"sorted": (training_step(layer, x, grad_out), args.repeats),
-                   "dense": (training_step(dense, x, grad_out), args.repeats)}
+                   "dense": (training_step(dense, x, grad_out), args.repeats),
+                   **{f"train {name}": call for name, call in training_stage_calls(layer, x, args.repeats).items()}}
     train_times = interleaved_best_seconds(train_calls, args.rounds, device)
-    train_faults = {name: page_faults_per_call(train_calls[name][0]) for name in train_calls}
+    train_faults = {name: page_faults_per_call(train_calls[name][0]) for name in ("sorted", "dense")}
     t_sorted, t_dense, t_loop = times["sorted"], times["dense"], times["loop"] * args.m / loop_tokens
     params, x_np = layer.reference_params(), x[:loop_tokens].cpu().double().numpy()
     t_numpy = best_seconds(lambda: reference.moe_forward(x_np, params, args.k), 1, device) * args.m / loop_tokens
@@ -263,6 +307,9 @@ def main(options: list[str]) -> int:
     print(f"dense FFN       {t_dense * 1e3:10.1f} ms  forward")
     print(f"training step: sort-based MoE {train_times['sorted'] * 1e3:.1f} ms, dense FFN "
           f"{train_times['dense'] * 1e3:.1f} ms  (forward + backward + bias update)")
+    for stage in ("route", "dispatch", "experts", "projections + combine", "bias update"):
+        seconds = train_times[f"train {stage}"]
+        print(f"  {stage:22s}{seconds * 1e3:8.1f} ms  ({seconds / train_times['sorted']:4.0%} of the MoE's step)")
     print(f"sort-based MoE is {t_loop / t_sorted:.0f}x faster than the per-token loop, "
           f"{t_numpy / t_sorted:.0f}x faster than the NumPy loop")
     print(_faults_line(faults, train_faults, kept))

@@ -149,6 +149,18 @@ def training_step(module: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tens
     return step
 
 
+def _stage_inputs(layer: LatentMoE, x: torch.Tensor) -> tuple:
+    """Every intermediate of the MoE's forward on x, each stage's input: (scores, expert_idx, weights, z = x W↓,
+    order, group_offsets, z_sorted, out_sorted, slots [m, k, ℓ])."""
+    _, scores, expert_idx, weights = layer.route(x)
+    z = x @ layer.down_proj
+    order, group_offsets = sort_by_expert(expert_idx, layer.n_routed)
+    z_sorted = z.index_select(0, order // layer.top_k)
+    out_sorted = layer.experts(z_sorted, group_offsets)
+    slots = unsort(out_sorted, order).view(x.shape[0], layer.top_k, -1)
+    return scores, expert_idx, weights, z, order, group_offsets, z_sorted, out_sorted, slots
+
+
 def stage_calls(layer: LatentMoE, x: torch.Tensor, repeats: int) -> dict:
     """The MoE forward cut into its stages, each a call on the previous stage's outputs (for the breakdown).
 
@@ -157,12 +169,7 @@ def stage_calls(layer: LatentMoE, x: torch.Tensor, repeats: int) -> dict:
     RMSNorm and W↑.  GEMMs alone: every matmul of the layer on the same shapes, nothing else (a subset of
     the stages, to tell GEMM time from the rest).
     """
-    _, _, expert_idx, weights = layer.route(x)
-    z = x @ layer.down_proj
-    order, group_offsets = sort_by_expert(expert_idx, layer.n_routed)
-    z_sorted = z.index_select(0, order // layer.top_k)
-    out_sorted = layer.experts(z_sorted, group_offsets)
-    slots = unsort(out_sorted, order).view(x.shape[0], layer.top_k, -1)
+    _, expert_idx, weights, z, order, group_offsets, z_sorted, out_sorted, slots = _stage_inputs(layer, x)
     hidden_sorted = z_sorted.new_empty(z_sorted.shape[0], layer.experts.hidden).normal_()
     u = slots.sum(1)
 
@@ -192,12 +199,7 @@ def training_stage_calls(layer: LatentMoE, x: torch.Tensor, repeats: int) -> dic
     like = lambda t: torch.randn(t.shape, generator=generator, device=t.device).to(t.dtype)  # an output gradient
     leaf = lambda t: t.detach().requires_grad_()
     with torch.no_grad():
-        _, scores, expert_idx, weights = layer.route(x)
-        z = x @ layer.down_proj
-        order, group_offsets = sort_by_expert(expert_idx, layer.n_routed)
-        z_sorted = z.index_select(0, order // layer.top_k)
-        out_sorted = layer.experts(z_sorted, group_offsets)
-        slots = unsort(out_sorted, order).view(x.shape[0], layer.top_k, -1)
+        scores, expert_idx, weights, z, order, group_offsets, z_sorted, out_sorted, slots = _stage_inputs(layer, x)
     x, z, z_sorted, out_sorted, slots, weights = (leaf(t) for t in (x, z, z_sorted, out_sorted, slots, weights))
     grads = {name: like(t) for name, t in (("weights", weights), ("z", z), ("z_sorted", z_sorted),
                                            ("out_sorted", out_sorted), ("slots", slots), ("x", x))}

@@ -9,6 +9,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from k3course.device import keep_freed_memory
+
 
 def best_seconds(fn, repeats: int = 5, device: torch.device | str | None = None) -> float:
     """The fastest of ``repeats`` calls of ``fn()``, in seconds: the call least disturbed by other processes.
@@ -55,3 +57,11 @@ def page_faults_per_call(fn, calls: int = 2) -> float | None:
     for _ in range(calls):
         fn()
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
+def freed_memory_setting(return_freed_memory: bool) -> str:
+    """Keep freed memory in the process, as ``k3course train`` does (:func:`~k3course.device.keep_freed_memory`),
+    unless ``return_freed_memory`` asks for glibc's default; returns the setting in words, for the report."""
+    if not return_freed_memory and keep_freed_memory():
+        return "freed memory kept in the process (as in k3course train)"
+    return "freed memory returned to the OS (glibc's default, --return-freed-memory)"

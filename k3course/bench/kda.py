@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from k3course.attention.chunk import kda_chunk
 from k3course.attention.kda import KDA_LOWER_BOUND, KimiDeltaAttention, kda_gate
 from k3course.attention.recurrent import kda_recurrent
-from k3course.bench import best_seconds, interleaved_best_seconds, page_faults_per_call
-from k3course.device import keep_freed_memory
+from k3course.bench import best_seconds, freed_memory_setting, interleaved_best_seconds, page_faults_per_call
 
 GATES = ("layer", "init", "mild")
 TARGETS = {"recurrent": 10.0, "fla naive": 10.0, "matmul fraction": 0.2, "growth": 9.0}
@@ -147,7 +146,7 @@ def main(options: list[str]) -> int:
     args = parser.parse_args(options)
     if args.threads:
         torch.set_num_threads(args.threads)
-    kept = not args.return_freed_memory and keep_freed_memory()  # as k3course train does (glibc only)
+    setting = freed_memory_setting(args.return_freed_memory)
     lengths, T_rec = sorted(set(args.lengths) | {args.recurrent_length}), args.recurrent_length
     inputs = {T: kda_inputs(T, args.heads, args.dim) for T in lengths}
     inputs["init"] = kda_inputs(T_rec, args.heads, args.dim, gates="init")
@@ -164,17 +163,14 @@ def main(options: list[str]) -> int:
     with torch.no_grad():
         peak = matmul_gflops()
         times = interleaved_best_seconds(calls, args.rounds)
-        faults = {key: page_faults_per_call(calls[key][0]) for key in (T_rec, "recurrent")}
+        chunked_faults, recurrent_faults = (page_faults_per_call(calls[key][0]) for key in (T_rec, "recurrent"))
     print("\n".join(_report(times, peak, args, lengths)))
-    print(_faults_line(faults, kept))
+    print(_faults_line(chunked_faults, recurrent_faults, setting))
     return 0
 
 
-def _faults_line(faults: dict, kept: bool) -> str:
+def _faults_line(chunked: float | None, recurrent: float | None, setting: str) -> str:
     """Page faults per call of the chunked and recurrent paths at the recurrent length, and the allocator setting."""
-    if None in faults.values():
+    if chunked is None or recurrent is None:
         return "page faults: not counted on this platform"
-    chunked, recurrent = (faults[key] for key in faults)
-    setting = ("freed memory kept in the process (as in k3course train)" if kept
-               else "freed memory returned to the OS (glibc's default, --return-freed-memory)")
     return f"page faults per call: chunked {chunked:.0f}, package recurrent {recurrent:.0f}; {setting}"

@@ -42,8 +42,8 @@ import argparse
 
 import torch
 
-from k3course.bench import best_seconds, interleaved_best_seconds, page_faults_per_call
-from k3course.device import default_device, keep_freed_memory
+from k3course.bench import best_seconds, freed_memory_setting, interleaved_best_seconds, page_faults_per_call
+from k3course.device import default_device
 from k3course.moe import GLUFFN, LatentMoE
 from k3course.moe.balancing import quantile_balance_bias
 from k3course.moe.dispatch import grouped_mm, sort_by_expert, unsort
@@ -255,19 +255,17 @@ def _print_machine(args: argparse.Namespace, device: torch.device, hidden: int) 
               f"emulated layers, not what bf16 hardware would show")
 
 
-def _faults_line(faults: dict, train_faults: dict, kept: bool) -> str:
+def _faults_line(faults: dict, train_faults: dict, setting: str) -> str:
     """Page faults per call of each side, forward and training step, and the allocator setting."""
     if None in faults.values() or None in train_faults.values():
         return "page faults: not counted on this platform"
-    setting = ("freed memory kept in the process (as in k3course train)" if kept
-               else "freed memory returned to the OS (glibc's default, --return-freed-memory)")
     return (f"page faults per call: forward MoE {faults['sorted']:.0f}, dense {faults['dense']:.0f}; training step "
             f"MoE {train_faults['sorted']:.0f}, dense {train_faults['dense']:.0f}; {setting}")
 
 
 def main(options: list[str]) -> int:
     args = _options(options)
-    kept = not args.return_freed_memory and keep_freed_memory()  # as k3course train does (glibc only)
+    setting = freed_memory_setting(args.return_freed_memory)
     device, dtype = default_device(), getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     layer, dense, x, grad_out, hidden = _build(args, device, dtype)
@@ -314,7 +312,7 @@ def main(options: list[str]) -> int:
         print(f"  {stage:22s}{seconds * 1e3:8.1f} ms  ({seconds / train_times['sorted']:4.0%} of the MoE's step)")
     print(f"sort-based MoE is {t_loop / t_sorted:.0f}x faster than the per-token loop, "
           f"{t_numpy / t_sorted:.0f}x faster than the NumPy loop")
-    print(_faults_line(faults, train_faults, kept))
+    print(_faults_line(faults, train_faults, setting))
     target = TARGETS[args.dtype]
     ratios = {"forward": t_sorted / t_dense, "training step": train_times["sorted"] / train_times["dense"]}
     for row, ratio in ratios.items():

@@ -115,13 +115,13 @@ def _generate(args) -> int:
 
 
 def _experiment_names() -> list[str]:
-    from k3course.experiments import EXPERIMENTS
+    from k3course.lessons.experiments import EXPERIMENTS
 
     return list(EXPERIMENTS)
 
 
 def _experiments(args) -> int:
-    from k3course.experiments import main as experiments_main
+    from k3course.lessons.experiments import main as experiments_main
 
     return experiments_main([args.name, "--jobs", str(args.jobs)])
 

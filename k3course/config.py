@@ -1,26 +1,14 @@
-"""``K3Config``: the dimensions of a K3-style model, its presets, and its accounting.
+"""``K3Config``: the dimensions of a K3-style model, their validation, and the presets (floor 0, a leaf).
 
 One dataclass describes every model in the course, from the four reference models (DeepSeek-V3, Kimi K2,
-Kimi Linear 48B, Kimi K3) down to the ``tiny`` and ``small`` presets that train on a laptop CPU.
-The accounting methods answer three questions from the dimensions alone (lessons 00 and 11):
-
-- how many parameters, total and active per token, and where they live (``param_count``);
-- how much memory decoding keeps per sequence: the MLA latent cache grows with every token, the KDA state is
-  a constant (``kv_cache_bytes_per_token``, ``recurrent_state_bytes``, ``kv_cache_bytes``);
-- what fraction of the routed experts a token uses (``activation_ratio``);
-- roughly how many FLOPs decoding one token costs at a given context (``decode_flops_per_token``).
-
-``meta_param_count`` counts the same model a second, independent way: it builds the real ``K3Model`` on the
-meta device (shapes, no memory) and sums its parameters' ``numel`` by component.
+Kimi Linear 48B, Kimi K3) down to the ``tiny`` and ``small`` presets that train on a laptop CPU. What a
+config costs (parameters, cache bytes, FLOPs) is computed from it in :mod:`k3course.accounting`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
-from torch import nn
 
 ROUTER_SCORES = ("sigmoid", "softmax")
 BALANCING = ("quantile", "sign", "aux_loss", "none")
@@ -135,67 +123,6 @@ class K3Config:
     def n_moe_layers(self) -> int:
         return self.n_layers - self.first_k_dense
 
-    # --- accounting -------------------------------------------------------------------------------------
-
-    def param_count(self) -> ParamCount:
-        """Total and active (per token) parameters, with a per-component breakdown.
-
-        Active = everything a token touches: all weights except the routed experts it was not sent to
-        (``top_k`` of ``n_routed_experts`` per MoE layer). Balancing biases are buffers, not parameters.
-        """
-        return ParamCount.from_components(_component_counts(self))
-
-    def activation_ratio(self) -> float:
-        """Routed experts active per token over routed experts: ``top_k / n_routed_experts``."""
-        return self.top_k / self.n_routed_experts
-
-    def kv_cache_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """Bytes the decoding cache GROWS by per token: MLA layers only.
-
-        Each MLA layer caches its compressed latent c_KV and the shared rope key per token:
-        ``n_mla_layers · (kv_lora_rank + qk_rope_head_dim) · dtype_bytes`` (K3: 24 · 576 · 2 B).
-        KDA layers add nothing per token: their state is constant (``recurrent_state_bytes``).
-        """
-        _check_dtype_bytes(dtype_bytes)
-        return self.n_mla_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
-
-    def recurrent_state_bytes(self, dtype_bytes: int = 2, state_bytes: int = 4) -> int:
-        """Bytes of the KDA state, CONSTANT in the context length.
-
-        Per KDA layer: the state S ∈ R^{H×K×V}, kept in fp32 (``state_bytes`` = 4) whatever the activations'
-        dtype, plus the short-conv tails, the last ``conv_size − 1`` inputs of the q, k and v convolutions in the
-        activations' dtype: ``H·K·V·state_bytes + (conv_size − 1)·(2·H·K + H·V)·dtype_bytes``.
-        """
-        _check_dtype_bytes(dtype_bytes)
-        _check_dtype_bytes(state_bytes)
-        heads, width = self.kda_n_heads, self.kda_head_dim
-        state = heads * width * width * state_bytes
-        conv_tails = (self.kda_conv_size - 1) * 3 * heads * width * dtype_bytes
-        return self.n_kda_layers * (state + conv_tails)
-
-    def kv_cache_bytes(self, context: int, dtype_bytes: int = 2) -> int:
-        """Decoding memory for one sequence of ``context`` tokens:
-        ``context · kv_cache_bytes_per_token + recurrent_state_bytes`` (growing part + constant part)."""
-        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
-            raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
-        return context * self.kv_cache_bytes_per_token(dtype_bytes) + self.recurrent_state_bytes(dtype_bytes)
-
-    def decode_flops_per_token(self, context: int) -> int:
-        """Approximate FLOPs to decode one token with ``context`` tokens already cached.
-
-        weights   2 · (active parameters − the embedding table)    (a multiply-add per weight; lookup is free)
-        MLA       2 · H · (2·kv_lora_rank + rope) · context per MLA layer: absorbed decoding scores each cached
-                  576-wide entry (kv_lora + rope) and mixes the kv_lora-wide latents
-        KDA       7 · H · K · V per KDA layer: decay, Sᵀk, the rank-1 delta update, Sᵀq; constant in context
-        """
-        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
-            raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
-        count = self.param_count()
-        weights = 2 * (count.active - count.components["embedding"][1])
-        mla = self.n_mla_layers * 2 * self.mla_n_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim) * context
-        kda = self.n_kda_layers * 7 * self.kda_n_heads * self.kda_head_dim ** 2
-        return weights + mla + kda
-
 
 def layer_schedule(n_layers: int, kda_per_mla: int, first_k_dense: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The layer plan: (mixer per layer, FFN per layer).
@@ -212,181 +139,7 @@ def layer_schedule(n_layers: int, kda_per_mla: int, first_k_dense: int) -> tuple
     return mixers, tuple("dense" if i < first_k_dense else "moe" for i in range(n_layers))
 
 
-@dataclass(frozen=True)
-class ParamCount:
-    """Parameters of a model: ``total``, ``active`` per token, and ``components`` {name: (total, active)}."""
-
-    total: int
-    active: int
-    components: dict[str, tuple[int, int]]
-
-    @classmethod
-    def from_components(cls, components: dict[str, tuple[int, int]]) -> ParamCount:
-        total = sum(t for t, _ in components.values())
-        active = sum(a for _, a in components.values())
-        return cls(total, active, components)
-
-
-# --- the analytic count, component by component --------------------------------------------------------
-
-def _linear(d_in: int, d_out: int) -> int:
-    """A bias-free linear map R^d_in → R^d_out."""
-    return d_in * d_out
-
-
-def _gated_mlp(d_in: int, width: int) -> int:
-    """SwiGLU / SiTU-GLU MLP: gate and up (d_in → width), down (width → d_in)."""
-    return 3 * d_in * width
-
-
-def kda_layer_params(cfg: K3Config) -> int:
-    """One KDA token mixer (lesson 06), H = kda_n_heads, K = V = kda_head_dim, d = d_model.
-
-    q, k, v projections 3·d·HK; depthwise short convs 3·HK·conv_size; β projection d·H;
-    forget gate low-rank d·K + K·HK with A_log (H) and dt_bias (HK); output gate d·HK (full) or
-    d·K + K·HK + HK (low rank, the second map with a bias); per-head output RMSNorm K; output projection HK·d.
-    """
-    _require_config(cfg)
-    d, heads, width = cfg.d_model, cfg.kda_n_heads, cfg.kda_head_dim
-    inner = heads * width
-    projections = 3 * _linear(d, inner)
-    convs = 3 * inner * cfg.kda_conv_size
-    beta = _linear(d, heads)
-    forget_gate = _linear(d, width) + _linear(width, inner) + heads + inner
-    if cfg.kda_output_gate == "full":
-        output_gate = _linear(d, inner)
-    else:
-        output_gate = _linear(d, width) + _linear(width, inner) + inner  # the second map has a bias (fla)
-    return projections + convs + beta + forget_gate + output_gate + width + _linear(inner, d)
-
-
-def mla_layer_params(cfg: K3Config) -> int:
-    """One (gated) MLA token mixer (lesson 09), H = mla_n_heads.
-
-    Query: d → q_lora_rank (+ RMSNorm) → H·(nope + rope), or d → H·(nope + rope) when q_lora_rank is None.
-    Keys / values: d → kv_lora_rank + rope (+ RMSNorm on the latent); latent → H·(nope + v).
-    Output gate (gated MLA) d → H·v; output projection H·v → d.
-    """
-    _require_config(cfg)
-    d, heads = cfg.d_model, cfg.mla_n_heads
-    qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    if cfg.q_lora_rank is None:
-        query = _linear(d, heads * qk_dim)
-    else:
-        query = _linear(d, cfg.q_lora_rank) + cfg.q_lora_rank + _linear(cfg.q_lora_rank, heads * qk_dim)
-    latent = _linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
-    up = _linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-    gate = _linear(d, heads * cfg.v_head_dim) if cfg.mla_gated else 0
-    return query + latent + up + gate + _linear(heads * cfg.v_head_dim, d)
-
-
-def moe_layer_params(cfg: K3Config) -> tuple[int, int]:
-    """(total, active) parameters of one MoE layer.
-
-    routed experts  n · 3·e·f   with e = latent_dim (or d_model), f = expert_dim; active: top_k of them
-    shared experts  3·d·(n_shared·f)            (always on)
-    latent          d·ℓ + ℓ·d + ℓ (down, up, RMSNorm on the latent output; 0 without latent)
-    router          n·d                          (the balancing bias is a buffer, not counted)
-    """
-    _require_config(cfg)
-    routed_total, routed_active = _routed_expert_params(cfg)
-    always_on = _shared_expert_params(cfg) + _latent_projection_params(cfg) + _router_params(cfg)
-    return routed_total + always_on, routed_active + always_on
-
-
-def _expert_input_dim(cfg: K3Config) -> int:
-    return cfg.d_model if cfg.latent_dim is None else cfg.latent_dim
-
-
-def _routed_expert_params(cfg: K3Config) -> tuple[int, int]:
-    one = _gated_mlp(_expert_input_dim(cfg), cfg.expert_dim)
-    return cfg.n_routed_experts * one, cfg.top_k * one
-
-
-def _shared_expert_params(cfg: K3Config) -> int:
-    return _gated_mlp(cfg.d_model, cfg.n_shared_experts * cfg.expert_dim)
-
-
-def _latent_projection_params(cfg: K3Config) -> int:
-    if cfg.latent_dim is None:
-        return 0
-    return 2 * _linear(cfg.d_model, cfg.latent_dim) + cfg.latent_dim
-
-
-def _router_params(cfg: K3Config) -> int:
-    return _linear(cfg.d_model, cfg.n_routed_experts)
-
-
-def _norm_and_residual_params(cfg: K3Config) -> int:
-    """RMSNorm before each sub-layer (2 per layer) and the final norm; Block AttnRes adds a query per
-    sub-layer (2 per layer) and one for the final aggregation, each of width d."""
-    d = cfg.d_model
-    norms = 2 * cfg.n_layers * d + d
-    queries = (2 * cfg.n_layers + 1) * d if cfg.residual == "block_attnres" else 0
-    return norms + queries
-
-
-def _component_counts(cfg: K3Config) -> dict[str, tuple[int, int]]:
-    """{component: (total, active)} summed over the whole model."""
-    moe = cfg.n_moe_layers
-    routed_total, routed_active = _routed_expert_params(cfg)
-    embedding = _linear(cfg.vocab_size, cfg.d_model)
-    parts = {
-        "embedding": embedding,
-        "lm_head": 0 if cfg.tie_embeddings else embedding,
-        "kda_attention": cfg.n_kda_layers * kda_layer_params(cfg),
-        "mla_attention": cfg.n_mla_layers * mla_layer_params(cfg),
-        "dense_ffn": cfg.first_k_dense * _gated_mlp(cfg.d_model, cfg.dense_ffn_dim),
-        "shared_experts": moe * _shared_expert_params(cfg),
-        "latent_projections": moe * _latent_projection_params(cfg),
-        "router": moe * _router_params(cfg),
-        "norms_and_residual": _norm_and_residual_params(cfg),
-    }
-    components = {name: (count, count) for name, count in parts.items()}
-    components["routed_experts"] = (moe * routed_total, moe * routed_active)
-    return components
-
-
-# --- the same count from the real modules, built on the meta device ------------------------------------------
-
-def meta_layer(cfg: K3Config, kind: str) -> nn.Module:
-    """The package's real layer of ``kind`` ("kda", "mla", "dense_ffn", "moe") for ``cfg``, on the meta device."""
-    _require_config(cfg)
-    from k3course.attention.kda import KimiDeltaAttention
-    from k3course.attention.mla import GatedMLA
-    from k3course.moe.experts import GLUFFN
-    from k3course.moe.layers import MoE
-
-    builders = {"kda": KimiDeltaAttention.from_config, "mla": GatedMLA.from_config, "moe": MoE.from_config,
-                "dense_ffn": lambda c: GLUFFN(c.d_model, c.dense_ffn_dim, c.ffn_activation)}
-    if kind not in builders:
-        raise ValueError(f"kind: unknown layer kind {kind!r}; choose one of {', '.join(builders)}")
-    with torch.device("meta"):
-        return builders[kind](cfg)
-
-
-def meta_param_count(cfg: K3Config) -> dict[str, tuple[int, int]]:
-    """{component: (total, active)} counted from :class:`k3course.model.K3Model` built on the meta device
-    (shapes, no memory: the full K3 in seconds), plus "total" and "active" as ints. Equal to
-    :meth:`K3Config.param_count` by construction — a test holds them together for every preset."""
-    _require_config(cfg)
-    from k3course.model import K3Model  # the model is built from this config: imported here, not at the top
-
-    parts = K3Model.from_config(cfg, device="meta").param_breakdown()
-    return {**parts, "total": sum(t for t, _ in parts.values()), "active": sum(a for _, a in parts.values())}
-
-
 # --- validation -----------------------------------------------------------------------------------------
-
-def _require_config(cfg) -> None:
-    if not isinstance(cfg, K3Config):
-        raise TypeError(f"cfg must be a K3Config (e.g. K3Config.preset('tiny')), got {type(cfg).__name__}")
-
-
-def _check_dtype_bytes(dtype_bytes: int) -> None:
-    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
-        raise ValueError(f"dtype_bytes must be a positive int (2 for bf16, 4 for fp32), got {dtype_bytes!r}")
-
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3course.attention.kda import KDACache, KimiDeltaAttention
-from k3course.attention.mla import GatedMLA, MLACache
 from k3course.config import K3Config
+from k3course.layers.kda import KDACache, KimiDeltaAttention
+from k3course.layers.mla import GatedMLA, MLACache
+from k3course.layers.residual import block_attnres_read, make_residual
 from k3course.moe.experts import GLUFFN
 from k3course.moe.layers import MoE
-from k3course.residual import block_attnres_read, make_residual
 
 IGNORE = -100  # targets at positions without a label (torch's cross-entropy ignore_index)
 INIT_STD = 0.02  # N(0, 0.02²) for projections and the embedding; output projections get 0.02 / √(2L)
@@ -132,7 +132,7 @@ class K3Model(nn.Module):
 
     def param_breakdown(self) -> dict[str, tuple[int, int]]:
         """{component: (total, active per token)} counted from the module tree (the names of
-        ``K3Config.param_count().components``). A token uses top_k of each MoE layer's routed experts."""
+        ``accounting.param_count(K3Config).components``). A token uses top_k of each MoE layer's routed experts."""
         parts = dict.fromkeys(("embedding", "lm_head", "kda_attention", "mla_attention", "dense_ffn",
                                "shared_experts", "latent_projections", "router", "norms_and_residual",
                                "routed_experts"), (0, 0))

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from k3course import accounting
 from k3course.bench import decode
 from k3course.config import K3Config
 from k3course.model import K3Model
@@ -31,7 +32,7 @@ def test_measured_bytes_equal_accounting(models, fill, batch, context):
     with torch.no_grad():
         rows = decode.measure_point(models, batch, context, steps=1, fill=fill, chunk=16)
     for name, row in rows.items():
-        expected = batch * decode.schedule_configs(TINY)[name].kv_cache_bytes(context, dtype_bytes=4)
+        expected = batch * accounting.kv_cache_bytes(decode.schedule_configs(TINY)[name], context, dtype_bytes=4)
         assert row["measured_bytes"] == row["predicted_bytes"] == expected, name
         assert row["tpot_best_s"] > 0
 

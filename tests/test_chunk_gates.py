@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3course.attention.chunk import gdn_chunk, kda_chunk
-from k3course.attention.kda import KDA_LOWER_BOUND
-from k3course.attention.recurrent import gdn_recurrent, kda_recurrent
+from k3course.layers.kda import KDA_LOWER_BOUND
+from k3course.ops.chunk import gdn_chunk, kda_chunk
+from k3course.ops.recurrent import gdn_recurrent, kda_recurrent
 
 TOLERANCE = 1e-4
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -173,7 +173,7 @@ def exact_scores(a, b, G, strict: bool) -> torch.Tensor:
 def test_bounded_scores_equal_the_float64_pairwise_sum(C, strict):
     """Every entry of A, near the diagonal and far from it, at the bound and above it, for chunks that are not
     whole sub-chunks: a chunk-wide reference (e^{−G} up to e^320) or a wrong bridge between sub-chunks fails."""
-    from k3course.attention.chunk import decayed_scores
+    from k3course.ops.chunk import decayed_scores
 
     gen = torch.Generator().manual_seed(C)
     a, b = torch.randn(3, C, 16, generator=gen), F.normalize(torch.randn(3, C, 16, generator=gen), dim=-1)
@@ -193,7 +193,7 @@ def test_bounded_scores_equal_the_float64_pairwise_sum(C, strict):
 
 def test_bounded_sub_chunk_keeps_every_factor_in_float32_range():
     """The sub-chunk shrinks as the bound grows, (S − 1)·|L| ≤ 75; steeper bounds stay exact."""
-    from k3course.attention.chunk import _bounded_sub_chunk
+    from k3course.ops.chunk import _bounded_sub_chunk
 
     assert _bounded_sub_chunk(-5.0, 64) == 16 and _bounded_sub_chunk(-5.0, 10) == 10
     assert _bounded_sub_chunk(-10.0, 64) == 8 and _bounded_sub_chunk(-30.0, 64) == 2
@@ -222,7 +222,7 @@ def test_bounded_path_at_edge_lengths_against_recurrent_and_fla(T):
 @pytest.mark.parametrize("lower_bound", [None, BOUND])
 def test_groups_of_chunks_pass_the_state_on(monkeypatch, lower_bound):
     """One chunk per head per group and one group for everything give the same outputs and state."""
-    from k3course.attention import chunk
+    from k3course.ops import chunk
 
     tensors = inputs("layer", scalar_gate=False, T=150)
     runs = []

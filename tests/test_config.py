@@ -6,28 +6,21 @@ import dataclasses
 
 import pytest
 
-from k3course.config import (
-    PRESETS,
-    PUBLISHED_PARAMS,
-    K3Config,
-    kda_layer_params,
-    meta_layer,
-    meta_param_count,
-    mla_layer_params,
-    moe_layer_params,
-)
+from k3course import accounting
+from k3course.accounting import kda_layer_params, meta_layer, meta_param_count, mla_layer_params, moe_layer_params
+from k3course.config import PRESETS, PUBLISHED_PARAMS, K3Config
 
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2", "kimi-k3"])
 def test_reference_presets_count_to_published_total_and_active_within_3_percent(name):
-    count = K3Config.preset(name).param_count()
+    count = accounting.param_count(K3Config.preset(name))
     total, active = PUBLISHED_PARAMS[name]
     assert count.total == pytest.approx(total, rel=0.03)
     assert count.active == pytest.approx(active, rel=0.03)
 
 
 def test_kimi_linear_counts_to_48b_and_its_active_count_is_3b_without_the_embedding_lookup():
-    count = K3Config.preset("kimi-linear-48b").param_count()
+    count = accounting.param_count(K3Config.preset("kimi-linear-48b"))
     assert count.total == pytest.approx(48e9, rel=0.03)
     # "A3B" rounds down: 3.48B counting every touched weight, 3.11B without the input embedding table.
     assert count.active == pytest.approx(3.48e9, rel=0.01)
@@ -37,7 +30,7 @@ def test_kimi_linear_counts_to_48b_and_its_active_count_is_3b_without_the_embedd
 @pytest.mark.parametrize("name", PRESETS)
 def test_meta_device_count_of_the_real_model_equals_the_analytic_count(name):
     cfg = K3Config.preset(name)
-    counts, meta = cfg.param_count(), meta_param_count(cfg)
+    counts, meta = accounting.param_count(cfg), meta_param_count(cfg)
     assert meta["total"] == counts.total and meta["active"] == counts.active
     for component, total_and_active in counts.components.items():
         assert meta[component] == total_and_active, component
@@ -49,7 +42,7 @@ def test_meta_device_count_of_the_real_model_equals_the_analytic_count(name):
 def test_meta_count_equals_the_analytic_count_for_every_option(changes):
     cfg = K3Config.preset("tiny").replace(**changes)
     meta = meta_param_count(cfg)
-    assert (meta["total"], meta["active"]) == (cfg.param_count().total, cfg.param_count().active)
+    assert (meta["total"], meta["active"]) == (accounting.param_count(cfg).total, accounting.param_count(cfg).active)
 
 
 def test_meta_layers_allocate_nothing_and_match_the_per_layer_formulas():
@@ -83,42 +76,43 @@ def test_schedules_match_the_papers():
 
 
 def test_activation_ratios():
-    assert K3Config.preset("kimi-k3").activation_ratio() == pytest.approx(16 / 896)
-    assert K3Config.preset("kimi-k2").activation_ratio() == pytest.approx(8 / 384)
-    assert K3Config(n_routed_experts=4, top_k=4).activation_ratio() == 1.0
+    assert accounting.activation_ratio(K3Config.preset("kimi-k3")) == pytest.approx(16 / 896)
+    assert accounting.activation_ratio(K3Config.preset("kimi-k2")) == pytest.approx(8 / 384)
+    assert accounting.activation_ratio(K3Config(n_routed_experts=4, top_k=4)) == 1.0
 
 
 def test_active_counts_only_the_chosen_routed_experts():
     cfg = K3Config.preset("small")
-    dense_routing = cfg.replace(top_k=cfg.n_routed_experts).param_count()
+    dense_routing = accounting.param_count(cfg.replace(top_k=cfg.n_routed_experts))
     assert dense_routing.active == dense_routing.total
-    count = cfg.param_count()
+    count = accounting.param_count(cfg)
     inactive = count.total - count.active
     assert inactive == count.components["routed_experts"][0] - count.components["routed_experts"][1] > 0
 
 
 def test_kv_cache_hybrid_grows_with_mla_layers_only_and_keeps_a_constant_state():
     k3 = K3Config.preset("kimi-k3")
-    assert k3.kv_cache_bytes_per_token() == 24 * 576 * 2
-    assert k3.all_mla().kv_cache_bytes_per_token() == 93 * 576 * 2
-    assert k3.all_mla().recurrent_state_bytes() == 0
+    assert accounting.kv_cache_bytes_per_token(k3) == 24 * 576 * 2
+    assert accounting.kv_cache_bytes_per_token(k3.all_mla()) == 93 * 576 * 2
+    assert accounting.recurrent_state_bytes(k3.all_mla()) == 0
     state = 69 * (96 * 128 * 128 * 4 + 3 * 3 * 96 * 128 * 2)  # fp32 state, bf16 conv tails
-    assert k3.recurrent_state_bytes() == state
-    assert k3.kv_cache_bytes(0) == state
-    assert k3.kv_cache_bytes(1000) - k3.kv_cache_bytes(999) == k3.kv_cache_bytes_per_token()
-    saving = 1 - k3.kv_cache_bytes(2**20) / k3.all_mla().kv_cache_bytes(2**20)
+    assert accounting.recurrent_state_bytes(k3) == state
+    assert accounting.kv_cache_bytes(k3, 0) == state
+    growth = accounting.kv_cache_bytes(k3, 1000) - accounting.kv_cache_bytes(k3, 999)
+    assert growth == accounting.kv_cache_bytes_per_token(k3)
+    saving = 1 - accounting.kv_cache_bytes(k3, 2**20) / accounting.kv_cache_bytes(k3.all_mla(), 2**20)
     assert 0.7 < saving < 0.75  # "up to 75% less KV cache"
-    assert k3.kv_cache_bytes_per_token(dtype_bytes=4) == 2 * k3.kv_cache_bytes_per_token()
+    assert accounting.kv_cache_bytes_per_token(k3, dtype_bytes=4) == 2 * accounting.kv_cache_bytes_per_token(k3)
 
 
 def test_parameter_count_scales_as_the_formula_says():
     base = K3Config()
     wider = base.replace(n_routed_experts=16)
-    routed = base.param_count().components["routed_experts"][0]
-    assert wider.param_count().components["routed_experts"][0] == 2 * routed
-    tied = base.replace(tie_embeddings=True).param_count()
+    routed = accounting.param_count(base).components["routed_experts"][0]
+    assert accounting.param_count(wider).components["routed_experts"][0] == 2 * routed
+    tied = accounting.param_count(base.replace(tie_embeddings=True))
     assert tied.components["lm_head"] == (0, 0)
-    full_width = base.replace(latent_dim=None).param_count().components
+    full_width = accounting.param_count(base.replace(latent_dim=None)).components
     assert full_width["latent_projections"] == (0, 0)
     assert full_width["routed_experts"][0] == 2 * routed  # experts read d = 128 instead of ℓ = 64
 
@@ -148,11 +142,11 @@ def test_bad_fields_are_named(changes, field):
 def test_bad_arguments_are_named():
     cfg = K3Config()
     with pytest.raises(ValueError, match="context"):
-        cfg.kv_cache_bytes(-1)
+        accounting.kv_cache_bytes(cfg, -1)
     with pytest.raises(ValueError, match="dtype_bytes"):
-        cfg.kv_cache_bytes_per_token(dtype_bytes=0)
+        accounting.kv_cache_bytes_per_token(cfg, dtype_bytes=0)
     with pytest.raises(ValueError, match="dtype_bytes"):
-        cfg.recurrent_state_bytes(dtype_bytes=1.5)
+        accounting.recurrent_state_bytes(cfg, dtype_bytes=1.5)
     with pytest.raises(ValueError, match="kind"):
         meta_layer(cfg, "conv")
     for public in (kda_layer_params, mla_layer_params, moe_layer_params, meta_param_count):
@@ -168,14 +162,14 @@ def test_bad_arguments_are_named():
 
 def test_decode_flops_grow_with_context_through_mla_layers_only():
     k3 = K3Config.preset("kimi-k3")
-    count = k3.param_count()
+    count = accounting.param_count(k3)
     kda_state = 69 * 7 * 96 * 128 * 128
-    assert k3.decode_flops_per_token(0) == 2 * (count.active - count.components["embedding"][0]) + kda_state
-    per_token = k3.decode_flops_per_token(1001) - k3.decode_flops_per_token(1000)
+    assert accounting.decode_flops_per_token(k3, 0) == 2 * (count.active - count.components["embedding"][0]) + kda_state
+    per_token = accounting.decode_flops_per_token(k3, 1001) - accounting.decode_flops_per_token(k3, 1000)
     assert per_token == 24 * 2 * 96 * (2 * 512 + 64)
     all_kda = k3.replace(mla_layers=())
-    assert all_kda.decode_flops_per_token(10**6) == all_kda.decode_flops_per_token(0)
-    at_1m = k3.all_mla().decode_flops_per_token(2**20) / k3.decode_flops_per_token(2**20)
+    assert accounting.decode_flops_per_token(all_kda, 10**6) == accounting.decode_flops_per_token(all_kda, 0)
+    at_1m = accounting.decode_flops_per_token(k3.all_mla(), 2**20) / accounting.decode_flops_per_token(k3, 2**20)
     assert 3 < at_1m < 4  # the MLA attention term dominates at 1M tokens: 93 vs 24 MLA layers
     with pytest.raises(ValueError, match="context"):
-        k3.decode_flops_per_token(1.5)
+        accounting.decode_flops_per_token(k3, 1.5)

@@ -1,4 +1,4 @@
-"""The discriminating experiments of lessons 04-06 (k3course.attention.decay_tasks): task generators, the
+"""The discriminating experiments of lessons 04-06 (k3course.lessons.decay_tasks): task generators, the
 hand-built solution of the two-timescales task, the DeltaNet layer, bad input."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from k3course.attention.decay_tasks import (
+from k3course.data import IGNORE
+from k3course.layers.kda import GatedDeltaNet
+from k3course.lessons.decay_tasks import (
     NONE,
     SEPARATOR,
     DecayMemory,
@@ -22,8 +24,6 @@ from k3course.attention.decay_tasks import (
     train_two_timescales,
     two_timescales,
 )
-from k3course.attention.kda import GatedDeltaNet
-from k3course.data import IGNORE
 
 # --- two timescales ---------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from k3course import diagrams  # noqa: E402
+from k3course.lessons import diagrams  # noqa: E402
 
 
 def _texts(figure) -> str:

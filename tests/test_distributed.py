@@ -19,7 +19,7 @@ from k3course.distributed import (
     split_sizes,
     traffic_bytes,
 )
-from k3course.distributed.workers import build_layer, failing, global_batch, run_cases
+from k3course.lessons.ep_workers import build_layer, failing, global_batch, run_cases
 from k3course.moe import MoE, quantile_balance_bias, quantile_balance_bias_from_histograms, sign_rule_update
 from k3course.moe.balancing import margin_range
 
@@ -185,7 +185,7 @@ def test_expert_parallel_training_matches_one_process_on_the_concatenated_batch(
     import dataclasses
 
     from k3course.config import K3Config
-    from k3course.distributed.workers import train_steps
+    from k3course.lessons.ep_workers import train_steps
     from k3course.train import TrainConfig, build_model, make_optimizer, train_step
 
     model_config = dataclasses.replace(K3Config.preset("tiny"), balancing="sign")  # the sign rule is exact

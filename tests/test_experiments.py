@@ -8,9 +8,10 @@ import math
 
 import pytest
 
-from k3course import claims, data, experiments, train
+from k3course import accounting, data, train
 from k3course.cli import main
 from k3course.config import K3Config
+from k3course.lessons import claims, experiments
 
 CLAIM_EXPERIMENTS = [name for name, (function, _) in experiments.EXPERIMENTS.items()
                      if function is experiments.claim_variants]
@@ -77,7 +78,7 @@ def test_load_of_a_missing_result_names_the_command(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", CLAIM_EXPERIMENTS)
 def test_a_saved_claim_run_replays_and_its_variants_are_the_current_configs(name):
     """The last saved run (last variant, last seed) re-run for its first steps gives its saved losses and
-    max-violations; the saved configs are the ones :mod:`k3course.claims` builds now."""
+    max-violations; the saved configs are the ones :mod:`k3course.lessons.claims` builds now."""
     saved = experiments.load(name)
     settings, result = saved["settings"], saved["result"]
     variants = claims.CLAIMS[settings["claim"]]()
@@ -194,10 +195,11 @@ def test_the_dense_baseline_matches_tiny_k3s_active_parameters():
     assert tiny == K3Config.preset("tiny")
     assert dense.layer_types() == ("mla",) * tiny.n_layers and dense.ffn_types() == ("dense",) * tiny.n_layers
     assert dense.residual == "prenorm" and dense.ffn_activation == "swiglu" and not dense.mla_gated
-    counted = dense.param_count()
+    counted = accounting.param_count(dense)
     assert counted.total == counted.active  # dense: a token uses every weight
-    assert abs(counted.active - tiny.param_count().active) <= 3 * tiny.d_model * tiny.n_layers / 2  # ±½ FFN width
-    assert abs(counted.active / tiny.param_count().active - 1) < 1e-3
+    half_ffn_width = 3 * tiny.d_model * tiny.n_layers / 2
+    assert abs(counted.active - accounting.param_count(tiny).active) <= half_ffn_width
+    assert abs(counted.active / accounting.param_count(tiny).active - 1) < 1e-3
     assert counted.active == sum(p.numel() for p in train.build_model(dense, 0).parameters())
 
 
@@ -244,11 +246,12 @@ def test_latent_variants_have_equal_active_flops_and_half_the_all_to_all_bytes()
 
 def test_expert_count_variants_fix_the_active_parameters_and_lower_the_activation_ratio():
     variants = claims.expert_count_variants()
-    ratios = [cfg.activation_ratio() for cfg in variants.values()]
+    ratios = [accounting.activation_ratio(cfg) for cfg in variants.values()]
     assert ratios == [2 / n for n in claims.EXPERT_COUNTS] and ratios[0] == 0.25
     assert ratios[-1] == pytest.approx(16 / 896, abs=1e-3)  # K3's activation ratio
-    without_router = {cfg.param_count().active - cfg.param_count().components["router"][1] for cfg in variants.values()}
+    counts = [accounting.param_count(cfg) for cfg in variants.values()]
+    without_router = {count.active - count.components["router"][1] for count in counts}
     assert len(without_router) == 1  # only the router (n·d per MoE layer) grows with n
-    totals = [cfg.param_count().total for cfg in variants.values()]
+    totals = [accounting.param_count(cfg).total for cfg in variants.values()]
     assert totals == sorted(totals) and totals[-1] > 4 * totals[0]
     _same_except(variants, {"n_routed_experts"})

@@ -172,7 +172,7 @@ def test_a_learners_long_error_is_cut_to_its_first_line(toy_exercise):
 
 
 def test_a_forbidden_solver_is_refused_but_forward_substitution_passes():
-    from k3course.attention.chunk import ut_transform
+    from k3course.ops.chunk import ut_transform
 
     def by_solver(A_kk, beta):
         return torch.linalg.inv(torch.eye(A_kk.shape[-1], dtype=A_kk.dtype) + A_kk) * beta.unsqueeze(-2)

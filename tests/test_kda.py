@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from k3course import debug
-from k3course.attention import gdn_chunk, gdn_recurrent, gla_chunk, gla_recurrent, kda_chunk, kda_recurrent
-from k3course.attention.chunk import decayed_scores, factored_scores, kda_chunk_step, ut_transform
+from k3course.ops import gdn_chunk, gdn_recurrent, gla_chunk, gla_recurrent, kda_chunk, kda_recurrent
+from k3course.ops.chunk import decayed_scores, factored_scores, kda_chunk_step, ut_transform
 from k3course.reference import linear_attention as ref
 
 RTOL = 1e-4
@@ -279,7 +279,7 @@ def test_bench_kda_runs_and_reports_its_ratios(capsys):
 
 
 def test_chunked_ops_on_zero_tokens_return_an_empty_output_and_the_initial_state():
-    from k3course.attention.chunk import gdn_chunk, gla_chunk, kda_chunk
+    from k3course.ops.chunk import gdn_chunk, gla_chunk, kda_chunk
 
     B, H, K, V = 2, 3, 8, 5
     q, k, g = (torch.zeros(B, 0, H, K) for _ in range(3))

@@ -52,7 +52,7 @@ def kda_per_token(q, k, v, g, beta, scale, initial_state):
 @pytest.mark.parametrize("with_state", [False, True])
 def test_kda_chunk_triton_matches_the_recurrence_and_the_torch_rungs(T, with_state):
     """Against a per-token loop written here and the chapter 06/07 ops kda_recurrent and kda_chunk."""
-    from k3course.attention import kda_chunk, kda_recurrent
+    from k3course.ops import kda_chunk, kda_recurrent
 
     q, k, v, g, beta, h0 = kda_inputs(1, T, 2, 16, 16, seed=T)
     initial_state = h0 if with_state else None
@@ -211,7 +211,7 @@ def test_kda_chunk_triton_matches_the_fla_oracle():
 
 @pytest.mark.parametrize("with_state", [False, True])
 def test_kda_chunk_triton_backward_recomputes_through_the_torch_path(with_state):
-    from k3course.attention import kda_chunk
+    from k3course.ops import kda_chunk
 
     inputs = kda_inputs(1, 20, 1, 16, 16, seed=4)
     count = 6 if with_state else 5

@@ -8,8 +8,8 @@ import torch
 
 import k3course.kernels.grouped_gemm as grouped_gemm_module
 import k3course.kernels.kda as kda_module
-from k3course.attention.kda import KimiDeltaAttention
 from k3course.kernels import TRITON_MODE
+from k3course.layers.kda import KimiDeltaAttention
 from k3course.moe import LatentMoE
 from k3course.moe.dispatch import grouped_mm
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from k3course.attention import kda as kda_module
-from k3course.attention.kda import DecayedLinearAttention, GatedDeltaNet, KDACache, KimiDeltaAttention
-from k3course.attention.mla import GatedMLA, MLACache
 from k3course.config import K3Config
+from k3course.layers import kda as kda_module
+from k3course.layers.kda import DecayedLinearAttention, GatedDeltaNet, KDACache, KimiDeltaAttention
+from k3course.layers.mla import GatedMLA, MLACache
 from k3course.reference.kda_layer import kda_layer, layer_weights
 
 VARIANTS = {"K3": {}, "Kimi Linear": dict(lower_bound=None, output_gate="low_rank")}

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-LAYERS = ("k3course.attention.kda", "k3course.attention.mla")
+LAYERS = ("k3course.layers.kda", "k3course.layers.mla")
 
 
 def loaded_after(statement: str, env: dict | None = None) -> dict:
@@ -26,8 +26,8 @@ def loaded_after(statement: str, env: dict | None = None) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("module", ["k3course.attention.chunk", "k3course.attention.recurrent",
-                                    "k3course.attention.parallel", "k3course.attention"])
+@pytest.mark.parametrize("module", ["k3course.ops.chunk", "k3course.ops.recurrent",
+                                    "k3course.ops.parallel", "k3course.attention"])
 def test_the_ops_load_no_layer_and_no_kernel_module(module):
     modules = loaded_after(f"import {module}")["modules"]
     assert not [m for m in modules if m in LAYERS or m.startswith("k3course.kernels") or m.split(".")[0] == "triton"]
@@ -35,8 +35,8 @@ def test_the_ops_load_no_layer_and_no_kernel_module(module):
 
 def test_a_lazy_name_loads_only_its_home():
     modules = loaded_after("from k3course.attention import kda_chunk")["modules"]
-    assert "k3course.attention.chunk" in modules and not set(LAYERS) & set(modules)
-    assert "k3course.attention.kda" in loaded_after("from k3course.attention import KimiDeltaAttention")["modules"]
+    assert "k3course.ops.chunk" in modules and not set(LAYERS) & set(modules)
+    assert "k3course.layers.kda" in loaded_after("from k3course.attention import KimiDeltaAttention")["modules"]
 
 
 def test_importing_the_kernels_package_leaves_the_environment_alone():
@@ -66,7 +66,7 @@ def test_the_kernels_import_the_ops_and_nothing_imports_back():
     """The Triton chunk op imports the torch chunk op (its backward) directly: no cycle through the layers."""
     pytest.importorskip("triton")
     modules = loaded_after("import k3course.kernels.kda_chunk")["modules"]
-    assert "k3course.attention.chunk" in modules and not set(LAYERS) & set(modules)
+    assert "k3course.ops.chunk" in modules and not set(LAYERS) & set(modules)
 
 
 def test_select_triton_mode_is_explicit_and_stable():

@@ -6,16 +6,10 @@ import pytest
 import torch
 from test_kda import assert_close, inputs
 
-from k3course.attention import (
-    DecayedLinearAttention,
-    GatedDeltaNet,
-    KimiDeltaAttention,
-    decay_attention_parallel,
-    gla_recurrent,
-    softmax_attention,
-)
-from k3course.attention.kda import initial_dt_bias, kda_gate, short_conv
 from k3course.data import IGNORE, mqar
+from k3course.layers import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
+from k3course.layers.kda import initial_dt_bias, kda_gate, short_conv
+from k3course.ops import decay_attention_parallel, gla_recurrent, softmax_attention
 
 LAYERS = [
     (KimiDeltaAttention, {}),

@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from k3course.attention.mla import (
-    GatedMLA,
+from k3course import accounting
+from k3course.accounting import (
     decode_step_flops,
     gqa_cache_numbers,
     kda_state_numbers,
     mha_cache_numbers,
     mla_cache_numbers,
 )
+from k3course.layers.mla import GatedMLA
 from k3course.reference import mla as ref
 
 SMALL = dict(d_model=16, n_heads=3, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
@@ -235,7 +236,8 @@ def test_full_rank_query_matches_reference():
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_from_config_has_the_parameters_config_counts(preset):
-    from k3course.config import K3Config, mla_layer_params
+    from k3course.accounting import mla_layer_params
+    from k3course.config import K3Config
 
     cfg = K3Config.preset(preset)
     for config in (cfg, cfg.replace(q_lora_rank=None, mla_gated=False)):
@@ -257,6 +259,6 @@ def test_kda_state_count_agrees_with_k3config():
 
     k3 = K3Config.preset("kimi-k3")
     per_layer = kda_state_numbers(k3.kda_n_heads, k3.kda_head_dim, k3.kda_head_dim, k3.kda_conv_size)
-    assert k3.n_kda_layers * per_layer * 2 == k3.recurrent_state_bytes(dtype_bytes=2, state_bytes=2)
+    assert k3.n_kda_layers * per_layer * 2 == accounting.recurrent_state_bytes(k3, dtype_bytes=2, state_bytes=2)
     per_token = mla_cache_numbers(k3.kv_lora_rank, k3.qk_rope_head_dim)
-    assert k3.n_mla_layers * per_token * 2 == k3.kv_cache_bytes_per_token()
+    assert k3.n_mla_layers * per_token * 2 == accounting.kv_cache_bytes_per_token(k3)

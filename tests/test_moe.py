@@ -330,7 +330,8 @@ def test_other_balancing_modes(balancing):
 
 
 def test_from_config_matches_the_config_parameter_count():
-    from k3course.config import K3Config, moe_layer_params
+    from k3course.accounting import moe_layer_params
+    from k3course.config import K3Config
 
     for name in ("tiny", "small"):
         cfg = K3Config.preset(name)

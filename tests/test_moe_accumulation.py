@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from k3course.config import K3Config, moe_layer_params
+from k3course.accounting import moe_layer_params
+from k3course.config import K3Config
 from k3course.moe import LatentMoE, MoE, quantile_balance_bias
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_kda import assert_close, inputs
 
-from k3course.attention import gdn_chunk, gdn_recurrent, kda_chunk, kda_recurrent
+from k3course.ops import gdn_chunk, gdn_recurrent, kda_chunk, kda_recurrent
 
 pytest.importorskip("fla")
 kda_naive = pytest.importorskip("fla.ops.kda.naive")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3course.attention import chunk, recurrent
 from k3course.config import K3Config
+from k3course.layers.residual import depth_attention
+from k3course.lessons.parts import PARTS, compare, use_parts
 from k3course.model import K3Model
 from k3course.moe import routing
-from k3course.parts import PARTS, compare, use_parts
-from k3course.residual import depth_attention
+from k3course.ops import chunk, recurrent
 
 KDA_STEP, UT_TRANSFORM = recurrent.kda_step, chunk.ut_transform  # the package's, before any swap
 

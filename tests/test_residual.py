@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from k3course.reference import attnres as ref
-from k3course.residual import (
+from k3course.layers.residual import (
     BlockAttnRes,
     FullAttnRes,
     StandardResidual,
@@ -16,6 +15,7 @@ from k3course.residual import (
     depth_weight_matrix,
     make_residual,
 )
+from k3course.reference import attnres as ref
 
 B, T, D, L = 2, 5, 8, 6
 
@@ -217,7 +217,7 @@ def test_reference_rejects_bad_block_size():
 
 @pytest.mark.parametrize("block_size", [1, 2, 4, 6, 9])
 def test_block_sources_function_matches_the_stream_and_reference(block_size):
-    from k3course.residual import block_attnres_read, block_sources
+    from k3course.layers.residual import block_attnres_read, block_sources
 
     layers, x = sublayers(), embedding()
     scheme = random_queries(BlockAttnRes(L, D, block_size))
@@ -234,7 +234,7 @@ def test_block_sources_function_matches_the_stream_and_reference(block_size):
 
 @pytest.mark.parametrize("block_size", [None, 1, 2, 4, 9])
 def test_visible_sources_matches_what_the_stream_attends(block_size):
-    from k3course.residual import visible_sources
+    from k3course.layers.residual import visible_sources
 
     layers, x = sublayers(), embedding()
     scheme = FullAttnRes(L, D) if block_size is None else BlockAttnRes(L, D, block_size)

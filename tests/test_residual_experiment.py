@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3course.residual_experiment import (
+from k3course.lessons.residual_experiment import (
     CausalSelfAttention,
     ToyDecoder,
     markov_batch,

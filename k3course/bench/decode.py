@@ -6,7 +6,8 @@ all-KDA (``mla_layers=()``). For each batch size B and context L, every schedule
 then N one-token decode steps run, the three schedules taking turns step by step (a busy spell of the shared
 machine slows all of them alike). Reported per (B, L, schedule): the best and median TPOT over the N steps,
 the bytes the cache holds (``K3Cache.nbytes()``, summed from the tensors) and the accounting's prediction
-``B · cfg.kv_cache_bytes(L, dtype_bytes=4)`` (fp32 activations on the CPU, so dtype_bytes = 4; the KDA state is
+``B · accounting.kv_cache_bytes(cfg, L, dtype_bytes=4)`` (fp32 activations on the CPU, so dtype_bytes = 4; the KDA
+state is
 fp32 in any case). The two must be equal.
 
 Filling the cache: ``--fill random`` (default) writes L random latent / rope-key rows into each MLA cache and a
@@ -32,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from k3course.attention.kda import KDACache
+from k3course import accounting
 from k3course.config import K3Config
+from k3course.layers.kda import KDACache
 from k3course.model import K3Cache, K3Model
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
@@ -41,53 +43,11 @@ DTYPE_BYTES = 4  # fp32 activations on the CPU
 SCHEDULES = ("all-MLA", "hybrid 3:1", "all-KDA")
 
 
-def kda_step_bytes(n_heads: int, head_k_dim: int, head_v_dim: int, conv_size: int, dtype_bytes: int,
-                   state_bytes: int = 4) -> int:
-    """Bytes one KDA layer reads per decode step, per sequence: its whole cache, constant in the context.
-
-    state S [H, K, V] in fp32 + conv tails [(conv_size − 1), 2·H·K + H·V] in the activation dtype:
-    ``H·K·V·state_bytes + (conv_size − 1)·(2·H·K + H·V)·dtype_bytes``.
-    """
-    state = n_heads * head_k_dim * head_v_dim * state_bytes
-    return state + (conv_size - 1) * n_heads * (2 * head_k_dim + head_v_dim) * dtype_bytes
-
-
-def mla_step_bytes(context: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype_bytes: int) -> int:
-    """Bytes one MLA layer reads per decode step, per sequence: every cached latent and rope key,
-    ``context · (kv_lora_rank + qk_rope_head_dim) · dtype_bytes`` (shared by all heads), linear in the context."""
-    return context * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes
-
-
-def crossover_context(cfg: K3Config, dtype_bytes: int = 2) -> int:
-    """The smallest context L at which the hybrid's decoding memory is below all-MLA's.
-
-    hybrid(L) = L·a_h + s_h (per-token growth + the constant KDA state), all-MLA(L) = L·a_m; hybrid < all-MLA
-    once L > s_h / (a_m − a_h), so L* = ⌊s_h / (a_m − a_h)⌋ + 1.
-    """
-    growth_gap = cfg.all_mla().kv_cache_bytes_per_token(dtype_bytes) - cfg.kv_cache_bytes_per_token(dtype_bytes)
-    if growth_gap <= 0:
-        raise ValueError(f"cfg: {cfg.name!r} has as many MLA layers as all-MLA, so its memory never drops below")
-    return cfg.recurrent_state_bytes(dtype_bytes) // growth_gap + 1
-
-
 def extrapolate_tpot(contexts: list[int], seconds: list[float], target: int) -> float:
     """TPOT at ``target`` tokens from the least-squares line t(L) = t̄ + slope·(L − L̄) through measured points."""
     mean_l, mean_t = statistics.fmean(contexts), statistics.fmean(seconds)
     slope = slope_us_per_1k(contexts, seconds) * 1e-9
     return mean_t + slope * (target - mean_l)
-
-
-def predicted_tpot_s(cfg: K3Config, context: int, batch: int, bandwidth: float, flops_per_s: float,
-                     dtype_bytes: int = 2) -> float:
-    """A roofline TPOT for one decode step of ``batch`` sequences at ``context`` tokens each:
-
-    max(bytes / bandwidth, FLOPs / flops_per_s), bytes = active weights · dtype_bytes + batch · kv_cache_bytes(L),
-    FLOPs = batch · decode_flops_per_token(L). (At large batch more experts are touched than one token's k: the
-    weight term is then a lower bound.)
-    """
-    weight_bytes = cfg.param_count().active * dtype_bytes
-    moved = weight_bytes + batch * cfg.kv_cache_bytes(context, dtype_bytes)
-    return max(moved / bandwidth, batch * cfg.decode_flops_per_token(context) / flops_per_s)
 
 
 def schedule_configs(cfg: K3Config) -> dict[str, K3Config]:
@@ -140,7 +100,7 @@ def measure_point(models: dict[str, K3Model], batch: int, context: int, steps: i
             fill_prefill(model, cache, context, chunk, generator)
         caches[name] = cache
         rows[name] = {"measured_bytes": cache.nbytes(),
-                      "predicted_bytes": batch * model.cfg.kv_cache_bytes(context, DTYPE_BYTES)}
+                      "predicted_bytes": batch * accounting.kv_cache_bytes(model.cfg, context, DTYPE_BYTES)}
     times = _interleaved_decode(models, caches, steps, generator)
     for name, seconds in times.items():
         rows[name].update(tpot_best_s=min(seconds), tpot_median_s=statistics.median(seconds))

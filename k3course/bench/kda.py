@@ -23,10 +23,10 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from k3course.attention.chunk import kda_chunk
-from k3course.attention.kda import KDA_LOWER_BOUND, KimiDeltaAttention, kda_gate
-from k3course.attention.recurrent import kda_recurrent
 from k3course.bench import best_seconds, freed_memory_setting, interleaved_best_seconds, page_faults_per_call
+from k3course.layers.kda import KDA_LOWER_BOUND, KimiDeltaAttention, kda_gate
+from k3course.ops.chunk import kda_chunk
+from k3course.ops.recurrent import kda_recurrent
 
 GATES = ("layer", "init", "mild")
 TARGETS = {"recurrent": 10.0, "fla naive": 10.0, "matmul fraction": 0.2, "growth": 9.0}

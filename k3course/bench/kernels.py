@@ -158,8 +158,8 @@ FLA_BF16_TOLERANCE = 0.005
 def check_bf16_accuracy(work: Workload) -> float:
     """Triton forward in ``work.dtype`` vs the fp32 torch chunked path on the same (rounded) inputs at
     T = ``work.accuracy_len``; prints and returns fla's error ratio."""
-    from k3course.attention import kda_chunk
     from k3course.kernels.kda_chunk import kda_chunk_triton
+    from k3course.ops import kda_chunk
 
     T = work.accuracy_len
     inputs = _kda_inputs(work, T, requires_grad=False)
@@ -196,8 +196,8 @@ def _kda_inputs(work: Workload, T: int, requires_grad: bool, batch: int = 1):
 def kda_rows(work: Workload, T: int, gpu: str, backward: bool) -> list[dict]:
     """KDA chunk forward (or forward + backward) at length T: ours (Triton) vs fla's chunk_kda vs the torch
     chunked path."""
-    from k3course.attention import kda_chunk
     from k3course.kernels.kda_chunk import kda_chunk_triton
+    from k3course.ops import kda_chunk
 
     H, D, C = work.heads, work.head_dim, work.chunk
     inputs = _kda_inputs(work, T, backward)
@@ -228,8 +228,8 @@ def decode_flops_bytes(batch: int, H: int, K: int, V: int, element: int) -> tupl
 def decode_rows(work: Workload, batch: int, gpu: str) -> list[dict]:
     """One KDA decode step (T = 1) for ``batch`` sequences: ours (fused Triton, state in place) vs fla's
     fused_recurrent_kda vs the torch step. Memory-bound: the roofline is the state's bandwidth."""
-    from k3course.attention.recurrent import kda_step
     from k3course.kernels.kda_decode import kda_decode_triton
+    from k3course.ops.recurrent import kda_step
 
     H, D = work.heads, work.head_dim
     q, k, v, g, beta = _kda_inputs(work, 1, requires_grad=False, batch=batch)

@@ -28,7 +28,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from k3course import debug  # noqa: E402
-from k3course.attention.chunk import kda_chunk  # noqa: E402  (the ops sit below the kernels: no cycle)
+from k3course.ops.chunk import kda_chunk  # noqa: E402  (the ops sit below the kernels: no cycle)
 
 SUB_CHUNK = 16  # tile side of the intra-chunk products; 16 is also the smallest tl.dot on a GPU
 STATE_KERNEL_STAGES = 2  # software-pipelining depth of the state kernel: 3 needs 249 KB of shared memory in fp32
@@ -411,7 +411,7 @@ def kda_chunk_triton(q, k, v, g, beta, scale: float | None = None, initial_state
     Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
 
     Forward: five Triton kernels (see the module docstring). Backward: an autograd function that recomputes the
-    forward through the torch chunked path ``k3course.attention.kda_chunk`` and differentiates it (no backward
+    forward through the torch chunked path ``k3course.ops.kda_chunk`` and differentiates it (no backward
     kernels). On a GPU the kernels run natively; on a CPU under the Triton interpreter in fp32.
     """
     _check_inputs(q, k, v, g, beta, initial_state)

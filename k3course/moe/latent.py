@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from k3course.norm import rms_norm
+from k3course.ops.norm import rms_norm
 
 
 def latent_combine(expert_out: torch.Tensor, weights: torch.Tensor, up_proj: torch.Tensor, norm_weight: torch.Tensor,

@@ -14,7 +14,7 @@ K3 and Kimi Linear use NoPE: the 64 "rope" dims are never rotated. ``use_rope=Tr
 absolute position (half-split RoPE), to show what NoPE leaves out.
 
 ``weights`` is a dict of float arrays with the same names and shapes as the torch module
-:class:`k3course.attention.mla.GatedMLA`'s ``state_dict()`` (Linear weights are ``[out, in]``):
+:class:`k3course.layers.mla.GatedMLA`'s ``state_dict()`` (Linear weights are ``[out, in]``):
 ``q_down.weight [q_rank, d]``, ``q_norm.weight [q_rank]``, ``q_up.weight [H·(nope+rope), q_rank]`` (without
 q_down / q_norm, ``q_up.weight [H·(nope+rope), d]``: a full-rank query),
 ``kv_down.weight [kv_rank + rope, d]``, ``kv_norm.weight [kv_rank]``, ``k_up [H, nope, kv_rank]``,

@@ -38,13 +38,13 @@ def parallel_without_decay_mask(q, k, v, g, scale=None):
 
 def recurrent_without_scale(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
     """Forgets to scale the queries by K^-1/2."""
-    from k3course.attention.recurrent import gla_recurrent
+    from k3course.ops.recurrent import gla_recurrent
 
     return gla_recurrent(q, k, v, g, scale=1.0, initial_state=initial_state, output_final_state=output_final_state)
 
 
 def recurrent_ignoring_initial_state(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
-    from k3course.attention.recurrent import gla_recurrent
+    from k3course.ops.recurrent import gla_recurrent
 
     return gla_recurrent(q, k, v, g, scale=scale, output_final_state=output_final_state)
 
@@ -90,7 +90,7 @@ def recurrent_updates_initial_state_in_place(q, k, v, g, scale=None, initial_sta
 
 def recurrent_state_in_input_dtype(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
     """Runs the whole recurrence in the input dtype: a bfloat16 state (fla and the package keep it float32)."""
-    from k3course.attention.recurrent import decay_step
+    from k3course.ops.recurrent import decay_step
 
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else scale

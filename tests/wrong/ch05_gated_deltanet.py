@@ -38,14 +38,14 @@ def gdn_error_against_undecayed_state(state, q, k, v, g, beta):
 
 
 def recurrent_without_scale(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
-    from k3course.attention.recurrent import gdn_recurrent
+    from k3course.ops.recurrent import gdn_recurrent
 
     return gdn_recurrent(q, k, v, g, beta, scale=1.0, initial_state=initial_state,
                          output_final_state=output_final_state)
 
 
 def recurrent_ignoring_initial_state(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
-    from k3course.attention.recurrent import gdn_recurrent
+    from k3course.ops.recurrent import gdn_recurrent
 
     return gdn_recurrent(q, k, v, g, beta, scale=scale, output_final_state=output_final_state)
 
@@ -76,7 +76,7 @@ def gdn_step_in_float32(state, q, k, v, g, beta):
 
 def recurrent_state_in_input_dtype(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
     """Runs the recurrence in the input dtype: a bfloat16 state (fla and the package keep it float32)."""
-    from k3course.attention.recurrent import gdn_step
+    from k3course.ops.recurrent import gdn_step
 
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else scale

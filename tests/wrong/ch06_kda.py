@@ -45,7 +45,7 @@ def conv_not_causal(x, weight, cache=None):
 
 def conv_ignoring_cache(x, weight, cache=None):
     """Pads with zeros even when the previous inputs are given."""
-    from k3course.attention.kda import short_conv
+    from k3course.layers.kda import short_conv
 
     y, _ = short_conv(x, weight)
     _, tail = short_conv(x, weight, cache)

@@ -19,21 +19,21 @@ def scores_mask_off_by_one(a, b, G, strict):
 
 def ut_without_beta(A_kk, beta):
     """(I + A)^{-1}, forgetting Diag(β)."""
-    from k3course.attention.chunk import ut_transform
+    from k3course.ops.chunk import ut_transform
 
     return ut_transform(A_kk, torch.ones_like(beta))
 
 
 def ut_sign_flipped(A_kk, beta):
     """(I − A)^{-1} Diag(β)."""
-    from k3course.attention.chunk import ut_transform
+    from k3course.ops.chunk import ut_transform
 
     return ut_transform(-A_kk, beta)
 
 
 def chunk_step_exclusive_cumsum(q, k, v, g, beta, state):
     """Exclusive cumulative decay G_r = Σ_{s<r} g_s: each token misses its own decay."""
-    from k3course.attention.chunk import kda_chunk_step
+    from k3course.ops.chunk import kda_chunk_step
 
     shifted = torch.cat([torch.zeros_like(g[..., :1, :]), g[..., :-1, :]], dim=-2)
     o, _ = kda_chunk_step(q, k, v, shifted, beta, state)
@@ -43,7 +43,7 @@ def chunk_step_exclusive_cumsum(q, k, v, g, beta, state):
 
 def chunk_step_no_state_correction(q, k, v, g, beta, state):
     """Uses U instead of Ṽ = U − W S: the delta correction ignores the state entering the chunk."""
-    from k3course.attention.chunk import decayed_scores, ut_transform
+    from k3course.ops.chunk import decayed_scores, ut_transform
 
     G = g.cumsum(-2)
     M = ut_transform(decayed_scores(k, k, G, True) * beta.unsqueeze(-1), beta)
@@ -75,14 +75,14 @@ def ut_neumann_series(A_kk, beta):
 
 def ut_in_float32(A_kk, beta):
     """Forward substitution in float32 whatever the input dtype."""
-    from k3course.attention.chunk import ut_transform
+    from k3course.ops.chunk import ut_transform
 
     return ut_transform(A_kk.float(), beta.float())
 
 
 def chunk_step_factored_scores(q, k, v, g, beta, state):
     """A_qk as (Q ⊙ e^G)(K ⊙ e^{−G})ᵀ: NaN at strong decay over a 64-token chunk."""
-    from k3course.attention.chunk import decayed_scores, ut_transform
+    from k3course.ops.chunk import decayed_scores, ut_transform
 
     G = g.cumsum(-2)
     C = q.shape[-2]

@@ -72,7 +72,7 @@ def decode_returns_a_new_state(q, k, v, g, beta, state, scale=None):
 
 def decode_in_torch(q, k, v, g, beta, state, scale=None):
     """The recurrence in torch (the package's), copied into the state: right values, no kernel."""
-    from k3course.attention.recurrent import kda_recurrent
+    from k3course.ops.recurrent import kda_recurrent
 
     o, final = kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True)
     state.copy_(final)

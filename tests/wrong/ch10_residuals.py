@@ -55,14 +55,14 @@ def read_standard_residual(embedding, outputs, query, block_size):
 
 def read_uniform_average(embedding, outputs, query, block_size):
     """Ignores the query: the zero-initialised average."""
-    from k3course.residual import block_sources
+    from k3course.layers.residual import block_sources
 
     return block_sources(embedding, outputs, block_size).mean(0)
 
 
 def read_full_attnres(embedding, outputs, query, block_size):
     """Attends over every output separately (Full AttnRes), not over block sums."""
-    from k3course.residual import depth_attention
+    from k3course.layers.residual import depth_attention
 
     return depth_attention(query, torch.stack([embedding, *outputs]))[0]
 
@@ -89,7 +89,7 @@ def sources_sum_into_first_output(embedding, outputs, block_size):
 
 def read_in_float32(embedding, outputs, query, block_size):
     """The right read, cast to float32."""
-    from k3course.residual import block_attnres_read
+    from k3course.layers.residual import block_attnres_read
 
     return block_attnres_read(embedding.float(), [o.float() for o in outputs], query.float(), block_size)
 

@@ -2,8 +2,8 @@
 
 import torch
 
+from k3course.layers.residual import block_attnres_read
 from k3course.model import K3Model
-from k3course.residual import block_attnres_read
 
 
 def schedule_mla_first(n_layers, kda_per_mla, first_k_dense):

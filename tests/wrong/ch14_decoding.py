@@ -1,5 +1,7 @@
 """Plausible wrong answers for chapter 14 (decoding at long context)."""
 
+from k3course import accounting
+
 
 def kda_bytes_without_conv_tails(n_heads, head_k_dim, head_v_dim, conv_size, dtype_bytes, state_bytes=4):
     """Only the state: forgets the short-convolution tails."""
@@ -33,13 +35,15 @@ def crossover_ignores_the_state(cfg, dtype_bytes=2):
 
 def crossover_state_in_activation_dtype(cfg, dtype_bytes=2):
     """Counts the KDA state in the activations' dtype (it is fp32)."""
-    gap = cfg.all_mla().kv_cache_bytes_per_token(dtype_bytes) - cfg.kv_cache_bytes_per_token(dtype_bytes)
-    return cfg.recurrent_state_bytes(dtype_bytes, state_bytes=dtype_bytes) // gap + 1
+    per_token = accounting.kv_cache_bytes_per_token
+    gap = per_token(cfg.all_mla(), dtype_bytes) - per_token(cfg, dtype_bytes)
+    return accounting.recurrent_state_bytes(cfg, dtype_bytes, state_bytes=dtype_bytes) // gap + 1
 
 
 def crossover_against_all_mla_growth(cfg, dtype_bytes=2):
     """Divides the state by all-MLA's growth per token instead of the difference of growths."""
-    return cfg.recurrent_state_bytes(dtype_bytes) // cfg.all_mla().kv_cache_bytes_per_token(dtype_bytes) + 1
+    all_mla_growth = accounting.kv_cache_bytes_per_token(cfg.all_mla(), dtype_bytes)
+    return accounting.recurrent_state_bytes(cfg, dtype_bytes) // all_mla_growth + 1
 
 
 def extrapolate_through_origin(contexts, seconds, target):

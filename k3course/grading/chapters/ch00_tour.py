@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3course.config import K3Config, moe_layer_params
+from k3course import accounting
+from k3course.accounting import moe_layer_params
+from k3course.config import K3Config
 from k3course.grading.registry import Case, Exercise, register
 
 
@@ -52,12 +54,12 @@ def _kv_cases() -> list[Case]:
 
 def kv_cache_bytes_per_token(cfg: K3Config, dtype_bytes: int = 2) -> int:
     """The package reference: bytes the MLA cache grows by per token (see ``K3Config``)."""
-    return cfg.kv_cache_bytes_per_token(dtype_bytes)
+    return accounting.kv_cache_bytes_per_token(cfg, dtype_bytes)
 
 
 def activation_ratio(cfg: K3Config) -> float:
     """The package reference: routed experts active per token over routed experts."""
-    return cfg.activation_ratio()
+    return accounting.activation_ratio(cfg)
 
 
 register(Exercise("00.moe_layer_params", moe_layer_params, _config_cases))

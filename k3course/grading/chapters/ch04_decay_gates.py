@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3course.attention.parallel import decay_attention_parallel
-from k3course.attention.recurrent import decay_step, gla_recurrent
 from k3course.grading.registry import Case, Exercise, register
+from k3course.ops.parallel import decay_attention_parallel
+from k3course.ops.recurrent import decay_step, gla_recurrent
 
 
 def _step_inputs(seed, gate_shape, unit_keys=True):

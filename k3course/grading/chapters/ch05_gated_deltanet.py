@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3course.attention.recurrent import delta_step, gdn_recurrent, gdn_step
 from k3course.grading.registry import Case, Exercise, register
+from k3course.ops.recurrent import delta_step, gdn_recurrent, gdn_step
 
 
 def _step_inputs(seed, with_gate, unit_keys=True):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3course.attention.kda import kda_gate, short_conv
-from k3course.attention.recurrent import kda_step
 from k3course.grading.registry import Case, Exercise, register
+from k3course.layers.kda import kda_gate, short_conv
+from k3course.ops.recurrent import kda_step
 
 
 def _step_cases():

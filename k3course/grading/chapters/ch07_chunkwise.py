@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3course.attention.chunk import decayed_scores, kda_chunk_step, ut_transform
 from k3course.grading.registry import Case, Exercise, Forbidden, register
+from k3course.ops.chunk import decayed_scores, kda_chunk_step, ut_transform
 
 SOLVERS = Forbidden(frozenset({"inv", "inverse", "inv_ex", "solve", "solve_ex", "solve_triangular",
                                "triangular_solve", "lstsq", "pinv", "cholesky_solve", "lu_solve", "matrix_power"}),

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from k3course.attention.mla import absorb_query, attention_probs, compress_kv, mla_cache_numbers
+from k3course.accounting import mla_cache_numbers
 from k3course.grading.registry import Case, Exercise, register
+from k3course.layers.mla import absorb_query, attention_probs, compress_kv
 
 
 def _randn(generator: torch.Generator, *shape: int) -> torch.Tensor:

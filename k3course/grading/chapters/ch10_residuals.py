@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from k3course.grading.registry import Case, Exercise, register
-from k3course.residual import block_attnres_read, block_sources, depth_attention
+from k3course.layers.residual import block_attnres_read, block_sources, depth_attention
 
 
 def _randn(generator: torch.Generator, *shape: int) -> torch.Tensor:

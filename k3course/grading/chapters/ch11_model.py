@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from k3course.attention.mla import write_rows
-from k3course.config import K3Config, layer_schedule, meta_param_count
+from k3course.accounting import meta_param_count
+from k3course.config import K3Config, layer_schedule
 from k3course.grading.registry import Case, Exercise, register
+from k3course.layers.mla import write_rows
 from k3course.model import attnres_decoder_layer
 
 

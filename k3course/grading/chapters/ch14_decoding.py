@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from k3course.bench.decode import crossover_context, extrapolate_tpot, kda_step_bytes, mla_step_bytes
+from k3course.accounting import crossover_context, kda_step_bytes, mla_step_bytes
+from k3course.bench.decode import extrapolate_tpot
 from k3course.config import K3Config
 from k3course.grading.registry import Case, Exercise, register
 

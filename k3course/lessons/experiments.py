@@ -18,8 +18,8 @@ balancing        quantile balancing vs the sign rule vs the aux loss: max-violat
 latent-moe       full-width vs latent MoE at equal active FLOPs, with all-to-all bytes per token.
 expert-count     8, 32 and 112 routed experts at top-2 and fixed expert width (activation ratio 25% → 1.8%).
 
-The claim experiments (all but the first two) train each variant of :mod:`k3course.claims` for every seed with
-one runner, :func:`k3course.claims.run_variant`, on one thread per run; ``--jobs N`` trains N runs at a time in
+The claim experiments (all but the first two) train each variant of :mod:`k3course.lessons.claims` for every seed with
+one runner, :func:`k3course.lessons.claims.run_variant`, on one thread per run; ``--jobs N`` trains N runs at a time in
 separate processes (the same numbers: each run is seeded and single-threaded, whichever process runs it). A
 variant that another experiment already trained with the same config, settings and seeds is copied from its saved
 result (checked), not trained again: residuals' Block AttnRes is hybrid-ratio's 3:1, expert-count's 8 experts is
@@ -41,13 +41,14 @@ from pathlib import Path
 
 import torch
 
-from k3course import claims
-from k3course.attention.recall import MIXERS, RecallModel, fit_cross_entropy, recall_accuracy
+from k3course import accounting
 from k3course.data import mqar
 from k3course.device import keep_freed_memory
+from k3course.lessons import claims
+from k3course.lessons.recall import MIXERS, RecallModel, fit_cross_entropy, recall_accuracy
 from k3course.train import TrainConfig, lr_factor
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 MQAR_SETTINGS = dict(steps=300, batch_size=16, lr=5e-3, warmup_steps=30, d_model=32, n_heads=2, seeds=(0, 1, 2))
 
 
@@ -64,7 +65,7 @@ def torch_threads(count: int):
 
 def recall_run(mixer: str, seed: int, steps: int, batch_size: int, lr: float, warmup_steps: int, d_model: int,
                n_heads: int, stop_after: int | None = None) -> dict:
-    """Train a :class:`RecallModel` with ``mixer`` on :data:`k3course.claims.MQAR_TASK`; {"losses", "accuracy",
+    """Train a :class:`RecallModel` with ``mixer`` on :data:`k3course.lessons.claims.MQAR_TASK`; {"losses", "accuracy",
     "seconds"}.
 
     AdamW (no weight decay) at lr · f(step), f = :func:`k3course.train.lr_factor` (warmup, cosine to 0.1);
@@ -87,7 +88,7 @@ def recall_run(mixer: str, seed: int, steps: int, batch_size: int, lr: float, wa
 
 def mqar_mixers(steps: int, batch_size: int, lr: float, warmup_steps: int, d_model: int, n_heads: int,
                 seeds: tuple[int, ...]) -> dict:
-    """Every mixer of :data:`k3course.attention.recall.MIXERS` × every seed:
+    """Every mixer of :data:`k3course.lessons.recall.MIXERS` × every seed:
     {"task": the MQAR setting, "torch_threads": 1, "runs": [{"mixer", "seed", ...run}, ...]}, on one thread."""
     runs = []
     with torch_threads(1):
@@ -101,11 +102,11 @@ def mqar_mixers(steps: int, batch_size: int, lr: float, warmup_steps: int, d_mod
 
 def describe(cfg) -> dict:
     """What a claim's table shows about a variant: its config, parameters, schedule and MoE accounting."""
-    count = cfg.param_count()
+    count = accounting.param_count(cfg)
     return {"config": dataclasses.asdict(cfg), "total_params": count.total, "active_params": count.active,
             "layers": "".join("K" if kind == "kda" else "M" for kind in cfg.layer_types()),
             "moe_flops_per_token": claims.moe_flops(cfg), "all_to_all_bytes_per_token": claims.all_to_all_bytes(cfg),
-            "activation_ratio": cfg.activation_ratio()}
+            "activation_ratio": accounting.activation_ratio(cfg)}
 
 
 def _train_variant(label: str, cfg, settings: TrainConfig, seed: int, task: str, prompt: str | None) -> dict:
@@ -118,8 +119,8 @@ def _train_variant(label: str, cfg, settings: TrainConfig, seed: int, task: str,
 
 def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, sample_prompt: str | None = None,
                    reuse: dict[str, tuple[str, str]] | None = None, jobs: int = 1) -> dict:
-    """Every variant of ``claim`` (:data:`k3course.claims.CLAIMS`) × every seed, trained by
-    :func:`k3course.claims.run_variant` with ``TrainConfig(**train)``:
+    """Every variant of ``claim`` (:data:`k3course.lessons.claims.CLAIMS`) × every seed, trained by
+    :func:`k3course.lessons.claims.run_variant` with ``TrainConfig(**train)``:
     {"variants": {label: :func:`describe`}, "torch_threads": 1, "runs": [{"variant", "seed", ...run}, ...]}, on
     one thread; the first seed's run of each variant also returns a sample after ``sample_prompt`` (if given).
 

@@ -32,7 +32,7 @@ import math
 import torch
 
 from k3course import debug
-from k3course.attention.checks import validate
+from k3course.ops.checks import validate
 
 SUB_CHUNK = 8  # smallest block of the UT transform
 SCORE_SUB_CHUNK = 16  # most tokens per sub-chunk of the bounded-gate scores (fla's and the Triton kernel's 16)
@@ -357,7 +357,7 @@ def _check_lower_bound(lower_bound, g) -> None:
 
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64, *,
               allow_neg_eigval=False, lower_bound=None):
-    """Chunkwise Kimi Delta Attention; same result as :func:`~k3course.attention.recurrent.kda_recurrent`.
+    """Chunkwise Kimi Delta Attention; same result as :func:`~k3course.ops.recurrent.kda_recurrent`.
 
     q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]`` (log-decay, ≤ 0); beta ``[B, T, H]``;
     any T (padded internally to a multiple of ``chunk_size``); differentiable. ``lower_bound``: a number L < 0
@@ -382,7 +382,7 @@ def gdn_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
 def gla_chunk(q, k, v, g, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
     """Chunkwise decayed linear attention, S_t = Diag(e^{g_t}) S_{t-1} + k_t v_tᵀ, with g ``[B, T, H]``
-    (scalar decay) or ``[B, T, H, K]`` (GLA). Same result as :func:`~k3course.attention.recurrent.gla_recurrent`."""
+    (scalar decay) or ``[B, T, H, K]`` (GLA). Same result as :func:`~k3course.ops.recurrent.gla_recurrent`."""
     gate = "scalar" if isinstance(g, torch.Tensor) and g.dim() == 3 else "channel"
     scale = validate(q, k, v, g, gate=gate, scale=scale, initial_state=initial_state)
     if gate == "scalar":

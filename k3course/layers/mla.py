@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3course.attention.checks import check_mixer_input
+from k3course.ops.checks import check_mixer_input
 
 DECODE_TOKENS = 64  # at inference, up to this many new tokens attend in the absorbed form (auto path)
 
@@ -323,41 +323,3 @@ class GatedMLA(nn.Module):
 
 
 # --- cache and cost accounting (numbers per token per layer; multiply by bytes per number) -------------------
-
-def mha_cache_numbers(n_heads: int, head_dim: int) -> int:
-    """Multi-head attention caches a key and a value per head: 2·H·d_h numbers per token."""
-    return 2 * n_heads * head_dim
-
-
-def gqa_cache_numbers(n_kv_heads: int, head_dim: int, n_heads: int | None = None) -> int:
-    """Grouped-query attention caches 2·G·d_h per token (G key/value heads shared by groups of query heads)."""
-    if n_heads is not None and n_heads % n_kv_heads:
-        raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
-    return 2 * n_kv_heads * head_dim
-
-
-def mla_cache_numbers(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
-    """MLA caches the normalised latent and the shared rope key: kv_lora_rank + rope per token."""
-    return kv_lora_rank + qk_rope_head_dim
-
-
-def kda_state_numbers(n_heads: int, head_k_dim: int, head_v_dim: int, conv_size: int = 4) -> int:
-    """A KDA layer keeps a fixed state, whatever the context: H·K·V for S plus the short-conv tails of q, k, v.
-
-    The conv tails hold (conv_size − 1) past inputs for each of the q, k and v channels.
-    """
-    return n_heads * head_k_dim * head_v_dim + (conv_size - 1) * n_heads * (2 * head_k_dim + head_v_dim)
-
-
-def decode_step_flops(context: int, n_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
-                      qk_rope_head_dim: int, v_head_dim: int, absorbed: bool) -> int:
-    """Multiply-adds of attending one new token over ``context`` cached tokens (projections of x excluded).
-
-    naive:    up-project the cache (S·H·r·(nope + v)) + scores (S·H·(nope + rope)) + weighted values (S·H·v)
-    absorbed: absorb the query (H·nope·r) + scores (S·H·(r + rope)) + weighted latents (S·H·r) + W_UV (H·r·v)
-    """
-    s, h, r = context, n_heads, kv_lora_rank
-    if absorbed:
-        return h * qk_nope_head_dim * r + s * h * (r + qk_rope_head_dim) + s * h * r + h * r * v_head_dim
-    up_projection = s * h * r * (qk_nope_head_dim + v_head_dim)
-    return up_projection + s * h * (qk_nope_head_dim + qk_rope_head_dim) + s * h * v_head_dim

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from k3course import data, train
+from k3course import accounting, data, train
 from k3course.config import K3Config
 from k3course.data import IGNORE
 from k3course.moe.latent import all_to_all_bytes_per_token, moe_flops_per_token
@@ -62,7 +62,7 @@ def solve_width(make: Callable[[int], K3Config], measure: Callable[[K3Config], i
 
 
 def active_params(cfg: K3Config) -> int:
-    return cfg.param_count().active
+    return accounting.param_count(cfg).active
 
 
 def dense_transformer(cfg: K3Config) -> K3Config:

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3course.attention.kda import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
 from k3course.data import IGNORE, mqar
+from k3course.layers.kda import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
 
 MIXERS = {"decayed linear": DecayedLinearAttention, "GDN": GatedDeltaNet, "KDA": KimiDeltaAttention}
 

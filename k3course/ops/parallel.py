@@ -1,13 +1,13 @@
 """Quadratic (attention-like) forms, for comparison with the recurrent and chunked ones.
 
-Layouts as everywhere in :mod:`k3course.attention`: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``.
+Layouts as everywhere in :mod:`k3course.ops`: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from k3course.attention.checks import validate
+from k3course.ops.checks import validate
 
 
 def decay_attention_parallel(q, k, v, g, scale=None):

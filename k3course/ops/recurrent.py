@@ -6,7 +6,7 @@ v ``[B, H, V]``, beta ``[B, H]``, g ``[B, H]`` (scalar gate) or ``[B, H, K]`` (c
 sequence ops below validate once and then loop.
 
 The sequence ops follow fla's signature ``(q, k, v, g, beta, scale=None, initial_state=None,
-output_final_state=False) -> (o, final_state)`` with layouts from :mod:`k3course.attention.checks`. They
+output_final_state=False) -> (o, final_state)`` with layouts from :mod:`k3course.ops.checks`. They
 compute in float32 whatever the input dtype (float64 stays float64), return ``o`` in the input dtype and the
 final state in that precision (``None`` unless ``output_final_state``).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from k3course.attention.checks import validate
+from k3course.ops.checks import validate
 
 
 def _read(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

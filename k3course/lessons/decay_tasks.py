@@ -8,7 +8,7 @@
   of one sequence; a key asked about but not stored in the current segment must be answered "none". The
   state has to drop the previous segment's pairs at each separator, all of them at once: a forget gate can,
   the plain delta rule (which erases one key direction per token) cannot.
-- :func:`recall_seeds` (lesson 06): the recall comparison of :mod:`k3course.attention.recall` repeated over
+- :func:`recall_seeds` (lesson 06): the recall comparison of :mod:`k3course.lessons.recall` repeated over
   seeds, for a setting with more pairs than key channels.
 """
 
@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from k3course.attention.kda import GatedDeltaNet, initial_dt_bias
-from k3course.attention.parallel import decay_attention_parallel
-from k3course.attention.recall import RecallModel, fit_cross_entropy, train_recall
 from k3course.data import IGNORE
+from k3course.layers.kda import GatedDeltaNet, initial_dt_bias
+from k3course.lessons.recall import RecallModel, fit_cross_entropy, train_recall
+from k3course.ops.parallel import decay_attention_parallel
 
 
 def _require_int(name: str, value, minimum: int) -> None:
@@ -118,7 +118,7 @@ def train_two_timescales(gate: str, steps: int = 200, batch_size: int = 32, seq_
     mean squared error per target (1.0 is what predicting 0 scores), averaged over 256 sequences and every
     t ≥ seq_len/4 (past the running average's warm-up); ``retention`` = the learned e^g per gate at the
     held-out batch's last token, averaged over sequences, ``[H, K]`` or ``[H]``; wall time. Seeded like
-    :func:`k3course.attention.recall.train_recall` (training batch seeds seed·10⁶ + step, held-out 10⁹ + seed).
+    :func:`k3course.lessons.recall.train_recall` (training batch seeds seed·10⁶ + step, held-out 10⁹ + seed).
     """
     _require_int("steps", steps, 1)
     with torch.random.fork_rng():
@@ -211,7 +211,7 @@ FORGET_MIXERS = ("DeltaNet", "GDN")
 
 
 def forget_model(mixer: str, vocab_size: int, **model_kwargs) -> RecallModel:
-    """A :class:`~k3course.attention.recall.RecallModel` with GDN layers (``"GDN"``) or, for ``"DeltaNet"``, the
+    """A :class:`~k3course.lessons.recall.RecallModel` with GDN layers (``"GDN"``) or, for ``"DeltaNet"``, the
     same model with :class:`DeltaNet` layers in their place."""
     if mixer not in FORGET_MIXERS:
         raise ValueError(f"mixer must be one of {FORGET_MIXERS}, got {mixer!r}")
@@ -238,7 +238,7 @@ def train_segment_recall(mixer: str, steps: int = 250, batch_size: int = 32, n_s
 
     Returns ``{"mixer", "losses", "accuracy", "model", "seconds"}`` with ``accuracy`` from
     :func:`segment_accuracy` on a held-out batch of 256 sequences, and the trained model. Seeded like
-    :func:`k3course.attention.recall.train_recall` (model under a forked RNG, batches seed·10⁶ + step, held-out
+    :func:`k3course.lessons.recall.train_recall` (model under a forked RNG, batches seed·10⁶ + step, held-out
     10⁹ + seed).
     """
     _require_int("steps", steps, 1)
@@ -276,7 +276,7 @@ def retention_at_separators(model: RecallModel, tokens) -> dict:
 
 
 def recall_seeds(mixers, seeds, progress: bool = True, **setting) -> dict:
-    """:func:`k3course.attention.recall.train_recall` for every mixer and seed: ``{mixer: [result per seed]}``.
+    """:func:`k3course.lessons.recall.train_recall` for every mixer and seed: ``{mixer: [result per seed]}``.
 
     ``setting`` is passed to ``train_recall`` (steps, seq_len, n_pairs, vocab_size, d_model, n_heads, …).
     """

@@ -28,9 +28,9 @@ import torch
 PARTS: dict[str, tuple[str, str]] = {
     "topk_route": ("k3course.moe.layers", "topk_route"),
     "router_scores": ("k3course.moe.layers", "router_scores"),
-    "ut_transform": ("k3course.attention.chunk", "ut_transform"),
-    "kda_step": ("k3course.attention.recurrent", "kda_step"),
-    "depth_attention": ("k3course.residual", "depth_attention"),
+    "ut_transform": ("k3course.ops.chunk", "ut_transform"),
+    "kda_step": ("k3course.ops.recurrent", "kda_step"),
+    "depth_attention": ("k3course.layers.residual", "depth_attention"),
 }
 
 

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3course.attention.checks import check_mixer_input
-from k3course.attention.chunk import gdn_chunk, gla_chunk, kda_chunk
-from k3course.attention.recurrent import gdn_recurrent, gla_recurrent, kda_recurrent
-from k3course.norm import rms_norm
+from k3course.ops.checks import check_mixer_input
+from k3course.ops.chunk import gdn_chunk, gla_chunk, kda_chunk
+from k3course.ops.norm import rms_norm
+from k3course.ops.recurrent import gdn_recurrent, gla_recurrent, kda_recurrent
 
 KDA_LOWER_BOUND = -5.0  # K3's bounded forget gate: g ∈ (−5, 0), so α ∈ (e^-5, 1)
 MODES = ("auto", "chunk", "recurrent")

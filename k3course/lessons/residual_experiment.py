@@ -6,7 +6,7 @@ to a distribution (MLP); the best possible loss is the chain's own conditional e
 :func:`markov_batch` reports for every batch, so curves can be read against that floor.
 
 :class:`ToyDecoder` is a stack of decoder layers, each a causal-attention sub-layer and an MLP sub-layer,
-PreNorm, wired through any residual scheme of :mod:`k3course.residual`.
+PreNorm, wired through any residual scheme of :mod:`k3course.layers.residual`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3course.residual import make_residual
+from k3course.layers.residual import make_residual
 
 
 def markov_table(vocab: int, seed: int, concentration: float = 0.2) -> torch.Tensor:

@@ -1,0 +1,346 @@
+"""Accounting: what a K3-style model costs, from its dimensions alone (lessons 00, 09, 11 and 14).
+
+- parameters, total and active per token, and where they live (:func:`param_count`), counted a second,
+  independent way from the real modules built on the meta device (:func:`meta_param_count`);
+- decoding memory per sequence: the MLA latent cache grows with every token, the KDA state is a constant
+  (:func:`kv_cache_bytes_per_token`, :func:`recurrent_state_bytes`, :func:`kv_cache_bytes`), and the numbers
+  per token of MHA, GQA, MLA and KDA (:func:`mha_cache_numbers` ...);
+- the fraction of routed experts a token uses (:func:`activation_ratio`);
+- FLOPs and bytes of one decode step (:func:`decode_flops_per_token`, :func:`decode_step_flops`,
+  :func:`kda_step_bytes`, :func:`mla_step_bytes`), the hybrid's memory crossover and a roofline TPOT.
+
+It sits above the model (floor 5): the formulas read a :class:`~k3course.config.K3Config`, the meta counts build
+the layers and :class:`~k3course.model.K3Model`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from k3course.config import K3Config
+from k3course.layers.kda import KimiDeltaAttention
+from k3course.layers.mla import GatedMLA
+from k3course.model import K3Model
+from k3course.moe.experts import GLUFFN
+from k3course.moe.layers import MoE
+
+
+def _require_config(cfg) -> None:
+    if not isinstance(cfg, K3Config):
+        raise TypeError(f"cfg must be a K3Config (e.g. K3Config.preset('tiny')), got {type(cfg).__name__}")
+
+
+def _check_dtype_bytes(dtype_bytes: int) -> None:
+    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
+        raise ValueError(f"dtype_bytes must be a positive int (2 for bf16, 4 for fp32), got {dtype_bytes!r}")
+
+
+# --- the whole model, from its dimensions ---------------------------------------------------------------
+
+def param_count(cfg: K3Config) -> ParamCount:
+    """Total and active (per token) parameters, with a per-component breakdown.
+
+    Active = everything a token touches: all weights except the routed experts it was not sent to
+    (``top_k`` of ``n_routed_experts`` per MoE layer). Balancing biases are buffers, not parameters.
+    """
+    _require_config(cfg)
+    return ParamCount.from_components(_component_counts(cfg))
+
+
+def activation_ratio(cfg: K3Config) -> float:
+    """Routed experts active per token over routed experts: ``top_k / n_routed_experts``."""
+    return cfg.top_k / cfg.n_routed_experts
+
+
+def kv_cache_bytes_per_token(cfg: K3Config, dtype_bytes: int = 2) -> int:
+    """Bytes the decoding cache GROWS by per token: MLA layers only.
+
+    Each MLA layer caches its compressed latent c_KV and the shared rope key per token:
+    ``n_mla_layers · (kv_lora_rank + qk_rope_head_dim) · dtype_bytes`` (K3: 24 · 576 · 2 B).
+    KDA layers add nothing per token: their state is constant (``recurrent_state_bytes``).
+    """
+    _check_dtype_bytes(dtype_bytes)
+    return cfg.n_mla_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+
+
+def recurrent_state_bytes(cfg: K3Config, dtype_bytes: int = 2, state_bytes: int = 4) -> int:
+    """Bytes of the KDA state, CONSTANT in the context length.
+
+    Per KDA layer: the state S ∈ R^{H×K×V}, kept in fp32 (``state_bytes`` = 4) whatever the activations'
+    dtype, plus the short-conv tails, the last ``conv_size − 1`` inputs of the q, k and v convolutions in the
+    activations' dtype: ``H·K·V·state_bytes + (conv_size − 1)·(2·H·K + H·V)·dtype_bytes``.
+    """
+    _check_dtype_bytes(dtype_bytes)
+    _check_dtype_bytes(state_bytes)
+    heads, width = cfg.kda_n_heads, cfg.kda_head_dim
+    state = heads * width * width * state_bytes
+    conv_tails = (cfg.kda_conv_size - 1) * 3 * heads * width * dtype_bytes
+    return cfg.n_kda_layers * (state + conv_tails)
+
+
+def kv_cache_bytes(cfg: K3Config, context: int, dtype_bytes: int = 2) -> int:
+    """Decoding memory for one sequence of ``context`` tokens:
+    ``context · kv_cache_bytes_per_token + recurrent_state_bytes`` (growing part + constant part)."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
+    return context * kv_cache_bytes_per_token(cfg, dtype_bytes) + recurrent_state_bytes(cfg, dtype_bytes)
+
+
+def decode_flops_per_token(cfg: K3Config, context: int) -> int:
+    """Approximate FLOPs to decode one token with ``context`` tokens already cached.
+
+    weights   2 · (active parameters − the embedding table)    (a multiply-add per weight; lookup is free)
+    MLA       2 · H · (2·kv_lora_rank + rope) · context per MLA layer: absorbed decoding scores each cached
+              576-wide entry (kv_lora + rope) and mixes the kv_lora-wide latents
+    KDA       7 · H · K · V per KDA layer: decay, Sᵀk, the rank-1 delta update, Sᵀq; constant in context
+    """
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
+    count = param_count(cfg)
+    weights = 2 * (count.active - count.components["embedding"][1])
+    mla = cfg.n_mla_layers * 2 * cfg.mla_n_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * context
+    kda = cfg.n_kda_layers * 7 * cfg.kda_n_heads * cfg.kda_head_dim ** 2
+    return weights + mla + kda
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of a model: ``total``, ``active`` per token, and ``components`` {name: (total, active)}."""
+
+    total: int
+    active: int
+    components: dict[str, tuple[int, int]]
+
+    @classmethod
+    def from_components(cls, components: dict[str, tuple[int, int]]) -> ParamCount:
+        total = sum(t for t, _ in components.values())
+        active = sum(a for _, a in components.values())
+        return cls(total, active, components)
+
+
+# --- the analytic count, component by component --------------------------------------------------------
+
+def _linear(d_in: int, d_out: int) -> int:
+    """A bias-free linear map R^d_in → R^d_out."""
+    return d_in * d_out
+
+
+def _gated_mlp(d_in: int, width: int) -> int:
+    """SwiGLU / SiTU-GLU MLP: gate and up (d_in → width), down (width → d_in)."""
+    return 3 * d_in * width
+
+
+def kda_layer_params(cfg: K3Config) -> int:
+    """One KDA token mixer (lesson 06), H = kda_n_heads, K = V = kda_head_dim, d = d_model.
+
+    q, k, v projections 3·d·HK; depthwise short convs 3·HK·conv_size; β projection d·H;
+    forget gate low-rank d·K + K·HK with A_log (H) and dt_bias (HK); output gate d·HK (full) or
+    d·K + K·HK + HK (low rank, the second map with a bias); per-head output RMSNorm K; output projection HK·d.
+    """
+    _require_config(cfg)
+    d, heads, width = cfg.d_model, cfg.kda_n_heads, cfg.kda_head_dim
+    inner = heads * width
+    projections = 3 * _linear(d, inner)
+    convs = 3 * inner * cfg.kda_conv_size
+    beta = _linear(d, heads)
+    forget_gate = _linear(d, width) + _linear(width, inner) + heads + inner
+    if cfg.kda_output_gate == "full":
+        output_gate = _linear(d, inner)
+    else:
+        output_gate = _linear(d, width) + _linear(width, inner) + inner  # the second map has a bias (fla)
+    return projections + convs + beta + forget_gate + output_gate + width + _linear(inner, d)
+
+
+def mla_layer_params(cfg: K3Config) -> int:
+    """One (gated) MLA token mixer (lesson 09), H = mla_n_heads.
+
+    Query: d → q_lora_rank (+ RMSNorm) → H·(nope + rope), or d → H·(nope + rope) when q_lora_rank is None.
+    Keys / values: d → kv_lora_rank + rope (+ RMSNorm on the latent); latent → H·(nope + v).
+    Output gate (gated MLA) d → H·v; output projection H·v → d.
+    """
+    _require_config(cfg)
+    d, heads = cfg.d_model, cfg.mla_n_heads
+    qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank is None:
+        query = _linear(d, heads * qk_dim)
+    else:
+        query = _linear(d, cfg.q_lora_rank) + cfg.q_lora_rank + _linear(cfg.q_lora_rank, heads * qk_dim)
+    latent = _linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+    up = _linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+    gate = _linear(d, heads * cfg.v_head_dim) if cfg.mla_gated else 0
+    return query + latent + up + gate + _linear(heads * cfg.v_head_dim, d)
+
+
+def moe_layer_params(cfg: K3Config) -> tuple[int, int]:
+    """(total, active) parameters of one MoE layer.
+
+    routed experts  n · 3·e·f   with e = latent_dim (or d_model), f = expert_dim; active: top_k of them
+    shared experts  3·d·(n_shared·f)            (always on)
+    latent          d·ℓ + ℓ·d + ℓ (down, up, RMSNorm on the latent output; 0 without latent)
+    router          n·d                          (the balancing bias is a buffer, not counted)
+    """
+    _require_config(cfg)
+    routed_total, routed_active = _routed_expert_params(cfg)
+    always_on = _shared_expert_params(cfg) + _latent_projection_params(cfg) + _router_params(cfg)
+    return routed_total + always_on, routed_active + always_on
+
+
+def _expert_input_dim(cfg: K3Config) -> int:
+    return cfg.d_model if cfg.latent_dim is None else cfg.latent_dim
+
+
+def _routed_expert_params(cfg: K3Config) -> tuple[int, int]:
+    one = _gated_mlp(_expert_input_dim(cfg), cfg.expert_dim)
+    return cfg.n_routed_experts * one, cfg.top_k * one
+
+
+def _shared_expert_params(cfg: K3Config) -> int:
+    return _gated_mlp(cfg.d_model, cfg.n_shared_experts * cfg.expert_dim)
+
+
+def _latent_projection_params(cfg: K3Config) -> int:
+    if cfg.latent_dim is None:
+        return 0
+    return 2 * _linear(cfg.d_model, cfg.latent_dim) + cfg.latent_dim
+
+
+def _router_params(cfg: K3Config) -> int:
+    return _linear(cfg.d_model, cfg.n_routed_experts)
+
+
+def _norm_and_residual_params(cfg: K3Config) -> int:
+    """RMSNorm before each sub-layer (2 per layer) and the final norm; Block AttnRes adds a query per
+    sub-layer (2 per layer) and one for the final aggregation, each of width d."""
+    d = cfg.d_model
+    norms = 2 * cfg.n_layers * d + d
+    queries = (2 * cfg.n_layers + 1) * d if cfg.residual == "block_attnres" else 0
+    return norms + queries
+
+
+def _component_counts(cfg: K3Config) -> dict[str, tuple[int, int]]:
+    """{component: (total, active)} summed over the whole model."""
+    moe = cfg.n_moe_layers
+    routed_total, routed_active = _routed_expert_params(cfg)
+    embedding = _linear(cfg.vocab_size, cfg.d_model)
+    parts = {
+        "embedding": embedding,
+        "lm_head": 0 if cfg.tie_embeddings else embedding,
+        "kda_attention": cfg.n_kda_layers * kda_layer_params(cfg),
+        "mla_attention": cfg.n_mla_layers * mla_layer_params(cfg),
+        "dense_ffn": cfg.first_k_dense * _gated_mlp(cfg.d_model, cfg.dense_ffn_dim),
+        "shared_experts": moe * _shared_expert_params(cfg),
+        "latent_projections": moe * _latent_projection_params(cfg),
+        "router": moe * _router_params(cfg),
+        "norms_and_residual": _norm_and_residual_params(cfg),
+    }
+    components = {name: (count, count) for name, count in parts.items()}
+    components["routed_experts"] = (moe * routed_total, moe * routed_active)
+    return components
+
+
+# --- the same count from the real modules, built on the meta device ------------------------------------------
+
+def meta_layer(cfg: K3Config, kind: str) -> nn.Module:
+    """The package's real layer of ``kind`` ("kda", "mla", "dense_ffn", "moe") for ``cfg``, on the meta device."""
+    _require_config(cfg)
+    builders = {"kda": KimiDeltaAttention.from_config, "mla": GatedMLA.from_config, "moe": MoE.from_config,
+                "dense_ffn": lambda c: GLUFFN(c.d_model, c.dense_ffn_dim, c.ffn_activation)}
+    if kind not in builders:
+        raise ValueError(f"kind: unknown layer kind {kind!r}; choose one of {', '.join(builders)}")
+    with torch.device("meta"):
+        return builders[kind](cfg)
+
+
+def meta_param_count(cfg: K3Config) -> dict[str, tuple[int, int]]:
+    """{component: (total, active)} counted from :class:`k3course.model.K3Model` built on the meta device
+    (shapes, no memory: the full K3 in seconds), plus "total" and "active" as ints. Equal to
+    :func:`param_count` by construction — a test holds them together for every preset."""
+    _require_config(cfg)
+    parts = K3Model.from_config(cfg, device="meta").param_breakdown()
+    return {**parts, "total": sum(t for t, _ in parts.values()), "active": sum(a for _, a in parts.values())}
+
+
+# --- decoding: cache numbers, bytes and FLOPs per step ----------------------------------------------------
+
+def mha_cache_numbers(n_heads: int, head_dim: int) -> int:
+    """Multi-head attention caches a key and a value per head: 2·H·d_h numbers per token."""
+    return 2 * n_heads * head_dim
+
+
+def gqa_cache_numbers(n_kv_heads: int, head_dim: int, n_heads: int | None = None) -> int:
+    """Grouped-query attention caches 2·G·d_h per token (G key/value heads shared by groups of query heads)."""
+    if n_heads is not None and n_heads % n_kv_heads:
+        raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+    return 2 * n_kv_heads * head_dim
+
+
+def mla_cache_numbers(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+    """MLA caches the normalised latent and the shared rope key: kv_lora_rank + rope per token."""
+    return kv_lora_rank + qk_rope_head_dim
+
+
+def kda_state_numbers(n_heads: int, head_k_dim: int, head_v_dim: int, conv_size: int = 4) -> int:
+    """A KDA layer keeps a fixed state, whatever the context: H·K·V for S plus the short-conv tails of q, k, v.
+
+    The conv tails hold (conv_size − 1) past inputs for each of the q, k and v channels.
+    """
+    return n_heads * head_k_dim * head_v_dim + (conv_size - 1) * n_heads * (2 * head_k_dim + head_v_dim)
+
+
+def decode_step_flops(context: int, n_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                      qk_rope_head_dim: int, v_head_dim: int, absorbed: bool) -> int:
+    """Multiply-adds of attending one new token over ``context`` cached tokens (projections of x excluded).
+
+    naive:    up-project the cache (S·H·r·(nope + v)) + scores (S·H·(nope + rope)) + weighted values (S·H·v)
+    absorbed: absorb the query (H·nope·r) + scores (S·H·(r + rope)) + weighted latents (S·H·r) + W_UV (H·r·v)
+    """
+    s, h, r = context, n_heads, kv_lora_rank
+    if absorbed:
+        return h * qk_nope_head_dim * r + s * h * (r + qk_rope_head_dim) + s * h * r + h * r * v_head_dim
+    up_projection = s * h * r * (qk_nope_head_dim + v_head_dim)
+    return up_projection + s * h * (qk_nope_head_dim + qk_rope_head_dim) + s * h * v_head_dim
+
+
+def kda_step_bytes(n_heads: int, head_k_dim: int, head_v_dim: int, conv_size: int, dtype_bytes: int,
+                   state_bytes: int = 4) -> int:
+    """Bytes one KDA layer reads per decode step, per sequence: its whole cache, constant in the context.
+
+    state S [H, K, V] in fp32 + conv tails [(conv_size − 1), 2·H·K + H·V] in the activation dtype:
+    ``H·K·V·state_bytes + (conv_size − 1)·(2·H·K + H·V)·dtype_bytes``.
+    """
+    state = n_heads * head_k_dim * head_v_dim * state_bytes
+    return state + (conv_size - 1) * n_heads * (2 * head_k_dim + head_v_dim) * dtype_bytes
+
+
+def mla_step_bytes(context: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype_bytes: int) -> int:
+    """Bytes one MLA layer reads per decode step, per sequence: every cached latent and rope key,
+    ``context · (kv_lora_rank + qk_rope_head_dim) · dtype_bytes`` (shared by all heads), linear in the context."""
+    return context * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes
+
+
+def crossover_context(cfg: K3Config, dtype_bytes: int = 2) -> int:
+    """The smallest context L at which the hybrid's decoding memory is below all-MLA's.
+
+    hybrid(L) = L·a_h + s_h (per-token growth + the constant KDA state), all-MLA(L) = L·a_m; hybrid < all-MLA
+    once L > s_h / (a_m − a_h), so L* = ⌊s_h / (a_m − a_h)⌋ + 1.
+    """
+    growth_gap = kv_cache_bytes_per_token(cfg.all_mla(), dtype_bytes) - kv_cache_bytes_per_token(cfg, dtype_bytes)
+    if growth_gap <= 0:
+        raise ValueError(f"cfg: {cfg.name!r} has as many MLA layers as all-MLA, so its memory never drops below")
+    return recurrent_state_bytes(cfg, dtype_bytes) // growth_gap + 1
+
+
+def predicted_tpot_s(cfg: K3Config, context: int, batch: int, bandwidth: float, flops_per_s: float,
+                     dtype_bytes: int = 2) -> float:
+    """A roofline TPOT for one decode step of ``batch`` sequences at ``context`` tokens each:
+
+    max(bytes / bandwidth, FLOPs / flops_per_s), bytes = active weights · dtype_bytes + batch · kv_cache_bytes(L),
+    FLOPs = batch · decode_flops_per_token(L). (At large batch more experts are touched than one token's k: the
+    weight term is then a lower bound.)
+    """
+    weight_bytes = param_count(cfg).active * dtype_bytes
+    moved = weight_bytes + batch * kv_cache_bytes(cfg, context, dtype_bytes)
+    return max(moved / bandwidth, batch * decode_flops_per_token(cfg, context) / flops_per_s)

@@ -1,5 +1,5 @@
-"""Layering (issue: no import cycle, the ops below the kernels below the layers, no silent environment change):
-each check runs a fresh interpreter and inspects ``sys.modules`` / ``os.environ`` after one import."""
+"""Layering at run time (the floors read from the source are in test_floors.py): what one import loads, and no
+silent environment change. Each check runs a fresh interpreter and inspects ``sys.modules`` / ``os.environ``."""
 
 from __future__ import annotations
 
@@ -26,17 +26,19 @@ def loaded_after(statement: str, env: dict | None = None) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("module", ["k3course.ops.chunk", "k3course.ops.recurrent",
-                                    "k3course.ops.parallel", "k3course.attention"])
-def test_the_ops_load_no_layer_and_no_kernel_module(module):
+@pytest.mark.parametrize("module", ["k3course.ops", "k3course.ops.chunk", "k3course.ops.recurrent",
+                                    "k3course.ops.parallel", "k3course.config", "k3course.accounting"])
+def test_the_ops_and_the_config_load_no_kernel_module(module):
+    """The ops (floor 1) and the config (floor 0) load neither a layer nor a Triton kernel; the accounting loads
+    the layers it counts, but no kernel either (the layers import kernels only when one runs)."""
     modules = loaded_after(f"import {module}")["modules"]
-    assert not [m for m in modules if m in LAYERS or m.startswith("k3course.kernels") or m.split(".")[0] == "triton"]
+    layers = [] if module == "k3course.accounting" else [m for m in modules if m in LAYERS]
+    assert not layers + [m for m in modules if m.startswith("k3course.kernels.") or m.split(".")[0] == "triton"]
 
 
-def test_a_lazy_name_loads_only_its_home():
-    modules = loaded_after("from k3course.attention import kda_chunk")["modules"]
-    assert "k3course.ops.chunk" in modules and not set(LAYERS) & set(modules)
-    assert "k3course.layers.kda" in loaded_after("from k3course.attention import KimiDeltaAttention")["modules"]
+def test_the_config_loads_nothing_above_it():
+    modules = loaded_after("import k3course.config")["modules"]
+    assert set(modules) <= {"k3course", "k3course.config"}
 
 
 def test_importing_the_kernels_package_leaves_the_environment_alone():

@@ -45,10 +45,10 @@ import torch
 from k3course.bench import best_seconds, freed_memory_setting, interleaved_best_seconds, page_faults_per_call
 from k3course.device import default_device
 from k3course.moe import GLUFFN, LatentMoE
-from k3course.moe.balancing import quantile_balance_bias
+from k3course.moe.balancing import expert_load, quantile_balance_bias
 from k3course.moe.dispatch import grouped_mm, sort_by_expert, unsort
 from k3course.moe.latent import latent_combine, moe_flops_per_token, rms_norm
-from k3course.moe.stats import routing_stats
+from k3course.moe.stats import max_violation
 from k3course.reference import moe as reference
 
 
@@ -275,7 +275,7 @@ def main(options: list[str]) -> int:
         sorted_out = layer(x)
         loop_out = per_token_loop(layer, x[:loop_tokens])
         error = float((loop_out - sorted_out[:loop_tokens]).abs().max() / sorted_out.abs().max())
-        balance = routing_stats(layer.route(x)[2], args.n)
+        violation = max_violation(expert_load(layer.route(x)[2], args.n))
         calls = {"sorted": (lambda: layer(x), args.repeats), "dense": (lambda: dense(x), args.repeats),
                  "loop": (lambda: per_token_loop(layer, x[:loop_tokens]), 1), **stage_calls(layer, x, args.repeats)}
         times = interleaved_best_seconds(calls, args.rounds, device)
@@ -298,7 +298,7 @@ def main(options: list[str]) -> int:
     print(f"active FLOPs per token: MoE {flops / 1e6:.3f} M; dense GLU FFN hidden {hidden}: "
           f"{6 * args.d * hidden / 1e6:.3f} M ({6 * args.d * hidden / flops:.1%} of the MoE's)")
     print(f"routing: {args.m * args.k / args.n:.0f} rows per expert on average, max-violation "
-          f"{balance['max_violation']:.2f} (busiest expert / mean load - 1)")
+          f"{violation:.2f} (busiest expert / mean load - 1)")
     print(f"per-token loop  {t_loop * 1e3:10.1f} ms  (timed on {loop_tokens} tokens, scaled to {args.m})")
     print(f"NumPy rung 0    {t_numpy * 1e3:10.1f} ms  (fp64 loop, timed on {loop_tokens} tokens, scaled to {args.m})")
     print(f"sort-based MoE  {t_sorted * 1e3:10.1f} ms  forward (max rel. difference from the loop {error:.1e})")

@@ -21,7 +21,7 @@ from k3course.moe.dispatch import sort_by_expert, unsort
 from k3course.moe.experts import GLUFFN, RoutedExperts, init_weight
 from k3course.moe.latent import latent_combine
 from k3course.moe.routing import router_scores, topk_route
-from k3course.moe.stats import load_stats
+from k3course.moe.stats import load_statistics
 
 BALANCING = ("quantile", "sign", "aux", None)
 ALIASES = {"aux_loss": "aux", "none": None}  # the spellings K3Config uses
@@ -214,11 +214,11 @@ class MoE(nn.Module):
     def routing_stats(self) -> dict:
         """Load, max-violation and entropy of the routing recorded since the last update (all micro-batches).
 
-        {'load': [n] counts, 'max_violation': float, 'entropy': float, 'tokens': int}; see :func:`load_stats`.
+        {'load': [n] counts, 'max_violation': float, 'entropy': float, 'tokens': int}; see :func:`load_statistics`.
         """
         if self.recorded_tokens == 0:
             raise RuntimeError("routing_stats needs a forward in training mode since the last update_bias()")
-        return {**load_stats(self.recorded_load.clone()), "tokens": self.recorded_tokens}
+        return {**load_statistics(self.recorded_load.clone()), "tokens": self.recorded_tokens}
 
 
 class LatentMoE(MoE):

@@ -33,6 +33,7 @@ from k3course.layers.mla import GatedMLA, MLACache
 from k3course.layers.residual import block_attnres_read, make_residual
 from k3course.moe.experts import GLUFFN
 from k3course.moe.layers import MoE
+from k3course.ops.norm import NORM_EPS
 
 IGNORE = -100  # targets at positions without a label (torch's cross-entropy ignore_index)
 INIT_STD = 0.02  # N(0, 0.02²) for projections and the embedding; output projections get 0.02 / √(2L)
@@ -65,9 +66,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: K3Config, index: int):
         super().__init__()
         self.mixer_kind, self.ffn_kind = cfg.layer_types()[index], cfg.ffn_types()[index]
-        self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=NORM_EPS)
         self.mixer = KimiDeltaAttention.from_config(cfg) if self.mixer_kind == "kda" else GatedMLA.from_config(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=NORM_EPS)
         self.ffn = (GLUFFN(cfg.d_model, cfg.dense_ffn_dim, cfg.ffn_activation) if self.ffn_kind == "dense"
                     else MoE.from_config(cfg))
 
@@ -92,7 +93,7 @@ class K3Model(nn.Module):
         kind = "block" if cfg.residual == "block_attnres" else "standard"
         block_size = cfg.attnres_block_size if kind == "block" else None
         self.residual = make_residual(kind, 2 * cfg.n_layers, cfg.d_model, block_size)
-        self.final_norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.final_norm = nn.RMSNorm(cfg.d_model, eps=NORM_EPS)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.init_weights()
 

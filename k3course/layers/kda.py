@@ -24,7 +24,7 @@ from torch import nn
 
 from k3course.ops.checks import check_mixer_input
 from k3course.ops.chunk import gdn_chunk, gla_chunk, kda_chunk
-from k3course.ops.norm import rms_norm
+from k3course.ops.norm import NORM_EPS, rms_norm
 from k3course.ops.recurrent import gdn_recurrent, gla_recurrent, kda_recurrent
 
 KDA_LOWER_BOUND = -5.0  # K3's bounded forget gate: g ∈ (−5, 0), so α ∈ (e^-5, 1)
@@ -118,7 +118,7 @@ class _GatedMixer(nn.Module):
     uses_beta = True
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, conv_size: int = 4, output_gate: str = "full",
-                 norm_eps: float = 1e-6, mode: str = "auto", chunk_size: int = 64, allow_neg_eigval: bool = False):
+                 norm_eps: float = NORM_EPS, mode: str = "auto", chunk_size: int = 64, allow_neg_eigval: bool = False):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim),
                             ("conv_size", conv_size)):

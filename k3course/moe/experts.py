@@ -10,17 +10,21 @@ from torch.nn import functional as F
 
 from k3course.moe.dispatch import expert_blocks, grouped_mm, grouped_mm_backend
 
+SITU_BETA1 = 4.0  # β₁: SiTU-GLU's soft cap on the gate branch (K3)
+SITU_BETA2 = 25.0  # β₂: SiTU-GLU's soft cap on the up branch (K3)
+
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's elementwise part: SiLU(gate) ⊙ up."""
     return F.silu(gate) * up
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = SITU_BETA1,
+             beta2: float = SITU_BETA2) -> torch.Tensor:
     """K3's SiTU-GLU: [β₁ tanh(gate/β₁) ⊙ σ(gate)] ⊙ [β₂ tanh(up/β₂)].
 
     A SwiGLU whose gate and up branches are soft-capped by tanh (|gate branch| < β₁, |up branch| < β₂), which
-    bounds the activations that reach the down projection. Near 0 it equals SwiGLU.
+    bounds the activations that reach the down projection. Near 0 it equals SwiGLU. K3: β₁ = 4, β₂ = 25.
     """
     return beta1 * torch.tanh(gate / beta1) * torch.sigmoid(gate) * (beta2 * torch.tanh(up / beta2))
 

@@ -16,12 +16,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3course.moe.balancing import quantile_balance_bias, router_z_loss, sign_rule_update, switch_aux_loss
+from k3course.moe.balancing import (
+    AUX_LOSS_WEIGHT,
+    SIGN_RULE_STEP,
+    quantile_balance_bias,
+    router_z_loss,
+    sign_rule_update,
+    switch_aux_loss,
+)
 from k3course.moe.dispatch import sort_by_expert, unsort
 from k3course.moe.experts import GLUFFN, RoutedExperts, init_weight
 from k3course.moe.latent import latent_combine
 from k3course.moe.routing import router_scores, topk_route
 from k3course.moe.stats import load_statistics
+from k3course.ops.norm import NORM_EPS
 
 BALANCING = ("quantile", "sign", "aux", None)
 ALIASES = {"aux_loss": "aux", "none": None}  # the spellings K3Config uses
@@ -59,8 +67,8 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, n_routed: int, top_k: int, n_shared: int = 0, d_expert: int | None = None,
                  d_latent: int | None = None, score_fn: str = "sigmoid", activation: str = "swiglu",
-                 route_scale: float = 1.0, balancing: str | None = "quantile", gamma: float = 1e-3,
-                 aux_alpha: float = 1e-2, renormalize: bool = True, eps: float = 1e-6,
+                 route_scale: float = 1.0, balancing: str | None = "quantile", gamma: float = SIGN_RULE_STEP,
+                 aux_alpha: float = AUX_LOSS_WEIGHT, renormalize: bool = True, eps: float = NORM_EPS,
                  generator: torch.Generator | None = None, backend: str = "auto",
                  device: torch.device | str | None = None):
         super().__init__()

@@ -28,6 +28,7 @@ from torch import nn
 
 from k3course.ops.checks import check_mixer_input
 from k3course.ops.norm import NORM_EPS
+from k3course.params import no_weight_decay, residual_output
 
 DECODE_TOKENS = 64  # at inference, up to this many new tokens attend in the absorbed form (auto path)
 
@@ -212,13 +213,16 @@ class GatedMLA(nn.Module):
         else:
             self.q_down = nn.Linear(d_model, q_lora_rank, bias=False, **factory)
             self.q_norm = nn.RMSNorm(q_lora_rank, eps=eps, **factory)
+            no_weight_decay(self.q_norm.weight)
             self.q_up = nn.Linear(q_lora_rank, q_width, bias=False, **factory)
         self.kv_down = nn.Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=False, **factory)
         self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=eps, **factory)
+        no_weight_decay(self.kv_norm.weight)
         self.k_up = nn.Parameter(torch.empty(n_heads, qk_nope_head_dim, kv_lora_rank, **factory))
         self.v_up = nn.Parameter(torch.empty(n_heads, v_head_dim, kv_lora_rank, **factory))
         self.gate = nn.Linear(d_model, n_heads * v_head_dim, bias=False, **factory) if gated else None
         self.out = nn.Linear(n_heads * v_head_dim, d_model, bias=False, **factory)
+        residual_output(self.out.weight)
         nn.init.normal_(self.k_up, std=kv_lora_rank ** -0.5)
         nn.init.normal_(self.v_up, std=kv_lora_rank ** -0.5)
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3course.ops.norm import NORM_EPS
+from k3course.params import no_weight_decay
 
 
 def depth_attention(query: torch.Tensor, sources: torch.Tensor,
@@ -143,7 +144,7 @@ class FullAttnRes(nn.Module):
         super().__init__()
         _check_sizes(n_sublayers, d_model)
         self.n_sublayers, self.d_model, self.eps = n_sublayers, d_model, eps
-        self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
+        self.queries = no_weight_decay(nn.Parameter(torch.zeros(n_sublayers + 1, d_model)))
 
     def begin(self, embedding: torch.Tensor, record: bool = False) -> _FullStream:
         _check_embedding(embedding, self.d_model)
@@ -202,7 +203,7 @@ class BlockAttnRes(nn.Module):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int (sub-layers per block), got {block_size!r}")
         self.n_sublayers, self.d_model, self.block_size, self.eps = n_sublayers, d_model, block_size, eps
-        self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
+        self.queries = no_weight_decay(nn.Parameter(torch.zeros(n_sublayers + 1, d_model)))
 
     def begin(self, embedding: torch.Tensor, record: bool = False) -> _BlockStream:
         _check_embedding(embedding, self.d_model)

@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from k3course.moe.dispatch import expert_blocks, grouped_mm, grouped_mm_backend
+from k3course.params import residual_output
 
 SITU_BETA1 = 4.0  # β₁: SiTU-GLU's soft cap on the gate branch (K3)
 SITU_BETA2 = 25.0  # β₂: SiTU-GLU's soft cap on the up branch (K3)
@@ -64,7 +65,7 @@ class GLUFFN(nn.Module):
         self.act = activation_fn(activation)
         self.gate = init_weight((d, hidden), d, generator, device)
         self.up = init_weight((d, hidden), d, generator, device)
-        self.down = init_weight((hidden, d), hidden, generator, device)
+        self.down = residual_output(init_weight((hidden, d), hidden, generator, device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(x @ self.gate, x @ self.up) @ self.down
@@ -85,7 +86,7 @@ class RoutedExperts(nn.Module):
         self.act = activation_fn(activation)
         self.hidden, self.backend = hidden, backend
         self.gate_up = init_weight((n, d_in, 2 * hidden), d_in, generator, device)
-        self.down = init_weight((n, hidden, d_in), hidden, generator, device)
+        self.down = residual_output(init_weight((n, hidden, d_in), hidden, generator, device))
 
     @property
     def gate(self) -> torch.Tensor:

@@ -30,6 +30,7 @@ from k3course.moe.latent import latent_combine
 from k3course.moe.routing import router_scores, topk_route
 from k3course.moe.stats import load_statistics
 from k3course.ops.norm import NORM_EPS
+from k3course.params import no_weight_decay, residual_output
 
 BALANCING = ("quantile", "sign", "aux", None)
 ALIASES = {"aux_loss": "aux", "none": None}  # the spellings K3Config uses
@@ -93,8 +94,8 @@ class MoE(nn.Module):
         self.shared = GLUFFN(d_model, n_shared * d_expert, activation, generator, device) if n_shared else None
         if d_latent is not None:
             self.down_proj = init_weight((d_model, d_latent), d_model, generator, device)
-            self.up_proj = init_weight((d_latent, d_model), d_latent, generator, device)
-            self.latent_norm = nn.Parameter(torch.ones(d_latent, device=device))
+            self.up_proj = residual_output(init_weight((d_latent, d_model), d_latent, generator, device))
+            self.latent_norm = no_weight_decay(nn.Parameter(torch.ones(d_latent, device=device)))
         self.aux_loss = torch.zeros((), device=device)  # Switch loss of the last training forward (balancing="aux")
         self.z_loss = torch.zeros((), device=device)  # router z-loss of the last training forward
         self.register_buffer("recorded_load", torch.zeros(n_routed, dtype=torch.int64, device=device),

@@ -44,7 +44,7 @@ def init_weight(shape: tuple[int, ...], fan_in: int, generator: torch.Generator 
                 device: torch.device | str | None = None) -> nn.Parameter:
     """W ~ N(0, 1/fan_in) of ``shape`` on ``device`` (default: torch's default device).
 
-    On the meta device the tensor is only allocated: a shape, no values (drawing them costs ~1 s there).
+    On the meta device the tensor is only allocated: a shape, no values (no random numbers are drawn).
     """
     device = torch.device(device) if device is not None else torch.get_default_device()
     if device.type == "meta":
@@ -108,8 +108,7 @@ class RoutedExperts(nn.Module):
     def _expert_by_expert(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         """The loop path: each expert's whole FFN on its block before the next expert's, so the block's hidden
         activations [rows, 2h] are still in cache for the down projection, where two grouped passes write and
-        re-read all M rows of [M, 2h] (measured 2x faster with SwiGLU when blocks were slices; with the split
-        below, within ±15% of two passes on a busy 2-core CPU). The rows are split and the weights unbound once
+        re-read all M rows of [M, 2h]. The rows are split and the weights unbound once
         (:func:`~k3course.moe.dispatch.expert_blocks`) so that backward stays O(M)."""
         gate_up, down = self.gate_up.unbind(0), self.down.unbind(0)  # n views each
         blocks = []

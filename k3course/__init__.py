@@ -2,7 +2,8 @@
 
 The package is a house of floors, each importing only the floors below it (the course's ladder):
 
-    0  config, data, device, debug, reference/     K3Config and presets; corpora; NumPy rung
+    0  config, data, device, debug, params,        K3Config and presets; corpora; parameter marks (init and
+       reference/                                   weight decay); NumPy rung
     1  ops/                                         linear-attention ops, RMSNorm, input checks
     2  kernels/                                     Triton kernels (tested against the ops)
     3  layers/, moe/                                token mixers, residual schemes; routed experts

@@ -20,7 +20,7 @@ def keep_freed_memory() -> bool:
     largest setting, from the heap instead of fresh mappings), as torch's CUDA caching allocator does on a GPU:
     freed tensors are then reused without page faults. By default glibc returns large freed blocks to the OS,
     and every step maps its temporaries in again, page by page (on a VM that hands freed pages back to its host,
-    a few microseconds each: a tiny K3 training step measured ~2,400–7,200 faults and a ~13% longer median step).
+    a few microseconds each; ``k3course bench moe`` prints the page faults per call).
     Process-wide; ``k3course train``, ``experiments`` and ``bench kda`` / ``bench moe`` call it. The process
     keeps its peak memory. Returns False where the C library is not glibc (nothing is changed there)."""
     try:

@@ -33,6 +33,8 @@ from k3course.layers.mla import GatedMLA, MLACache
 from k3course.layers.residual import block_attnres_read, make_residual
 from k3course.moe.experts import GLUFFN
 from k3course.moe.layers import MoE
+from k3course.ops.norm import NORM_EPS
+from k3course.params import is_decayed, is_residual_output, no_weight_decay
 
 IGNORE = -100  # targets at positions without a label (torch's cross-entropy ignore_index)
 INIT_STD = 0.02  # N(0, 0.02²) for projections and the embedding; output projections get 0.02 / √(2L)
@@ -65,9 +67,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: K3Config, index: int):
         super().__init__()
         self.mixer_kind, self.ffn_kind = cfg.layer_types()[index], cfg.ffn_types()[index]
-        self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=NORM_EPS)
         self.mixer = KimiDeltaAttention.from_config(cfg) if self.mixer_kind == "kda" else GatedMLA.from_config(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=NORM_EPS)
+        for norm in (self.mixer_norm, self.ffn_norm):
+            no_weight_decay(norm.weight)
         self.ffn = (GLUFFN(cfg.d_model, cfg.dense_ffn_dim, cfg.ffn_activation) if self.ffn_kind == "dense"
                     else MoE.from_config(cfg))
 
@@ -92,7 +96,8 @@ class K3Model(nn.Module):
         kind = "block" if cfg.residual == "block_attnres" else "standard"
         block_size = cfg.attnres_block_size if kind == "block" else None
         self.residual = make_residual(kind, 2 * cfg.n_layers, cfg.d_model, block_size)
-        self.final_norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.final_norm = nn.RMSNorm(cfg.d_model, eps=NORM_EPS)
+        no_weight_decay(self.final_norm.weight)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.init_weights()
 
@@ -106,25 +111,26 @@ class K3Model(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """N(0, 0.02²) for every projection and the embedding; output projections (the last map of every
-        sub-layer, which writes into the residual stream) N(0, (0.02 / √(2L))²), as in GPT-2. Gates' rates and
-        biases, convolutions, norms and AttnRes queries keep the values their layers start from."""
+        """By the marks the layers set (:mod:`k3course.params`): N(0, 0.02²) for every projection and the
+        embedding; residual outputs (the last map of every sub-layer, which writes into the residual stream)
+        N(0, (0.02 / √(2L))²), as in GPT-2; parameters marked no_weight_decay (gates' rates and biases,
+        convolutions, norms, AttnRes queries) keep the values their layers start from."""
         if self.embed.weight.is_meta:
             return
         out_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
-        for name, param in self.named_parameters():
-            if _is_output_projection(name):
+        for param in self.parameters():
+            if is_residual_output(param):
                 param.normal_(0.0, out_std)
-            elif _is_projection(name, param):
+            elif is_decayed(param):
                 param.normal_(0.0, INIT_STD)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW groups: weight decay on the matrices that map activations, none on norms, biases, gate rates
-        and biases, convolution taps and AttnRes queries."""
-        decay, no_decay = [], []
-        for name, param in self.named_parameters():
-            (decay if _is_projection(name, param) or _is_output_projection(name) else no_decay).append(param)
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        """AdamW groups by the layers' marks: weight decay on the projections (the matrices that map
+        activations), none on the parameters marked no_weight_decay (norms, biases, gate rates and biases,
+        convolution taps, AttnRes queries)."""
+        params = list(self.parameters())
+        return [{"params": [p for p in params if is_decayed(p)], "weight_decay": weight_decay},
+                {"params": [p for p in params if not is_decayed(p)], "weight_decay": 0.0}]
 
     def moe_layers(self) -> list[MoE]:
         """The MoE modules, in layer order (for the bias update and routing statistics)."""
@@ -258,22 +264,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
 
 
-# --- which parameter is what (init, weight decay, accounting) ------------------------------------------------
-
-_OUTPUT_PROJECTIONS = ("mixer.o_proj.weight", "mixer.out.weight", "ffn.down", "ffn.shared.down",
-                       "ffn.experts.down", "ffn.up_proj")
-_NO_DECAY = ("A_log", "dt_bias", "norm", "queries", "conv", "bias")
-
-
-def _is_output_projection(name: str) -> bool:
-    """The last map of a sub-layer (it writes into the residual stream): scaled init."""
-    return name.split(".", 2)[-1] in _OUTPUT_PROJECTIONS
-
-
-def _is_projection(name: str, param: torch.Tensor) -> bool:
-    """A matrix mapping activations (decayed, N(0, 0.02²) init) — not a norm, bias, rate, conv tap or query."""
-    return param.dim() >= 2 and not any(part in name for part in _NO_DECAY)
-
+# --- which parameter belongs to which component (accounting) ----------------------------------------------
 
 def _component_of(model: K3Model, name: str, numel: int) -> tuple[str, int]:
     """(component, active numel) of parameter ``name``: routed experts are active top_k / n_routed of the time."""

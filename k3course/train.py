@@ -82,20 +82,20 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-# The model preset and how to train it. "tiny" is the default run: ≤ 10 minutes on 2 CPU cores.
-# "small" is meant for one GPU (about 20 minutes on an H100-class card).
-PRESETS: dict[str, tuple[str, TrainConfig]] = {
+# The training presets: a model preset (:meth:`K3Config.preset`) and how to train it. "tiny" is the default run,
+# sized for ≤ 10 minutes on 2 CPU cores; "small" is sized for one GPU.
+TRAIN_PRESETS: dict[str, tuple[str, TrainConfig]] = {
     "tiny": ("tiny", TrainConfig()),
     "small": ("small", TrainConfig(steps=5000, batch_size=32, seq_len=512, lr=2e-3, warmup_steps=200,
                                    eval_every=500, eval_bytes=1 << 20, checkpoint_every=1000)),
 }
 
 
-def preset(name: str) -> tuple[K3Config, TrainConfig]:
-    """(model config, training config) of a training preset (one of :data:`PRESETS`)."""
-    if name not in PRESETS:
-        raise ValueError(f"preset: unknown training preset {name!r}; choose one of {', '.join(PRESETS)}")
-    model_preset, train_config = PRESETS[name]
+def train_preset(name: str) -> tuple[K3Config, TrainConfig]:
+    """(model config, training config) of a training preset (one of :data:`TRAIN_PRESETS`)."""
+    if name not in TRAIN_PRESETS:
+        raise ValueError(f"name: unknown training preset {name!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+    model_preset, train_config = TRAIN_PRESETS[name]
     return K3Config.preset(model_preset), train_config
 
 
@@ -346,7 +346,7 @@ def train_command(preset_name: str = "tiny", steps: int | None = None, out: Path
     ``steps`` is the run's total number of optimizer steps. With ``resume`` the run's saved settings are used
     (``steps``, if given, must be the saved total: a different total would change the cosine schedule).
     """
-    model_config, train_config = preset(preset_name)
+    model_config, train_config = train_preset(preset_name)
     out = Path(out) if out is not None else Path("runs") / preset_name
     if resume:
         train_config = saved_train_config(_check_out(out, resume=True))

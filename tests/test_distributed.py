@@ -217,10 +217,10 @@ def test_train_ep_writes_a_one_process_checkpoint_with_the_one_process_first_los
 
     from k3course import data
     from k3course.cli import main
-    from k3course.train import build_model, load_model, make_optimizer, preset, train_step
+    from k3course.train import build_model, load_model, make_optimizer, train_preset, train_step
 
     assert main(["train", "--preset", "tiny", "--steps", "1", "--ep", "2", "--out", str(tmp_path)]) == 0
-    model_config, train_config = preset("tiny")
+    model_config, train_config = train_preset("tiny")
     model = build_model(model_config, train_config.seed)
     optimizer, scheduler = make_optimizer(model, train_config.replace(steps=1))
     batches = [data.batch_at(data.stdlib_corpus().train, j, train_config.batch_size, train_config.seq_len,

@@ -143,7 +143,7 @@ def test_the_saved_default_run_replays(tmp_path):
     corpus = data.stdlib_corpus()
     if corpus.meta["key"] != saved["corpus"]["key"]:
         pytest.skip("this interpreter's stdlib is not the corpus the saved run read")
-    model_config, train_config = train.preset("tiny")
+    model_config, train_config = train.train_preset("tiny")
     replay = train_config.replace(steps=2, eval_bytes=0, checkpoint_every=0)  # warmup: rates independent of steps
     with experiments.torch_threads(saved["torch_threads"]):
         train.run(model_config, replay, tmp_path / "replay", corpus=corpus, progress=False)

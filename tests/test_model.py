@@ -11,6 +11,7 @@ import torch
 from k3course import accounting
 from k3course.config import K3Config
 from k3course.model import IGNORE, K3Cache, K3Model
+from k3course.params import is_decayed, is_residual_output, no_weight_decay, residual_output
 
 SCHEDULES = {"hybrid": {}, "all-kda": dict(mla_layers=()), "all-mla": dict(kda_per_mla=0)}
 PROMPTS = (1, 63, 64, 65, 130)
@@ -105,6 +106,53 @@ def test_one_backward_reaches_every_parameter_with_finite_gradients():
     for name, param in model.named_parameters():
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
         assert param.grad.abs().sum() > 0, f"{name} gets no gradient"
+
+
+# The tiny preset (layers 0-2 KDA, layer 3 MLA; layer 0's FFN dense): the parameters marked no_weight_decay,
+# and the residual outputs (the scaled initialisation).
+TINY_NO_DECAY = [
+    "layers.0.mixer_norm.weight", "layers.0.mixer.o_norm_weight", "layers.0.mixer.A_log", "layers.0.mixer.dt_bias",
+    "layers.0.mixer.q_conv.weight", "layers.0.mixer.k_conv.weight", "layers.0.mixer.v_conv.weight",
+    "layers.0.ffn_norm.weight", "layers.1.mixer_norm.weight", "layers.1.mixer.o_norm_weight",
+    "layers.1.mixer.A_log", "layers.1.mixer.dt_bias", "layers.1.mixer.q_conv.weight",
+    "layers.1.mixer.k_conv.weight", "layers.1.mixer.v_conv.weight", "layers.1.ffn_norm.weight",
+    "layers.1.ffn.latent_norm", "layers.2.mixer_norm.weight", "layers.2.mixer.o_norm_weight",
+    "layers.2.mixer.A_log", "layers.2.mixer.dt_bias", "layers.2.mixer.q_conv.weight",
+    "layers.2.mixer.k_conv.weight", "layers.2.mixer.v_conv.weight", "layers.2.ffn_norm.weight",
+    "layers.2.ffn.latent_norm", "layers.3.mixer_norm.weight", "layers.3.mixer.q_norm.weight",
+    "layers.3.mixer.kv_norm.weight", "layers.3.ffn_norm.weight", "layers.3.ffn.latent_norm", "residual.queries",
+    "final_norm.weight"]
+TINY_RESIDUAL_OUTPUTS = [
+    "layers.0.mixer.o_proj.weight", "layers.0.ffn.down", "layers.1.mixer.o_proj.weight", "layers.1.ffn.up_proj",
+    "layers.1.ffn.experts.down", "layers.1.ffn.shared.down", "layers.2.mixer.o_proj.weight", "layers.2.ffn.up_proj",
+    "layers.2.ffn.experts.down", "layers.2.ffn.shared.down", "layers.3.mixer.out.weight", "layers.3.ffn.up_proj",
+    "layers.3.ffn.experts.down", "layers.3.ffn.shared.down"]
+
+
+def test_weight_decay_and_init_follow_the_marks_the_layers_set():
+    model = tiny_model()
+    names = {id(param): name for name, param in model.named_parameters()}
+    decay, no_decay = ([names[id(p)] for p in group["params"]] for group in model.param_groups(0.1))
+    assert sorted(no_decay) == sorted(TINY_NO_DECAY)
+    assert sorted(decay + no_decay) == sorted(names.values())
+    assert sorted(name for name, p in model.named_parameters() if is_residual_output(p)) == \
+        sorted(TINY_RESIDUAL_OUTPUTS)
+    assert [names[id(p)] for p in model.double().param_groups(0.1)[1]["params"]] == no_decay  # .to() keeps marks
+
+
+@pytest.mark.parametrize("changes", [{}, dict(kda_output_gate="low_rank", kda_lower_bound=None, q_lora_rank=None,
+                                             residual="prenorm", tie_embeddings=True, latent_dim=None)])
+def test_every_unmarked_parameter_is_a_matrix(changes):
+    """A projection (unmarked: initialised N(0, σ²) and decayed) maps activations; every vector is marked."""
+    for name, param in tiny_model(**changes).named_parameters():
+        assert param.dim() >= 2 or not is_decayed(param), f"{name}: a vector without the no_weight_decay mark"
+
+
+def test_marks_are_checked():
+    with pytest.raises(TypeError, match="param must be an nn.Parameter"):
+        no_weight_decay(torch.zeros(3))
+    with pytest.raises(ValueError, match="already marked residual_output"):
+        no_weight_decay(residual_output(torch.nn.Parameter(torch.zeros(3, 3))))
 
 
 def test_ignored_targets_do_not_count_and_tied_embeddings_share_the_table():

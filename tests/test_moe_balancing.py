@@ -11,6 +11,7 @@ from k3course.moe import (
     bias_from_histogram,
     expert_load,
     load_entropy,
+    load_statistics,
     max_violation,
     quantile_balance_bias,
     quantile_balance_bias_from_histograms,
@@ -105,11 +106,13 @@ def test_bias_from_histogram_reads_from_the_top():
         bias_from_histogram(counts, edges, 7)
 
 
-def test_stats():
+def test_load_statistics():
     load = torch.tensor([4, 4, 4, 4])
     assert max_violation(load) == 0 and load_entropy(load) == pytest.approx(1.0)
     load = torch.tensor([8, 0, 0, 0])
     assert max_violation(load) == 3 and load_entropy(load) == 0
+    statistics = load_statistics(load)
+    assert statistics["load"] is load and (statistics["max_violation"], statistics["entropy"]) == (3.0, 0.0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

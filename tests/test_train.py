@@ -48,8 +48,8 @@ def test_bad_train_settings_name_the_argument():
         train.TrainConfig(steps=0)
     with pytest.raises(ValueError, match="grad_accum"):
         train.TrainConfig(grad_accum=0)
-    with pytest.raises(ValueError, match="preset"):
-        train.preset("huge")
+    with pytest.raises(ValueError, match="unknown training preset 'huge'"):
+        train.train_preset("huge")
 
 
 def test_accumulated_micro_batches_give_the_gradient_of_the_whole_batch(corpus):
@@ -182,7 +182,7 @@ def test_cli_bad_input_gives_clear_errors(tmp_path, capsys):
 
 def test_cli_train_then_generate(tmp_path, corpus, monkeypatch, capsys):
     monkeypatch.setattr(data, "stdlib_corpus", lambda: corpus)
-    monkeypatch.setitem(train.PRESETS, "test", ("tiny", FAST.replace(steps=1, eval_every=0, checkpoint_every=0)))
+    monkeypatch.setitem(train.TRAIN_PRESETS, "test", ("tiny", FAST.replace(steps=1, eval_every=0, checkpoint_every=0)))
     monkeypatch.setattr(K3Config, "preset", classmethod(lambda cls, name: SMALL))
     assert main(["train", "--preset", "test", "--out", str(tmp_path / "run")]) == 0
     assert "bits/byte" in capsys.readouterr().out

@@ -20,7 +20,7 @@ The slope of the median TPOT against L (least squares, µs per 1k context tokens
 reading the cache: all-MLA reads L · (kv_lora_rank + rope) numbers per MLA layer per step, the hybrid a quarter
 of that, all-KDA a constant H·K·V state per layer. ``--save`` writes ``k3course/results/decode_bench.json`` and
 ``decode_bench.png``, which notebook 14 reads. Decoding runs on one thread by default (``--threads``): on a
-shared 2-core machine OpenMP spin-waits otherwise make single-token steps vary by 10x.
+shared machine OpenMP spin-waits otherwise make single-token steps vary widely.
 """
 
 from __future__ import annotations

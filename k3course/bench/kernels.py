@@ -11,8 +11,8 @@ Rows:
 Each row (a dict, see :func:`measure`) gives milliseconds (``triton.testing.do_bench``, median), TFLOP/s, the
 percentage of the GPU's roofline (min(peak FLOP/s, arithmetic intensity × memory bandwidth) for the GPUs in
 ``PEAKS``) and the ratio of our throughput to the peer's (> 1: ours is faster). On a CPU there is nothing
-meaningful to time (the Triton interpreter is ~37,000× slower than torch), so it says what it skipped and exits
-0. ``k3course bench gpu`` runs these rows at a shorter sweep together with the kernel tests and saves them.
+meaningful to time (the Triton interpreter is thousands of times slower than torch), so it says what it skipped
+and exits 0. ``k3course bench gpu`` runs these rows at a shorter sweep together with the kernel tests and saves them.
 """
 
 from __future__ import annotations
@@ -325,8 +325,8 @@ def _options(options: list[str]) -> argparse.Namespace:
 def explain_cpu_skip(command: str = "k3course bench kernels", seq_lens: tuple[int, ...] = Workload.seq_lens) -> str:
     """What ``command`` would have run on a GPU, and why a CPU runs none of it."""
     lengths = "{" + ", ".join(map(str, seq_lens)) + "}"
-    return (f"{command} needs a CUDA GPU: on a CPU the Triton kernels run under the interpreter, about 37,000× "
-            "slower than torch (lesson 08 measures it),\nso their timings say nothing about the kernels. Skipped: "
+    return (f"{command} needs a CUDA GPU: on a CPU the Triton kernels run under the interpreter, thousands of "
+            "times slower than torch (see lesson 08),\nso their timings say nothing about the kernels. Skipped: "
             f"KDA chunk forward and forward + backward at B=1, T ∈ {lengths},\nH=16, K=V=128, bf16 (ours "
             "vs fla chunk_kda vs the torch chunked path); the KDA decode step (ours vs fla fused_recurrent_kda vs "
             "the torch step);\nMoE grouped GEMM at ℓ=3584 → 3072 with 64 and 128 experts, top-8 and top-16 (ours "

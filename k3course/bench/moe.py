@@ -9,31 +9,28 @@ Shared experts are left out of both sides: they are a dense FFN either way and w
 
 The dense FFN is a GLU at width d with the same activation and the largest hidden size that is a multiple
 of 16 without exceeding the MoE's active FLOPs (router + W↓ + W↑ + k experts); a hidden size like 363 would
-make its GEMMs up to 2× slower and flatter the MoE. Two rows are timed for each: the forward (eval, no grad)
+make its GEMMs slower and flatter the MoE. Two rows are timed for each: the forward (eval, no grad)
 and a training step (forward in training mode, backward of a fixed output gradient into the weights and the
 input, and, for the MoE, the quantile bias update, which a training loop runs once per optimizer step). Both are
 broken down by stage (route, dispatch, experts, projections + combine; and the bias update in training).
 
 Times are the best over ``--rounds`` rounds of ``--repeats`` calls, the variants taking turns (robust to
 other processes on a shared machine); the ratios are what to read. ``--threads`` defaults to 1: with more
-threads than free cores, OpenMP barriers in the per-expert loop's many small ops can cost more than the work
-(2 threads on a busy 2-core machine: a 7x slower MoE forward + backward, a 1.4x slower dense one).
+threads than free cores, OpenMP barriers in the per-expert loop's many small ops can cost more than the work.
 
 Targets: MoE / dense ≤ 1.5x in fp32 and ≤ 2x in bf16. The MoE does the dense FFN's FLOPs plus routing
 (top-k over n scores per token), dispatch (sort, gather, unsort) and the combine, in GEMMs of m·k/n rows
 instead of m, so it cannot beat it; the stage breakdown shows what each costs. bf16 results depend on the CPU:
 the bench times one bf16 and one fp32 GEMM of the dense FFN's shape and prints the ratio. With AVX512-BF16 /
 AMX, bf16 GEMMs run several times faster than fp32 while routing and data movement do not, so their share
-grows; without bf16 GEMMs a bf16 GEMM takes a slow software path, for the MoE and the dense FFN alike (on an
-AVX2 EPYC, x @ W measured 18-55x slower than fp32; the transposed products of backward run several times
-faster than x @ W there, so a bf16 training step costs about what its forward does). The per-token loop and
-the NumPy rung are timed on ``--loop-tokens`` tokens and scaled, for the speed-up of chapter 01.
+grows; without bf16 GEMMs a bf16 GEMM takes a slow software path, for the MoE and the dense FFN alike (the
+printed ratio says how slow). The per-token loop and the NumPy rung are timed on ``--loop-tokens`` tokens and
+scaled, for the speed-up of chapter 01.
 
 Freed memory is kept in the process, as ``k3course train`` keeps it (:func:`~k3course.device.keep_freed_memory`),
 and page faults per call are printed for both sides. ``--return-freed-memory`` leaves glibc's default, which hands
 large freed blocks back to the OS: the dense FFN's temporaries are m × hidden (megabytes), the MoE's per-expert
-blocks small, so the dense side then pays more page faults (on a 2-core VM, ~4,400 per bf16 forward, which made
-the MoE's bf16 forward ratio look 1.8x instead of 2.4x).
+blocks small, so the dense side then pays more page faults, and the MoE / dense ratio looks better than it is.
 """
 
 from __future__ import annotations
@@ -45,10 +42,10 @@ import torch
 from k3course.bench import best_seconds, freed_memory_setting, interleaved_best_seconds, page_faults_per_call
 from k3course.device import default_device
 from k3course.moe import GLUFFN, LatentMoE
-from k3course.moe.balancing import quantile_balance_bias
+from k3course.moe.balancing import expert_load, quantile_balance_bias
 from k3course.moe.dispatch import grouped_mm, sort_by_expert, unsort
 from k3course.moe.latent import latent_combine, moe_flops_per_token, rms_norm
-from k3course.moe.stats import routing_stats
+from k3course.moe.stats import max_violation
 from k3course.reference import moe as reference
 
 
@@ -275,7 +272,7 @@ def main(options: list[str]) -> int:
         sorted_out = layer(x)
         loop_out = per_token_loop(layer, x[:loop_tokens])
         error = float((loop_out - sorted_out[:loop_tokens]).abs().max() / sorted_out.abs().max())
-        balance = routing_stats(layer.route(x)[2], args.n)
+        violation = max_violation(expert_load(layer.route(x)[2], args.n))
         calls = {"sorted": (lambda: layer(x), args.repeats), "dense": (lambda: dense(x), args.repeats),
                  "loop": (lambda: per_token_loop(layer, x[:loop_tokens]), 1), **stage_calls(layer, x, args.repeats)}
         times = interleaved_best_seconds(calls, args.rounds, device)
@@ -298,7 +295,7 @@ def main(options: list[str]) -> int:
     print(f"active FLOPs per token: MoE {flops / 1e6:.3f} M; dense GLU FFN hidden {hidden}: "
           f"{6 * args.d * hidden / 1e6:.3f} M ({6 * args.d * hidden / flops:.1%} of the MoE's)")
     print(f"routing: {args.m * args.k / args.n:.0f} rows per expert on average, max-violation "
-          f"{balance['max_violation']:.2f} (busiest expert / mean load - 1)")
+          f"{violation:.2f} (busiest expert / mean load - 1)")
     print(f"per-token loop  {t_loop * 1e3:10.1f} ms  (timed on {loop_tokens} tokens, scaled to {args.m})")
     print(f"NumPy rung 0    {t_numpy * 1e3:10.1f} ms  (fp64 loop, timed on {loop_tokens} tokens, scaled to {args.m})")
     print(f"sort-based MoE  {t_sorted * 1e3:10.1f} ms  forward (max rel. difference from the loop {error:.1e})")

@@ -138,9 +138,9 @@ def train_ranks(rank: int, world_size: int, preset_name: str, steps: int | None,
     from pathlib import Path
 
     from k3course import checkpoint, data
-    from k3course.train import build_model, make_optimizer, preset
+    from k3course.train import build_model, make_optimizer, train_preset
 
-    model_config, train_config = preset(preset_name)
+    model_config, train_config = train_preset(preset_name)
     if steps is not None:
         train_config = train_config.replace(steps=steps)
     if train_config.batch_size % world_size:

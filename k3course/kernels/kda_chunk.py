@@ -5,8 +5,9 @@ memory with plain pointer arithmetic (no block pointers):
 
 1. ``_chunk_cumsum_kernel``  G = in-chunk inclusive cumulative sum of the log-decay g (resets every chunk).
 2. ``_intra_chunk_kernel``   A_kk[r,i] = β_r Σ_d k_rd k_id e^{G_rd − G_id} (i < r) and
-                             A_qk[r,i] = scale Σ_d q_rd k_id e^{G_rd − G_id} (i ≤ r), in 16-token sub-chunk
-                             tiles so that no exponent is ever positive (log-space stability).
+                             A_qk[r,i] = scale Σ_d q_rd k_id e^{G_rd − G_id} (i ≤ r), in ``SUB_CHUNK``-token
+                             sub-chunk tiles (16, the smallest tl.dot on a GPU) so that no exponent is ever
+                             positive (log-space stability).
 3. ``_wy_kernel``            UT transform: X = (I + A_kk)^-1 by forward substitution; W = X (β Γ ⊙ K), U = X (β V).
 4. ``_state_kernel``         the only sequential part: for each chunk, store the entering state S, then
                              Ṽ = U − W S and S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
@@ -28,9 +29,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from k3course import debug  # noqa: E402
-from k3course.ops.chunk import kda_chunk  # noqa: E402  (the ops sit below the kernels: no cycle)
+from k3course.ops.chunk import SUB_CHUNK, kda_chunk  # noqa: E402  (the ops sit below the kernels: no cycle)
 
-SUB_CHUNK = 16  # tile side of the intra-chunk products; 16 is also the smallest tl.dot on a GPU
 STATE_KERNEL_STAGES = 2  # software-pipelining depth of the state kernel: 3 needs 249 KB of shared memory in fp32
 
 

@@ -24,8 +24,9 @@ from torch import nn
 
 from k3course.ops.checks import check_mixer_input
 from k3course.ops.chunk import gdn_chunk, gla_chunk, kda_chunk
-from k3course.ops.norm import rms_norm
+from k3course.ops.norm import NORM_EPS, rms_norm
 from k3course.ops.recurrent import gdn_recurrent, gla_recurrent, kda_recurrent
+from k3course.params import no_weight_decay, residual_output
 
 KDA_LOWER_BOUND = -5.0  # K3's bounded forget gate: g ∈ (−5, 0), so α ∈ (e^-5, 1)
 MODES = ("auto", "chunk", "recurrent")
@@ -100,7 +101,7 @@ class ShortConv(nn.Module):
     def __init__(self, channels: int, kernel_size: int = 4):
         super().__init__()
         bound = 1 / math.sqrt(kernel_size)
-        self.weight = nn.Parameter(torch.empty(channels, kernel_size).uniform_(-bound, bound))
+        self.weight = no_weight_decay(nn.Parameter(torch.empty(channels, kernel_size).uniform_(-bound, bound)))
 
     def forward(self, x, cache=None):
         y, cache = short_conv(x, self.weight, cache)
@@ -118,7 +119,7 @@ class _GatedMixer(nn.Module):
     uses_beta = True
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, conv_size: int = 4, output_gate: str = "full",
-                 norm_eps: float = 1e-6, mode: str = "auto", chunk_size: int = 64, allow_neg_eigval: bool = False):
+                 norm_eps: float = NORM_EPS, mode: str = "auto", chunk_size: int = 64, allow_neg_eigval: bool = False):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim),
                             ("conv_size", conv_size)):
@@ -139,8 +140,10 @@ class _GatedMixer(nn.Module):
             self.gate_proj = nn.Linear(d_model, width, bias=False)
         else:
             self.gate_proj = nn.Sequential(nn.Linear(d_model, head_dim, bias=False), nn.Linear(head_dim, width))
-        self.o_norm_weight = nn.Parameter(torch.ones(head_dim))
+            no_weight_decay(self.gate_proj[1].bias)
+        self.o_norm_weight = no_weight_decay(nn.Parameter(torch.ones(head_dim)))
         self.o_proj = nn.Linear(width, d_model, bias=False)
+        residual_output(self.o_proj.weight)
 
     @classmethod
     def from_config(cls, cfg, **overrides):
@@ -245,8 +248,9 @@ class KimiDeltaAttention(_GatedMixer):
         self.lower_bound = lower_bound
         self.f_proj = nn.Sequential(nn.Linear(d_model, head_dim, bias=False),
                                     nn.Linear(head_dim, n_heads * head_dim, bias=False))
-        self.A_log = nn.Parameter(torch.zeros(n_heads))
-        self.dt_bias = nn.Parameter(initial_dt_bias(n_heads * head_dim, lower_bound).view(n_heads, head_dim))
+        self.A_log = no_weight_decay(nn.Parameter(torch.zeros(n_heads)))
+        dt_bias = initial_dt_bias(n_heads * head_dim, lower_bound).view(n_heads, head_dim)
+        self.dt_bias = no_weight_decay(nn.Parameter(dt_bias))
 
     @staticmethod
     def _config_fields(cfg) -> dict:
@@ -275,8 +279,8 @@ class GatedDeltaNet(_GatedMixer):
     def __init__(self, d_model: int, n_heads: int, head_dim: int, **kwargs):
         super().__init__(d_model, n_heads, head_dim, **kwargs)
         self.a_proj = nn.Linear(d_model, n_heads, bias=False)
-        self.A_log = nn.Parameter(torch.zeros(n_heads))
-        self.dt_bias = nn.Parameter(initial_dt_bias(n_heads, None))
+        self.A_log = no_weight_decay(nn.Parameter(torch.zeros(n_heads)))
+        self.dt_bias = no_weight_decay(nn.Parameter(initial_dt_bias(n_heads, None)))
 
     def log_decay(self, x):
         return -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)  # [B, T, H]

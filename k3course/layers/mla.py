@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3course.ops.checks import check_mixer_input
+from k3course.ops.norm import NORM_EPS
+from k3course.params import no_weight_decay, residual_output
 
 DECODE_TOKENS = 64  # at inference, up to this many new tokens attend in the absorbed form (auto path)
 
@@ -130,7 +132,7 @@ def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0
 
 
 def compress_kv(x: torch.Tensor, kv_down_weight: torch.Tensor, kv_norm_weight: torch.Tensor, kv_lora_rank: int,
-                eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float = NORM_EPS) -> tuple[torch.Tensor, torch.Tensor]:
     """What MLA caches for each token: [c_KV ; k_rope] = W_DKV x, then RMSNorm on c_KV only.
 
     x [B, T, d]; kv_down_weight [kv_lora_rank + rope, d]; kv_norm_weight [kv_lora_rank]
@@ -182,7 +184,7 @@ class GatedMLA(nn.Module):
     def __init__(self, d_model: int, n_heads: int, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, gated: bool = True, use_rope: bool = False,
                  rope_theta: float = 10000.0, max_cache_len: int | None = None, absorbed: bool | None = None,
-                 eps: float = 1e-6, device=None, dtype=None):
+                 eps: float = NORM_EPS, device=None, dtype=None):
         super().__init__()
         sizes = dict(d_model=d_model, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
                      v_head_dim=v_head_dim, q_lora_rank=1 if q_lora_rank is None else q_lora_rank)
@@ -211,13 +213,16 @@ class GatedMLA(nn.Module):
         else:
             self.q_down = nn.Linear(d_model, q_lora_rank, bias=False, **factory)
             self.q_norm = nn.RMSNorm(q_lora_rank, eps=eps, **factory)
+            no_weight_decay(self.q_norm.weight)
             self.q_up = nn.Linear(q_lora_rank, q_width, bias=False, **factory)
         self.kv_down = nn.Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=False, **factory)
         self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=eps, **factory)
+        no_weight_decay(self.kv_norm.weight)
         self.k_up = nn.Parameter(torch.empty(n_heads, qk_nope_head_dim, kv_lora_rank, **factory))
         self.v_up = nn.Parameter(torch.empty(n_heads, v_head_dim, kv_lora_rank, **factory))
         self.gate = nn.Linear(d_model, n_heads * v_head_dim, bias=False, **factory) if gated else None
         self.out = nn.Linear(n_heads * v_head_dim, d_model, bias=False, **factory)
+        residual_output(self.out.weight)
         nn.init.normal_(self.k_up, std=kv_lora_rank ** -0.5)
         nn.init.normal_(self.v_up, std=kv_lora_rank ** -0.5)
 

@@ -26,8 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3course.ops.norm import NORM_EPS
+from k3course.params import no_weight_decay
 
-def depth_attention(query: torch.Tensor, sources: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+
+def depth_attention(query: torch.Tensor, sources: torch.Tensor,
+                    eps: float = NORM_EPS) -> tuple[torch.Tensor, torch.Tensor]:
     """h = Σ_i softmax_i(queryᵀ RMSNorm(v_i)) v_i, per token; the softmax runs over depth (the sources).
 
     query: [D]; sources: [N, B, T, D] -> (h [B, T, D], weights [N, B, T]). Computed in fp32 or wider.
@@ -136,11 +140,11 @@ class FullAttnRes(nn.Module):
     queries: [n_sublayers + 1, d_model], zero at init (row n_sublayers is the final aggregation).
     """
 
-    def __init__(self, n_sublayers: int, d_model: int, eps: float = 1e-6):
+    def __init__(self, n_sublayers: int, d_model: int, eps: float = NORM_EPS):
         super().__init__()
         _check_sizes(n_sublayers, d_model)
         self.n_sublayers, self.d_model, self.eps = n_sublayers, d_model, eps
-        self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
+        self.queries = no_weight_decay(nn.Parameter(torch.zeros(n_sublayers + 1, d_model)))
 
     def begin(self, embedding: torch.Tensor, record: bool = False) -> _FullStream:
         _check_embedding(embedding, self.d_model)
@@ -193,13 +197,13 @@ class BlockAttnRes(nn.Module):
     queries: [n_sublayers + 1, d_model], zero at init.
     """
 
-    def __init__(self, n_sublayers: int, d_model: int, block_size: int, eps: float = 1e-6):
+    def __init__(self, n_sublayers: int, d_model: int, block_size: int, eps: float = NORM_EPS):
         super().__init__()
         _check_sizes(n_sublayers, d_model)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int (sub-layers per block), got {block_size!r}")
         self.n_sublayers, self.d_model, self.block_size, self.eps = n_sublayers, d_model, block_size, eps
-        self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
+        self.queries = no_weight_decay(nn.Parameter(torch.zeros(n_sublayers + 1, d_model)))
 
     def begin(self, embedding: torch.Tensor, record: bool = False) -> _BlockStream:
         _check_embedding(embedding, self.d_model)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from k3course.distributed.ep import ExpertParallelMoE
 from k3course.moe import LatentMoE, MoE
+from k3course.moe.balancing import HISTOGRAM_BINS
 
 
 def build_layer(case: dict) -> MoE:
@@ -61,7 +62,7 @@ def balancing_steps(rank: int, world_size: int, case: dict) -> dict:
     The global batch of step s is drawn with seed + s. Returns per step the scores the update used [m_r, n],
     this rank's load per expert [n], and the bias before and after.
     """
-    layer = ExpertParallelMoE.from_moe(build_layer(case), histogram_bins=case.get("bins", 256))
+    layer = ExpertParallelMoE.from_moe(build_layer(case), histogram_bins=case.get("bins", HISTOGRAM_BINS))
     steps = {"scores": [], "load": [], "bias_before": [], "bias_after": []}
     for step in range(case.get("steps", 2)):
         x, _ = global_batch({**case, "seed": case["seed"] + step})

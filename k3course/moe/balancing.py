@@ -11,6 +11,10 @@ import torch
 
 from k3course.moe.routing import _check_bias, _check_k, _check_scores
 
+SIGN_RULE_STEP = 1e-3  # γ: the sign rule's bias step (DeepSeek-V3's update speed)
+AUX_LOSS_WEIGHT = 1e-2  # α: the Switch loss's weight in the training loss (Switch Transformer's)
+HISTOGRAM_BINS = 256  # bins of the margin histograms that quantile balancing pools over ranks
+
 
 def expert_load(expert_idx: torch.Tensor, n: int) -> torch.Tensor:
     """Token-slots per expert: load_j = #{(t, slot): expert_idx[t, slot] = j}. [m, k] -> [n] int64.
@@ -91,7 +95,7 @@ def quantile_balance_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> t
     target = (m * k) // n
     scores64, bias64 = scores.detach().double(), bias.detach().double()
     margins = scores64 - token_cutoffs(scores64, bias64, k)[:, None]  # [m, n]
-    # [n]: the (q+1)-th largest = (m-q)-th smallest; one contiguous row per expert (2x faster than along dim 0)
+    # [n]: the (q+1)-th largest = (m-q)-th smallest; one contiguous row per expert (faster than along dim 0)
     kth = torch.kthvalue(margins.mT.contiguous(), m - target, dim=1).values
     new_bias = -kth
     return (new_bias - new_bias.mean()).to(bias.dtype)
@@ -144,7 +148,7 @@ def bias_from_histogram(counts: torch.Tensor, edges: torch.Tensor, target: int) 
 
 
 def quantile_balance_bias_from_histograms(score_shards: list[torch.Tensor], bias: torch.Tensor, k: int,
-                                          bins: int = 256) -> torch.Tensor:
+                                          bins: int = HISTOGRAM_BINS) -> torch.Tensor:
     """Quantile balancing when the m tokens are spread over ranks (one [m_r, n] score shard per rank).
 
     Each rank reports its margin range and a per-expert histogram over shared edges; the histograms are summed

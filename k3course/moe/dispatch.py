@@ -38,7 +38,7 @@ def unsort(rows_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     if rows_sorted.shape[0] != order.shape[0]:
         raise ValueError(f"rows_sorted has {rows_sorted.shape[0]} rows but order has {order.shape[0]} entries")
     # index_copy_ writes the rows where they belong; its backward is a gather, grad[order] (an unsort written
-    # as a gather from the inverse permutation would need a scatter-add in backward, 2x slower on a CPU)
+    # as a gather from the inverse permutation would need a scatter-add in backward, slower on a CPU)
     return rows_sorted.new_empty(rows_sorted.shape).index_copy_(0, order, rows_sorted)
 
 
@@ -59,7 +59,7 @@ def expert_blocks(rows_sorted: torch.Tensor, group_offsets: torch.Tensor) -> lis
 
     The cut is one ``split``, not a slice per expert: in backward, autograd then joins the blocks' gradients
     with one concatenation, where E slices would each get a zero gradient of all M rows to be summed
-    (E·M rows of memory traffic: the expert bank's forward + backward measured 5x slower at 64 experts).
+    (E·M rows of memory traffic, E times what the split moves).
     """
     ends = group_offsets.tolist()
     sizes = [end - start for start, end in zip([0, *ends[:-1]], ends)]
@@ -82,9 +82,8 @@ def grouped_mm_backend(x_sorted: torch.Tensor, weight: torch.Tensor, backend: st
     backend "loop" or "torch" is taken as asked; "auto" is chapter 08's one-launch Triton kernel where
     ``k3course.kernels.use_triton`` says so (on CUDA; the environment variable K3COURSE_KERNELS=triton|torch
     forces either way), else torch's grouped GEMM where it has its fast path (CUDA sm90+, bf16), else the loop.
-    On CPU (torch 2.13) ``torch._grouped_mm`` runs in fp32 (not bf16), but was measured 1.6× slower than the loop
-    (64 experts, 16k rows, one thread) and its backward rejects a non-contiguous output gradient, so the loop is
-    the CPU path.
+    On CPU (torch 2.13) ``torch._grouped_mm`` runs in fp32 (not bf16), but no faster than the loop, and its
+    backward rejects a non-contiguous output gradient, so the loop is the CPU path.
     """
     if backend not in ("auto", "loop", "torch"):
         raise ValueError(f"backend must be 'auto', 'loop' or 'torch', got {backend!r}")

@@ -9,6 +9,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from k3course.moe.dispatch import expert_blocks, grouped_mm, grouped_mm_backend
+from k3course.params import residual_output
+
+SITU_BETA1 = 4.0  # β₁: SiTU-GLU's soft cap on the gate branch (K3)
+SITU_BETA2 = 25.0  # β₂: SiTU-GLU's soft cap on the up branch (K3)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -16,11 +20,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = SITU_BETA1,
+             beta2: float = SITU_BETA2) -> torch.Tensor:
     """K3's SiTU-GLU: [β₁ tanh(gate/β₁) ⊙ σ(gate)] ⊙ [β₂ tanh(up/β₂)].
 
     A SwiGLU whose gate and up branches are soft-capped by tanh (|gate branch| < β₁, |up branch| < β₂), which
-    bounds the activations that reach the down projection. Near 0 it equals SwiGLU.
+    bounds the activations that reach the down projection. Near 0 it equals SwiGLU. K3: β₁ = 4, β₂ = 25.
     """
     return beta1 * torch.tanh(gate / beta1) * torch.sigmoid(gate) * (beta2 * torch.tanh(up / beta2))
 
@@ -39,7 +44,7 @@ def init_weight(shape: tuple[int, ...], fan_in: int, generator: torch.Generator 
                 device: torch.device | str | None = None) -> nn.Parameter:
     """W ~ N(0, 1/fan_in) of ``shape`` on ``device`` (default: torch's default device).
 
-    On the meta device the tensor is only allocated: a shape, no values (drawing them costs ~1 s there).
+    On the meta device the tensor is only allocated: a shape, no values (no random numbers are drawn).
     """
     device = torch.device(device) if device is not None else torch.get_default_device()
     if device.type == "meta":
@@ -60,7 +65,7 @@ class GLUFFN(nn.Module):
         self.act = activation_fn(activation)
         self.gate = init_weight((d, hidden), d, generator, device)
         self.up = init_weight((d, hidden), d, generator, device)
-        self.down = init_weight((hidden, d), hidden, generator, device)
+        self.down = residual_output(init_weight((hidden, d), hidden, generator, device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(x @ self.gate, x @ self.up) @ self.down
@@ -81,7 +86,7 @@ class RoutedExperts(nn.Module):
         self.act = activation_fn(activation)
         self.hidden, self.backend = hidden, backend
         self.gate_up = init_weight((n, d_in, 2 * hidden), d_in, generator, device)
-        self.down = init_weight((n, hidden, d_in), hidden, generator, device)
+        self.down = residual_output(init_weight((n, hidden, d_in), hidden, generator, device))
 
     @property
     def gate(self) -> torch.Tensor:
@@ -103,8 +108,7 @@ class RoutedExperts(nn.Module):
     def _expert_by_expert(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         """The loop path: each expert's whole FFN on its block before the next expert's, so the block's hidden
         activations [rows, 2h] are still in cache for the down projection, where two grouped passes write and
-        re-read all M rows of [M, 2h] (measured 2x faster with SwiGLU when blocks were slices; with the split
-        below, within ±15% of two passes on a busy 2-core CPU). The rows are split and the weights unbound once
+        re-read all M rows of [M, 2h]. The rows are split and the weights unbound once
         (:func:`~k3course.moe.dispatch.expert_blocks`) so that backward stays O(M)."""
         gate_up, down = self.gate_up.unbind(0), self.down.unbind(0)  # n views each
         blocks = []

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from k3course.ops.norm import rms_norm
+from k3course.ops.norm import NORM_EPS, rms_norm
 
 
 def latent_combine(expert_out: torch.Tensor, weights: torch.Tensor, up_proj: torch.Tensor, norm_weight: torch.Tensor,
-                   eps: float = 1e-6) -> torch.Tensor:
+                   eps: float = NORM_EPS) -> torch.Tensor:
     """The routed output of a latent MoE: RMSNorm(Σ_i p_ti E_i(z_t)) W↑.
 
     expert_out [m, k, ℓ] (slot i of token t holds E_{idx_ti}(z_t)), weights [m, k], up_proj [ℓ, d],

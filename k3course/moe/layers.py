@@ -16,12 +16,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3course.moe.balancing import quantile_balance_bias, router_z_loss, sign_rule_update, switch_aux_loss
+from k3course.moe.balancing import (
+    AUX_LOSS_WEIGHT,
+    SIGN_RULE_STEP,
+    quantile_balance_bias,
+    router_z_loss,
+    sign_rule_update,
+    switch_aux_loss,
+)
 from k3course.moe.dispatch import sort_by_expert, unsort
 from k3course.moe.experts import GLUFFN, RoutedExperts, init_weight
 from k3course.moe.latent import latent_combine
 from k3course.moe.routing import router_scores, topk_route
-from k3course.moe.stats import load_stats
+from k3course.moe.stats import load_statistics
+from k3course.ops.norm import NORM_EPS
+from k3course.params import no_weight_decay, residual_output
 
 BALANCING = ("quantile", "sign", "aux", None)
 ALIASES = {"aux_loss": "aux", "none": None}  # the spellings K3Config uses
@@ -59,8 +68,8 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, n_routed: int, top_k: int, n_shared: int = 0, d_expert: int | None = None,
                  d_latent: int | None = None, score_fn: str = "sigmoid", activation: str = "swiglu",
-                 route_scale: float = 1.0, balancing: str | None = "quantile", gamma: float = 1e-3,
-                 aux_alpha: float = 1e-2, renormalize: bool = True, eps: float = 1e-6,
+                 route_scale: float = 1.0, balancing: str | None = "quantile", gamma: float = SIGN_RULE_STEP,
+                 aux_alpha: float = AUX_LOSS_WEIGHT, renormalize: bool = True, eps: float = NORM_EPS,
                  generator: torch.Generator | None = None, backend: str = "auto",
                  device: torch.device | str | None = None):
         super().__init__()
@@ -85,8 +94,8 @@ class MoE(nn.Module):
         self.shared = GLUFFN(d_model, n_shared * d_expert, activation, generator, device) if n_shared else None
         if d_latent is not None:
             self.down_proj = init_weight((d_model, d_latent), d_model, generator, device)
-            self.up_proj = init_weight((d_latent, d_model), d_latent, generator, device)
-            self.latent_norm = nn.Parameter(torch.ones(d_latent, device=device))
+            self.up_proj = residual_output(init_weight((d_latent, d_model), d_latent, generator, device))
+            self.latent_norm = no_weight_decay(nn.Parameter(torch.ones(d_latent, device=device)))
         self.aux_loss = torch.zeros((), device=device)  # Switch loss of the last training forward (balancing="aux")
         self.z_loss = torch.zeros((), device=device)  # router z-loss of the last training forward
         self.register_buffer("recorded_load", torch.zeros(n_routed, dtype=torch.int64, device=device),
@@ -214,11 +223,11 @@ class MoE(nn.Module):
     def routing_stats(self) -> dict:
         """Load, max-violation and entropy of the routing recorded since the last update (all micro-batches).
 
-        {'load': [n] counts, 'max_violation': float, 'entropy': float, 'tokens': int}; see :func:`load_stats`.
+        {'load': [n] counts, 'max_violation': float, 'entropy': float, 'tokens': int}; see :func:`load_statistics`.
         """
         if self.recorded_tokens == 0:
             raise RuntimeError("routing_stats needs a forward in training mode since the last update_bias()")
-        return {**load_stats(self.recorded_load.clone()), "tokens": self.recorded_tokens}
+        return {**load_statistics(self.recorded_load.clone()), "tokens": self.recorded_tokens}
 
 
 class LatentMoE(MoE):

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from k3course.moe.balancing import expert_load, quantile_balance_bias, sign_rule_update, switch_aux_loss
+from k3course.moe.balancing import (
+    SIGN_RULE_STEP,
+    expert_load,
+    quantile_balance_bias,
+    sign_rule_update,
+    switch_aux_loss,
+)
 from k3course.moe.routing import topk_route
 from k3course.moe.stats import max_violation
 
@@ -59,7 +65,7 @@ class BalancingRun:
 
 
 def run_balancing(rule: str, steps: int, m: int = 4096, n_experts: int = 64, k: int = 4, skew: float = 1.0,
-                  gamma: float = 1e-3, lr: float = 1.0, seed: int = 0) -> BalancingRun:
+                  gamma: float = SIGN_RULE_STEP, lr: float = 1.0, seed: int = 0) -> BalancingRun:
     """Route ``steps`` fresh batches under ``rule`` ('quantile', 'sign', 'aux' or 'none'), recording each load.
 
     Step t routes batch t with the bias (or router) from steps < t, so step 0 is the unbalanced router.

@@ -1,4 +1,8 @@
-"""Routing statistics for plots: per-expert load, max-violation and entropy."""
+"""Statistics of an expert load, for plots and the training log: max-violation and entropy.
+
+One vocabulary: the *load* is the token-slot count per expert, [n] int64 (:func:`k3course.moe.expert_load` of
+one batch's expert_idx, or an MoE layer's record); :func:`load_statistics` summarises it.
+"""
 
 from __future__ import annotations
 
@@ -22,11 +26,6 @@ def load_entropy(load: torch.Tensor) -> float:
     return float(-(nonzero * nonzero.log()).sum() / math.log(load.numel()))
 
 
-def load_stats(load: torch.Tensor) -> dict:
-    """{'load': [n] counts, 'max_violation': float, 'entropy': float} from per-expert token-slot counts."""
+def load_statistics(load: torch.Tensor) -> dict:
+    """{'load': [n] counts, 'max_violation': float, 'entropy': float} of per-expert token-slot counts load [n]."""
     return {"load": load, "max_violation": max_violation(load), "entropy": load_entropy(load)}
-
-
-def routing_stats(expert_idx: torch.Tensor, n: int) -> dict:
-    """:func:`load_stats` of one batch of routing decisions expert_idx [m, k]."""
-    return load_stats(torch.bincount(expert_idx.reshape(-1), minlength=n))

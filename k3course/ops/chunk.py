@@ -34,17 +34,18 @@ import torch
 from k3course import debug
 from k3course.ops.checks import validate
 
-SUB_CHUNK = 8  # smallest block of the UT transform
-SCORE_SUB_CHUNK = 16  # most tokens per sub-chunk of the bounded-gate scores (fla's and the Triton kernel's 16)
+UT_BLOCK = 8  # the UT transform's smallest diagonal blocks, solved row by row
+SUB_CHUNK = 16  # most tokens per sub-chunk, whose decays are referenced to one token: the bounded-gate scores here,
+# the intra-chunk tiles of the Triton kernel (fla's 16)
 CHUNKS_PER_GROUP = 64  # chunks processed together: [64, 64, 64] float32 temporaries of 1 MB stay in the caches
 FACTOR_RANGE = 75.0  # largest exponent of a bounded-gate factor: e^75 ≈ 4e32, so even the masked (discarded) entries,
 # sums of 128 such products, stay below float32's largest number, e^88.7
 DECAY_FLOOR = -30.0  # decay exponents are raised to this: e^-30 ≈ 9e-14 of the largest weight (1), far below fp32's
 # resolution, and it keeps every factor and every product of two factors a normal float (subnormals, e^x for
-# x < −87, make exp 20× and matmuls 50× slower on x86 CPUs)
+# x < −87, make exp and matmuls many times slower on x86 CPUs)
 
 
-def _decay(exponent, like) -> torch.Tensor:
+def _decay_weight(exponent, like) -> torch.Tensor:
     """e^x for an exponent x ≤ 0 (a difference of cumulative log-decays) in ``like``'s dtype (x may be float64,
     see :func:`_chunk_group`), as e^{max(x, DECAY_FLOOR)}: that changes a weight by less than e^-30."""
     return exponent.to(like.dtype).clamp(min=DECAY_FLOOR).exp_()  # in place on the fresh clamped copy
@@ -59,7 +60,7 @@ def _pairwise_block(a, b, G, strict: bool) -> torch.Tensor:
     """Σ_d a_rd b_id e^{G_rd − G_id} for every pair in one block, causally masked, one weight per pair.
 
     a ``[n, ..., c, K]`` (n stacked left operands), b, G ``[..., c, K]`` -> ``[n, ..., c, c]``."""
-    weights = _decay((G.unsqueeze(-2) - G.unsqueeze(-3)).clamp(max=0.0), b)  # [..., c(r), c(i), K]: e^{G_r − G_i}
+    weights = _decay_weight((G.unsqueeze(-2) - G.unsqueeze(-3)).clamp(max=0.0), b)  # [.., c(r), c(i), K]: e^{G_r − G_i}
     scores = (a.unsqueeze(-2) * b.unsqueeze(-3) * weights).sum(-1)
     return scores * _causal_mask(G.shape[-2], strict, scores)
 
@@ -75,8 +76,8 @@ def _off_diagonal_tiles(a, b, G, s: int) -> torch.Tensor:
     b_earlier = b.reshape(L, blocks, 2, s, K).unbind(2)[0]
     G_earlier, G_later = G.reshape(L, blocks, 2, s, G.shape[-1]).unbind(2)
     ref = G_later[:, :, :1]  # [L, blocks, 1, K]: the tile's first row
-    rows = a_later * _decay(G_later - ref, b)  # [n, L, blocks, s, K]
-    cols = b_earlier * _decay(ref - G_earlier, b)  # [L, blocks, s, K]
+    rows = a_later * _decay_weight(G_later - ref, b)  # [n, L, blocks, s, K]
+    cols = b_earlier * _decay_weight(ref - G_earlier, b)  # [L, blocks, s, K]
     rows = rows.permute(1, 2, 0, 3, 4).reshape(L * blocks, n * s, K)  # the n operands share one product
     tiles = torch.bmm(rows, cols.reshape(L * blocks, s, K).mT.contiguous())  # [L·blocks, n·s, s]
     return tiles.view(L, blocks, n, s, s).permute(2, 0, 1, 3, 4)
@@ -116,9 +117,9 @@ def _channel_scores(a, b, G, strict: bool) -> torch.Tensor:
 
 
 def _bounded_sub_chunk(lower_bound: float, C: int) -> int:
-    """Tokens per sub-chunk of :func:`_bounded_scores`: the largest S ≤ ``SCORE_SUB_CHUNK`` (halving) with
+    """Tokens per sub-chunk of :func:`_bounded_scores`: the largest S ≤ ``SUB_CHUNK`` (halving) with
     (S − 1)·|lower_bound| ≤ ``FACTOR_RANGE``, so that no factor exceeds e^``FACTOR_RANGE``; at most C."""
-    size = SCORE_SUB_CHUNK
+    size = SUB_CHUNK
     while size > 1 and (size - 1) * -lower_bound > FACTOR_RANGE:
         size //= 2
     return min(size, C)
@@ -168,7 +169,7 @@ def _scalar_scores(a, b, G, strict: bool) -> torch.Tensor:
     ``[C, C]`` matrix, exact for any g ≤ 0. a ``[n, L, C, K]``, b ``[L, C, K]`` -> ``[n, L, C, C]``."""
     n, L, C, K = a.shape
     products = torch.bmm(a.transpose(0, 1).reshape(L, n * C, K), b.mT)  # [L, n·C, C], the n operands at once
-    weights = _decay((G - G.mT).clamp(max=0.0), b) * _causal_mask(C, strict, b)  # [L, C, C]; masked: 1 * 0
+    weights = _decay_weight((G - G.mT).clamp(max=0.0), b) * _causal_mask(C, strict, b)  # [L, C, C]; masked: 1 * 0
     return products.view(L, n, C, C).transpose(0, 1) * weights
 
 
@@ -202,12 +203,12 @@ def decayed_scores(a, b, G, strict: bool, lower_bound: float | None = None):
 def _unit_lower_inverse(A) -> torch.Tensor:
     """(I + A)^{-1} for strictly lower A ``[..., c, c]``, by forward substitution.
 
-    Up to ``SUB_CHUNK`` rows (or c odd), row by row: X_r = e_r − Σ_{i<r} A_ri X_i. Larger, in two block rows:
+    Up to ``UT_BLOCK`` rows (or c odd), row by row: X_r = e_r − Σ_{i<r} A_ri X_i. Larger, in two block rows:
     X_1 = (I + A_11)^{-1} and X_2 = (I + A_22)^{-1} (both diagonal blocks at once, the same way), then the
     second block row's substitution X_21 = −X_2 A_21 X_1, so X = [[X_1, 0], [X_21, X_2]].
     """
     c = A.shape[-1]
-    if c > SUB_CHUNK and c % 2 == 0:
+    if c > UT_BLOCK and c % 2 == 0:
         h = c // 2
         X_1, X_2 = _unit_lower_inverse(torch.stack([A[..., :h, :h], A[..., h:, h:]]))
         X_21 = -(X_2 @ A[..., h:, :h] @ X_1)
@@ -222,8 +223,8 @@ def _unit_lower_inverse(A) -> torch.Tensor:
 def ut_transform(A_kk, beta) -> torch.Tensor:
     """M = (I + A_kk)^{-1} Diag(β) by forward substitution. A_kk ``[..., C, C]`` strictly lower, beta ``[..., C]``.
 
-    Blockwise, to keep the loop short (see :func:`_unit_lower_inverse`): halves, quarters, … down to 8×8
-    diagonal blocks, all blocks of one size at once, each solved row by row."""
+    Blockwise, to keep the loop short (see :func:`_unit_lower_inverse`): halves, quarters, … down to
+    ``UT_BLOCK`` × ``UT_BLOCK`` diagonal blocks, all blocks of one size at once, each solved row by row."""
     return _unit_lower_inverse(A_kk) * beta.unsqueeze(-2)
 
 
@@ -271,8 +272,8 @@ def _pass_states(W, U, k, G, state):
     chunk ``[..., N, K, V]``, Ṽ ``[..., N, C, V]`` and the final state ``[..., K, V]``."""
     leading = state.shape[:-2]
     as_batch = (lambda x: None if x is None else x.reshape(-1, *x.shape[-3:]))  # [L, N, ·, ·]
-    decay_to_end = as_batch(_decay(G[..., -1:, :], k).mT)  # Γ_C, [L, N, K, 1] (or [L, N, 1, 1])
-    k_to_end = as_batch((k * _decay(G[..., -1:, :] - G, k)).mT)  # K̃ᵀ, [L, N, K, C]
+    decay_to_end = as_batch(_decay_weight(G[..., -1:, :], k).mT)  # Γ_C, [L, N, K, 1] (or [L, N, 1, 1])
+    k_to_end = as_batch((k * _decay_weight(G[..., -1:, :] - G, k)).mT)  # K̃ᵀ, [L, N, K, C]
     W, U, state = as_batch(W), as_batch(U), state.reshape(-1, *state.shape[-2:])
     entering, corrected = [], []
     for n, (chunk_decay, chunk_keys) in enumerate(zip(decay_to_end.unbind(1), k_to_end.unbind(1))):
@@ -301,7 +302,7 @@ def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
         g = g.clamp(min=lower_bound)  # the guarantee, enforced: a step below L would overflow a factor
     G = g.double().cumsum(-2)  # step 1, inclusive; float64 (see above)
     q, k, v, G, beta = (chunks(x) for x in (q, k, v, G, beta))
-    decay = _decay(G, q)  # Γ = e^G ≤ 1
+    decay = _decay_weight(G, q)  # Γ = e^G ≤ 1
     if beta is None:  # GLA: no delta steps, Ṽ = V
         W, U, A_qk = None, v, decayed_scores(q, k, G, strict=False, lower_bound=lower_bound)
     else:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+NORM_EPS = 1e-6  # ε of every RMSNorm in the model (and of Block AttnRes's key norm)
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = NORM_EPS) -> torch.Tensor:
     """RMSNorm(x) = x / sqrt(mean(x²) + eps) ⊙ weight over the last axis, computed in fp32 (fp64 stays fp64),
     returned in x.dtype."""
     if weight.shape != x.shape[-1:]:

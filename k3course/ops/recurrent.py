@@ -28,7 +28,7 @@ def _outer(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return k.unsqueeze(-1) * v.unsqueeze(-2)
 
 
-def _decay(state: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _decay_state(state: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Diag(e^g) S with g ``[B, H]`` (one rate per head) or ``[B, H, K]`` (one rate per key channel)."""
     alpha = g.exp()
     alpha = alpha[..., None, None] if g.dim() == 2 else alpha[..., None]
@@ -40,7 +40,7 @@ def decay_step(state, q, k, v, g):
 
     g = 0 is plain linear attention; g ``[B, H]`` is a scalar gate per head, ``[B, H, K]`` is GLA.
     """
-    state = _decay(state, g) + _outer(k, v)
+    state = _decay_state(state, g) + _outer(k, v)
     return _read(state, q), state
 
 
@@ -56,7 +56,7 @@ def delta_step(state, q, k, v, beta):
 
 def gdn_step(state, q, k, v, g, beta):
     """Gated DeltaNet, one token: S_t = e^{g_t} (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ, g ``[B, H]``."""
-    return delta_step(_decay(state, g), q, k, v, beta)
+    return delta_step(_decay_state(state, g), q, k, v, beta)
 
 
 def kda_step(state, q, k, v, g, beta):
@@ -64,7 +64,7 @@ def kda_step(state, q, k, v, g, beta):
 
     Decay first, then the delta correction against the decayed state.
     """
-    return delta_step(_decay(state, g), q, k, v, beta)
+    return delta_step(_decay_state(state, g), q, k, v, beta)
 
 
 def _run(step, q, k, v, gates: tuple, scale, initial_state, output_final_state):

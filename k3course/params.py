@@ -1,0 +1,50 @@
+"""What a parameter is, marked where its layer creates it (floor 0, a leaf).
+
+:class:`k3course.model.K3Model` initialises and groups its parameters by these marks, never by their names
+(as fla marks ``A_log`` and ``dt_bias`` with ``_no_weight_decay``):
+
+    no_weight_decay(p)    p keeps the values its layer gives it and gets no weight decay: norm gains, biases,
+                          gate rates (A_log, dt_bias), convolution taps, AttnRes queries
+    residual_output(p)    p is the last map of a sub-layer, which writes into the residual stream: initialised
+                          N(0, (σ/√(2L))²) instead of N(0, σ²), and decayed
+
+Every unmarked parameter is a projection (a matrix mapping activations): initialised N(0, σ²), and decayed.
+A mark is an attribute of the ``nn.Parameter`` object: ``module.to(...)``, ``load_state_dict`` and pickling keep
+it; ``copy.deepcopy`` does not (torch's ``Parameter.__deepcopy__`` copies the data only).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def no_weight_decay(param: nn.Parameter) -> nn.Parameter:
+    """Mark ``param`` as keeping its layer's initial values, without weight decay; returns it."""
+    _check_unmarked(param, "_residual_output")
+    param._no_weight_decay = True
+    return param
+
+
+def residual_output(param: nn.Parameter) -> nn.Parameter:
+    """Mark ``param`` as the last map of a sub-layer (the scaled initialisation); returns it."""
+    _check_unmarked(param, "_no_weight_decay")
+    param._residual_output = True
+    return param
+
+
+def is_decayed(param: nn.Parameter) -> bool:
+    """True unless ``param`` is marked :func:`no_weight_decay`."""
+    return not getattr(param, "_no_weight_decay", False)
+
+
+def is_residual_output(param: nn.Parameter) -> bool:
+    """True when ``param`` is marked :func:`residual_output`."""
+    return getattr(param, "_residual_output", False)
+
+
+def _check_unmarked(param, other_mark: str) -> None:
+    """An nn.Parameter without the other, contradicting mark (a residual output is decayed)."""
+    if not isinstance(param, nn.Parameter):
+        raise TypeError(f"param must be an nn.Parameter, got {type(param).__name__}")
+    if getattr(param, other_mark, False):
+        raise ValueError(f"param is already marked {other_mark.strip('_')}: a residual output is decayed")

@@ -9,8 +9,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "k3course"
 
 # floor -> the units on it (a unit is a top-level module or a sub-package of k3course)
@@ -62,8 +60,9 @@ def imports_of(module: str, source: str) -> set[str]:
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if node.level:  # a relative import: climb node.level - 1 packages from this one
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
             found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names}
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES:
             found.add(node.value)

@@ -211,7 +211,7 @@ def test_one_train_step_on_two_ranks_matches_one_process_on_the_concatenated_bat
     import dataclasses
 
     from k3course.config import K3Config
-    from k3course.lessons.ep_workers import train_steps
+    from k3course.lessons.ep_workers import expert_parallel_steps
     from k3course.train import TrainConfig, build_model, make_optimizer, train_step
 
     model_config = dataclasses.replace(K3Config.preset("tiny"), balancing="sign")  # the sign rule is exact
@@ -222,7 +222,7 @@ def test_one_train_step_on_two_ranks_matches_one_process_on_the_concatenated_bat
     tokens = torch.randint(0, 256, (10, 2, 4, 17), generator=torch.Generator().manual_seed(0))
     batches = [[(window[:, :-1], window[:, 1:]) for window in step] for step in tokens]
     case = {"model": model_config, "train": train_config, "batches": batches, "dtype": torch.float64}
-    ranks = run_ranks(train_steps, 2, case, timeout_s=240)
+    ranks = run_ranks(expert_parallel_steps, 2, case, timeout_s=240)
     model = build_model(model_config, train_config.seed).double()
     optimizer, scheduler = make_optimizer(model, train_config)
     for step in range(train_config.steps):

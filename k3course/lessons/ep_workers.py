@@ -96,7 +96,7 @@ def failing(rank: int, world_size: int, how: str) -> None:
     dist.all_reduce(torch.ones(1))
 
 
-def train_steps(rank: int, world_size: int, case: dict) -> dict:
+def expert_parallel_steps(rank: int, world_size: int, case: dict) -> dict:
     """``case["train"].steps`` calls of :func:`k3course.train.train_step` on a K3Model preset with expert-parallel
     experts, on ``case["batches"]``, each rank reading its 1/P of every micro-batch, the model in
     ``case["dtype"]`` (default float32). Returns the per-step records and the gathered single-process state dict."""

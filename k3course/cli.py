@@ -84,11 +84,11 @@ def _train(args) -> int:
 
 
 def _train_expert_parallel(args) -> int:
-    from k3course.distributed.training import train_expert_parallel
+    from k3course.train import train_expert_parallel
 
     if args.resume or args.device != "cpu":
         print("--ep runs P local gloo processes on the CPU from scratch (no --resume, no --device; on GPUs use "
-              "torchrun --standalone -m k3course.distributed.training)", file=sys.stderr)
+              "torchrun --standalone -m k3course.train)", file=sys.stderr)
         return 2
     try:
         summary = train_expert_parallel(args.preset, args.ep, args.steps, args.out)

@@ -15,6 +15,12 @@ The learning rate is lr · f(step) with a linear warmup and a cosine decay to ``
 Micro-batch j of step s is window batch number s·A + j of the seeded stream (:func:`k3course.data.batch_at`),
 so the data position is a function of the step: a run resumed from a checkpoint (weights, optimizer,
 scheduler, RNG, step) continues exactly as if it had never stopped. Bits per byte = loss / ln 2.
+
+The same step runs on P ranks when the model's experts are expert-parallel
+(:func:`k3course.distributed.parallelize_experts`): each rank reads its 1/P of every micro-batch, and the
+gradients are averaged over the ranks and clipped by the norm of the whole gradient
+(:mod:`k3course.distributed.data_parallel`), so the step is the one-process step on the concatenated batch.
+``k3course train --ep P`` spawns P local ranks; ``python -m k3course.train`` is one rank under torchrun.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from k3course import checkpoint, data
+from k3course import checkpoint, data, distributed
 from k3course.config import K3Config
 
 LN2 = math.log(2)
@@ -118,7 +124,8 @@ def make_optimizer(model: torch.nn.Module, train: TrainConfig) -> tuple[torch.op
 
 
 def balance_experts(model: torch.nn.Module) -> dict:
-    """Routing statistics of every MoE layer over the micro-batches since the last call, then ``update_bias()``.
+    """Routing statistics of every MoE layer over the micro-batches since the last call, then ``update_bias()``
+    (with expert-parallel experts both pool all ranks' routing: collectives).
 
     Returns {"max_violation": the worst layer's max_j load_j / mean load − 1, "max_violation_per_layer": [...]}.
     """
@@ -132,22 +139,29 @@ def balance_experts(model: torch.nn.Module) -> dict:
 def train_step(model: torch.nn.Module, optimizer, scheduler, micro_batches, grad_clip: float) -> dict:
     """One optimizer step over ``micro_batches`` [(inputs [B, T], targets [B, T]), ...]; see the module docstring.
 
+    With expert-parallel experts every rank calls it together with its own shard of each micro-batch: the
+    gradients are then averaged over the ranks and clipped by the global norm, the loss averaged over the
+    ranks, and the balancing statistics pooled, so every rank gets the one-process numbers of the whole batch.
     Returns {"loss": mean micro-batch loss, "lr": the rate this step used, "grad_norm": ‖g‖₂ before clipping,
     "max_violation", "max_violation_per_layer"}.
     """
     model.train()
-    total = torch.zeros((), dtype=torch.float64)  # the reported loss is summed in float64, as on the EP ranks
+    total = torch.zeros((), dtype=torch.float64)  # the reported loss is summed in float64
     for inputs, targets in micro_batches:
         _, loss, _ = model(inputs, targets=targets)
         (loss / len(micro_batches)).backward()
         total += loss.detach().double().cpu()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if distributed.expert_parallel_layers(model):  # P ranks: everything but the routed experts is data-parallel
+        distributed.average_gradients(model)
+        grad_norm = distributed.clip_global_grad_norm(model, grad_clip)
+        total = distributed.average_over_ranks(total, model)
+    else:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": total.item() / len(micro_batches), "lr": lr, "grad_norm": float(grad_norm),
-            **balance_experts(model)}
+    return {"loss": total.item() / len(micro_batches), "lr": lr, "grad_norm": grad_norm, **balance_experts(model)}
 
 
 @torch.no_grad()
@@ -217,6 +231,11 @@ def _micro_batches(tokens, step: int, train: TrainConfig, device) -> list[tuple[
     batches = [data.batch_at(tokens, first + j, train.batch_size, train.seq_len, train.seed)
                for j in range(train.grad_accum)]
     return [(inputs.to(device), targets.to(device)) for inputs, targets in batches]
+
+
+def rank_shards(micro_batches, rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s 1/P of the rows of every micro-batch [(inputs [B, T], targets [B, T]), ...]."""
+    return [(inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]) for inputs, targets in micro_batches]
 
 
 class _Metrics:
@@ -366,7 +385,92 @@ def generate_command(checkpoint_path: Path | str, prompt: str, max_new_tokens: i
     return generate_text(model, prompt, max_new_tokens, temperature, top_k, seed)
 
 
-if __name__ == "__main__":  # torchrun --nproc-per-node P -m k3course.train --ep P ...: one expert-parallel rank
-    from k3course.distributed.training import main
+# --- expert-parallel runs (k3course train --ep P, torchrun) --------------------------------------------
 
+def train_ranks(rank: int, world_size: int, preset_name: str, steps: int | None, out: str,
+                device: torch.device | str = "cpu") -> list[dict]:
+    """One rank of an expert-parallel run of the preset: :func:`train_step` with the MoE layers' experts spread
+    over the ranks, each rank reading its 1/P of every micro-batch of the one-process run. Rank 0 writes
+    metrics.jsonl after every step and, at the end, one single-process checkpoint (weights and optimizer
+    gathered) that ``k3course generate`` and a one-process ``--resume`` can load. Returns the per-step records."""
+    model_config, train_config = train_preset(preset_name)
+    if steps is not None:
+        train_config = train_config.replace(steps=steps)
+    if train_config.batch_size % world_size:
+        raise ValueError(f"--ep {world_size} must divide the preset's batch_size {train_config.batch_size}")
+    corpus = data.stdlib_corpus()
+    model = distributed.parallelize_experts(build_model(model_config, train_config.seed, device))
+    optimizer, scheduler = make_optimizer(model, train_config)
+    out = Path(out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics = _Metrics(out, keep_until=0)
+    records = []
+    for step in range(train_config.steps):
+        shards = rank_shards(_micro_batches(corpus.train, step, train_config, device), rank, world_size)
+        records.append({"step": step + 1, **train_step(model, optimizer, scheduler, shards, train_config.grad_clip)})
+        if rank == 0:
+            metrics.write(records[-1])
+    weights = distributed.gather_state_dict(model)
+    optimizer_state = distributed.gather_optimizer_state(model, optimizer)
+    if rank == 0:
+        single = build_model(model_config, train_config.seed)
+        single.load_state_dict(weights)
+        single_optimizer, single_scheduler = make_optimizer(single, train_config)
+        single_optimizer.load_state_dict(optimizer_state)
+        single_scheduler.load_state_dict(scheduler.state_dict())
+        config = {"model": dataclasses.asdict(model_config), "train": dataclasses.asdict(train_config)}
+        checkpoint.save_checkpoint(out, train_config.steps, single, single_optimizer, single_scheduler, config)
+    return records
+
+
+def train_expert_parallel(preset_name: str, world_size: int, steps: int | None = None, out=None) -> dict:
+    """``k3course train --ep P``: spawn P local gloo ranks running :func:`train_ranks`; returns a summary.
+
+    The corpus cache is built here first (the ranks then only memory-map it); ``out`` must hold no checkpoint.
+    """
+    out = Path(out) if out is not None else Path("runs") / f"{preset_name}-ep{world_size}"
+    if checkpoint.latest_checkpoint(out) is not None:
+        raise ValueError(f"out: {out} already holds checkpoints (expert-parallel runs do not resume)")
+    data.stdlib_corpus()
+    records = distributed.run_ranks(train_ranks, world_size, preset_name, steps, str(out),
+                                    timeout_s=7 * 24 * 3600)[0]
+    return {"out": str(out), "step": records[-1]["step"], "loss": records[-1]["loss"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``torchrun --standalone --nproc-per-node P -m k3course.train --ep P --preset tiny [--steps N]``: one rank
+    of an expert-parallel run (gloo on CPU; NCCL with rank r on GPU r when every rank has a GPU); ``--out DIR``
+    as in ``k3course train``."""
+    import argparse
+    import os
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(prog="python -m k3course.train", description=main.__doc__)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (must equal torchrun's P)")
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        parser.error("run me under torchrun (or use `k3course train --ep P`, which spawns the ranks itself)")
+    world_size = int(os.environ["WORLD_SIZE"])
+    if args.ep is not None and args.ep != world_size:
+        parser.error(f"--ep {args.ep} must equal torchrun's --nproc-per-node ({world_size})")
+    device = "cpu"
+    if torch.cuda.device_count() >= world_size:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl")
+    rank = dist.get_rank()
+    out = args.out or f"runs/{args.preset}-ep{world_size}"
+    records = train_ranks(rank, world_size, args.preset, args.steps, out, device)
+    if rank == 0:
+        print(f"step {records[-1]['step']}: loss {records[-1]['loss']:.4f}; checkpoint and metrics.jsonl in {out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node P -m k3course.train --ep P ...: one expert-parallel rank
     raise SystemExit(main())

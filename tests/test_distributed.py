@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from k3course.distributed import (
-    ExpertParallelMoE,
     RankFailed,
     combine,
     dispatch_permutation,
     expert_ranges,
     inverse_permutation,
+    parallelize_experts,
     run_ranks,
     split_sizes,
     traffic_bytes,
@@ -70,6 +70,30 @@ def test_forward_and_gradients_equal_one_process(world):
                     assert _relative(r["grads"][name], param.grad[start:end]) <= 1e-5, (case, name)
             else:  # replicated: the sum of the ranks' contributions (the all-reduce)
                 assert _relative(sum(r["grads"][name] for r in got), param.grad) <= 1e-5, (case, name)
+
+
+def test_the_parallel_layer_keeps_the_plain_layers_names_with_its_block_of_experts(world):
+    P, cases, results = world
+    for index, case in enumerate(cases[:4]):
+        plain = build_layer(case)
+        assert [name for name, _ in plain.named_parameters()] == list(results[0][index]["grads"])
+        for r in (rank_results[index] for rank_results in results):
+            start, end = r["local_expert_range"]
+            assert list(r["shapes"]) == list(plain.state_dict()), case
+            for name, tensor in plain.state_dict().items():
+                block = (end - start, *tensor.shape[1:]) if name.startswith("experts.") else tuple(tensor.shape)
+                assert r["shapes"][name] == block, (case, name)
+
+
+def test_routing_stats_pool_the_ranks_into_the_one_process_statistics(world):
+    P, cases, results = world
+    for index, case in enumerate(cases[:4]):
+        _, layer = _single_process(case)
+        want = layer.routing_stats()
+        for r in (rank_results[index] for rank_results in results):
+            got = r["routing"]
+            assert torch.equal(got["load"], want["load"]) and got["tokens"] == want["tokens"], case
+            assert got["max_violation"] == want["max_violation"] and got["entropy"] == want["entropy"], case
 
 
 def test_a_rank_with_zero_tokens_and_uneven_loads(world):
@@ -156,7 +180,9 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="world_size"):
         expert_ranges(4, 5)
     with pytest.raises(RuntimeError, match="init_process_group"):
-        ExpertParallelMoE.from_moe(MoE(8, 4, 2))
+        parallelize_experts(MoE(8, 4, 2))
+    with pytest.raises(TypeError, match="module must be or contain an MoE"):
+        parallelize_experts(torch.nn.Linear(8, 8))
     with pytest.raises(ValueError, match="world_size"):
         run_ranks(failing, 0, "raise")
 
@@ -181,11 +207,11 @@ def test_bench_ep_prints_bandwidths_and_ratios(capsys):
     assert 0 < ratio < 100
 
 
-def test_expert_parallel_training_matches_one_process_on_the_concatenated_batch():
+def test_one_train_step_on_two_ranks_matches_one_process_on_the_concatenated_batch():
     import dataclasses
 
     from k3course.config import K3Config
-    from k3course.lessons.ep_workers import train_steps
+    from k3course.lessons.ep_workers import expert_parallel_steps
     from k3course.train import TrainConfig, build_model, make_optimizer, train_step
 
     model_config = dataclasses.replace(K3Config.preset("tiny"), balancing="sign")  # the sign rule is exact
@@ -196,20 +222,29 @@ def test_expert_parallel_training_matches_one_process_on_the_concatenated_batch(
     tokens = torch.randint(0, 256, (10, 2, 4, 17), generator=torch.Generator().manual_seed(0))
     batches = [[(window[:, :-1], window[:, 1:]) for window in step] for step in tokens]
     case = {"model": model_config, "train": train_config, "batches": batches, "dtype": torch.float64}
-    ranks = run_ranks(train_steps, 2, case, timeout_s=240)
+    ranks = run_ranks(expert_parallel_steps, 2, case, timeout_s=240)
     model = build_model(model_config, train_config.seed).double()
     optimizer, scheduler = make_optimizer(model, train_config)
     for step in range(train_config.steps):
         want = train_step(model, optimizer, scheduler, batches[step], train_config.grad_clip)
         for rank in ranks:
             got = rank["records"][step]
+            assert set(got) == set(want), step
             assert abs(got["loss"] - want["loss"]) <= 1e-9 * abs(want["loss"]), step  # both sum it in float64
             assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-9 * want["grad_norm"], step
+            assert got["lr"] == want["lr"], step
+            # the pooled integer loads are the one-process loads: max-violations equal to the last bit
+            assert got["max_violation_per_layer"] == want["max_violation_per_layer"], step
+            assert got["max_violation"] == want["max_violation"] > 0, step
     assert set(ranks[0]["state"]) == set(model.state_dict())  # the gathered state dict is the single-process one
     for name, tensor in model.state_dict().items():
         for rank in ranks:
             assert rank["state"][name].dtype == tensor.dtype, name
             assert torch.allclose(rank["state"][name], tensor, rtol=1e-9, atol=1e-10), name
+    biases = [name for name in model.state_dict() if name.endswith("ffn.bias")]
+    assert biases and all(model.state_dict()[name].abs().sum() > 0 for name in biases)  # the rule moved them
+    assert all(torch.equal(rank["state"][name], model.state_dict()[name]) for name in biases
+                          for rank in ranks)  # the sign rule on equal loads: the same biases
 
 
 def test_train_ep_writes_a_one_process_checkpoint_with_the_one_process_first_loss(tmp_path):

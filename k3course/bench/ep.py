@@ -21,20 +21,20 @@ import torch
 import torch.distributed as dist
 
 from k3course.bench import best_seconds
-from k3course.distributed import ExpertParallelMoE, exchange_counts, run_ranks, split_sizes
+from k3course.distributed import exchange_counts, parallelize_experts, run_ranks, split_sizes
 from k3course.moe import LatentMoE, MoE
 
 
-def _layer(opts: dict) -> MoE:
+def _layer(opts: argparse.Namespace) -> MoE:
     generator = torch.Generator().manual_seed(0)
-    if opts["latent"]:
-        return LatentMoE(opts["d"], opts["n"], opts["k"], d_expert=opts["d_expert"], d_latent=opts["latent"],
+    if opts.latent:
+        return LatentMoE(opts.d, opts.n, opts.k, d_expert=opts.d_expert, d_latent=opts.latent,
                          generator=generator).eval()
-    return MoE(opts["d"], opts["n"], opts["k"], d_expert=opts["d_expert"], generator=generator).eval()
+    return MoE(opts.d, opts.n, opts.k, d_expert=opts.d_expert, generator=generator).eval()
 
 
-def _tokens(opts: dict) -> torch.Tensor:
-    return torch.randn(opts["m"], opts["d"], generator=torch.Generator().manual_seed(1))
+def _tokens(opts: argparse.Namespace) -> torch.Tensor:
+    return torch.randn(opts.m, opts.d, generator=torch.Generator().manual_seed(1))
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
@@ -45,30 +45,31 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return best_seconds(call, repeats, device)
 
 
-def rank_timings(rank: int, world_size: int, opts: dict) -> dict:
+def rank_timings(rank: int, world_size: int, opts: argparse.Namespace) -> dict:
     """On one rank: best layer, exchange and raw all-to-all seconds, and the payload bytes moved between ranks."""
-    device = torch.device("cuda", rank) if opts["backend"] == "nccl" else torch.device("cpu")
-    layer = ExpertParallelMoE.from_moe(_layer(opts), dedup=opts["dedup"]).to(device)
-    layer.time_exchanges = True
+    device = torch.device("cuda", rank) if opts.backend == "nccl" else torch.device("cpu")
+    layer = parallelize_experts(_layer(opts), dedup=opts.dedup).to(device)
+    dispatcher = layer.dispatcher
+    dispatcher.time_exchanges = True
     x = _tokens(opts).chunk(world_size)[rank].to(device)
     exchange = []
     with torch.no_grad():
         def forward():
             layer(x)
-            exchange.append(layer.last_exchange_seconds)
-        layer_seconds = _timed(forward, device, opts["repeats"])
+            exchange.append(dispatcher.last_exchange_seconds)
+        layer_seconds = _timed(forward, device, opts.repeats)
         _, _, expert_idx, _ = layer.route(x)
-    payload = layer.last_traffic["dispatch"] + layer.last_traffic["combine"]
-    send = split_sizes(expert_idx, opts["n"], world_size)
+    payload = dispatcher.last_traffic["dispatch"] + dispatcher.last_traffic["combine"]
+    send = split_sizes(expert_idx, opts.n, world_size)
     recv = exchange_counts(send, [1] * world_size, [1] * world_size).tolist()
     send = send.tolist()
-    width = opts["latent"] or opts["d"]
+    width = opts.latent or opts.d
     sent, received = torch.randn(sum(send), width, device=device), torch.empty(sum(recv), width, device=device)
 
     def raw():
         dist.all_to_all_single(received, sent, recv, send)
         dist.all_to_all_single(sent, received, send, recv)
-    raw_seconds = _timed(raw, device, opts["repeats"])
+    raw_seconds = _timed(raw, device, opts.repeats)
     return {"layer": layer_seconds, "exchange": min(exchange), "raw": raw_seconds, "bytes": payload}
 
 
@@ -89,10 +90,9 @@ def _options(options: list[str]) -> argparse.Namespace:
 
 def main(options: list[str]) -> int:
     args = _options(options)
-    opts = vars(args)
     torch.set_num_threads(1)
     device = torch.device("cuda") if args.backend == "nccl" else torch.device("cpu")
-    layer, x = _layer(opts).to(device), _tokens(opts).to(device)
+    layer, x = _layer(args).to(device), _tokens(args).to(device)
     with torch.no_grad():
         one_process = best_seconds(lambda: layer(x), args.repeats, device)
     kind = f"latent MoE (ℓ = {args.latent})" if args.latent else "MoE (full width)"
@@ -100,7 +100,7 @@ def main(options: list[str]) -> int:
           f"d_expert={args.d_expert}, fp32, dedup={args.dedup}, one thread per process")
     print(f"one process, all {args.m} tokens: {one_process * 1e3:.2f} ms")
     for world_size in args.ranks:
-        ranks = run_ranks(rank_timings, world_size, opts, timeout_s=600, backend=args.backend)
+        ranks = run_ranks(rank_timings, world_size, args, timeout_s=600, backend=args.backend)
         moved = sum(r["bytes"] for r in ranks)
         slowest = {key: max(r[key] for r in ranks) for key in ("layer", "exchange", "raw")}
         layer_bw, raw_bw = moved / slowest["exchange"], moved / slowest["raw"]

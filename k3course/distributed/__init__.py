@@ -1,7 +1,15 @@
-"""Expert parallelism over torch.distributed (chapter 13): dispatch and combine by all-to-all, balancing and
-training across ranks."""
+"""Expert parallelism over torch.distributed (chapter 13): dispatch and combine by all-to-all around each MoE's
+own expert bank, balancing statistics pooled over ranks, and the data-parallel rest of a training step."""
 
-from k3course.distributed.ep import ExpertParallelMoE
+from k3course.distributed.data_parallel import (
+    average_gradients,
+    average_over_ranks,
+    clip_global_grad_norm,
+    expert_group,
+    gather_optimizer_state,
+    gather_state_dict,
+)
+from k3course.distributed.ep import AllToAllDispatch, expert_parallel_layers, keep_experts, parallelize_experts
 from k3course.distributed.exchange import all_to_all, exchange, exchange_counts
 from k3course.distributed.launch import RankFailed, run_ranks
 from k3course.distributed.plan import (
@@ -15,6 +23,8 @@ from k3course.distributed.plan import (
     traffic_bytes,
 )
 
-__all__ = ["ExpertParallelMoE", "RankFailed", "all_to_all", "combine", "dedup_pairs", "dispatch_permutation",
-           "exchange", "exchange_counts", "expert_ranges", "inverse_permutation", "rank_of_expert", "run_ranks",
+__all__ = ["AllToAllDispatch", "RankFailed", "all_to_all", "average_gradients", "average_over_ranks",
+           "clip_global_grad_norm", "combine", "dedup_pairs", "dispatch_permutation", "exchange", "exchange_counts",
+           "expert_group", "expert_parallel_layers", "expert_ranges", "gather_optimizer_state", "gather_state_dict",
+           "inverse_permutation", "keep_experts", "parallelize_experts", "rank_of_expert", "run_ranks",
            "split_sizes", "traffic_bytes"]

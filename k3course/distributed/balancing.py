@@ -3,7 +3,8 @@
 quantile (K3): each rank's margins s_tj − α_t are histogrammed per expert over edges all ranks agree on
 (from the all-reduced min and max), the histograms are summed, and b̂_j = −(the (q+1)-th largest margin of
 expert j) is read off the pooled histogram with q = ⌊m k / n⌋, m the tokens of all ranks.
-sign rule (DeepSeek-V3): b ← b − γ sign(load − mean load) with load summed over the ranks.
+sign rule (DeepSeek-V3): b ← b − γ sign(load − mean load) with load summed over the ranks
+(:meth:`k3course.distributed.AllToAllDispatch.pool_counts`).
 Integer counts are summed exactly and the edges are the same floats everywhere, so the biases are identical.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from k3course.moe.balancing import bias_from_histogram, margin_histogram, margin_range
+from k3course.moe.balancing import HISTOGRAM_BINS, bias_from_histogram, margin_histogram, margin_range
 
 
 def pooled_margin_edges(scores: torch.Tensor, bias: torch.Tensor, k: int, bins: int, group=None) -> torch.Tensor:
@@ -24,7 +25,8 @@ def pooled_margin_edges(scores: torch.Tensor, bias: torch.Tensor, k: int, bins: 
                           device=scores.device)
 
 
-def pooled_quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, bins: int = 256, group=None) -> torch.Tensor:
+def pooled_quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, bins: int = HISTOGRAM_BINS,
+                         group=None) -> torch.Tensor:
     """Quantile balancing on the tokens of all ranks: scores [m_r, n] (this rank's), bias [n] -> new bias [n].
 
     Equal on every rank, and within one bin width of the exact quantile step on the concatenated scores.
@@ -38,9 +40,3 @@ def pooled_quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, bins:
     dist.all_reduce(tokens, group=group)
     return bias_from_histogram(counts, edges, int(tokens) * k // scores.shape[1]).to(bias.dtype)
 
-
-def pooled_load(load: torch.Tensor, group=None) -> torch.Tensor:
-    """load_j summed over the ranks: the token-slots of all ranks routed to expert j. [n] int64 -> [n] int64."""
-    total = load.clone()
-    dist.all_reduce(total, group=group)
-    return total

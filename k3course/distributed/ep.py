@@ -1,6 +1,7 @@
-"""Expert parallelism: the routed experts of one MoE layer spread over P ranks, tokens moved by all-to-all.
+"""Expert parallelism: the routed experts of an MoE layer spread over P ranks, tokens moved by all-to-all.
 
-Every rank builds the same layer, then keeps its contiguous block of routed experts. On each rank:
+Every rank builds the same layer; :func:`parallelize_experts` keeps the rank's contiguous block of routed experts
+in the layer's own ``experts`` bank and gives the layer an :class:`AllToAllDispatch`. On each rank:
 
     route locally (replicated router)      idx, p = TopK(s + b);  z = x (MoE) or x W↓ (LatentMoE, ℓ-wide rows)
     exchange split sizes                   each rank learns how many rows it receives per (source, expert)
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3course.distributed.balancing import pooled_load, pooled_quantile_bias
+from k3course.distributed.balancing import pooled_quantile_bias
 from k3course.distributed.exchange import all_to_all, exchange, exchange_counts
 from k3course.distributed.plan import (
     dedup_pairs,
@@ -33,25 +34,53 @@ from k3course.distributed.plan import (
     rank_of_expert,
     split_sizes,
 )
-from k3course.moe.balancing import expert_load, sign_rule_update
+from k3course.moe.balancing import HISTOGRAM_BINS, expert_load
 from k3course.moe.dispatch import sort_by_expert, unsort
-from k3course.moe.experts import ACTIVATIONS, RoutedExperts
+from k3course.moe.experts import RoutedExperts
 from k3course.moe.layers import MoE
 
-_MODULE_STATE = frozenset(vars(nn.Module())) - {"training"}  # nn.Module's own bookkeeping, not layer settings
+
+def parallelize_experts(module: nn.Module, group=None, dedup: bool = False,
+                        histogram_bins: int = HISTOGRAM_BINS) -> nn.Module:
+    """Spread the routed experts of every MoE / LatentMoE in ``module`` (itself included) over the ranks of
+    ``group``, in place; returns ``module``.
+
+    ``module`` must be built identically on every rank (same seed), and parallelised before its optimizer is
+    made. Each layer keeps, in its own bank under the same parameter names, this rank's block [start, end) of
+    routed experts (``experts.gate_up`` [E_r, w, 2h], ``experts.down`` [E_r, h, w]); router, bias, shared
+    experts, W↓, W↑ and the norm stay whole on every rank (replicated). The layer's dispatcher becomes an
+    :class:`AllToAllDispatch` (``dedup``: send each token once per destination rank; ``histogram_bins``: the
+    bins of the pooled quantile step). Forward, backward, ``routing_stats`` and ``update_bias`` are then
+    collectives: every rank calls them together, with its own tokens (zero included).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise TypeError(f"module must be or contain an MoE / LatentMoE, {type(module).__name__} holds none")
+    if expert_parallel_layers(module):
+        raise ValueError("module: its experts are already expert-parallel")
+    for layer in layers:
+        dispatcher = AllToAllDispatch(layer.n_routed, group, dedup, histogram_bins)
+        keep_experts(layer.experts, *dispatcher.local_expert_range)
+        layer.dispatcher = dispatcher
+    return module
 
 
-def local_experts(experts: RoutedExperts, start: int, end: int) -> RoutedExperts:
-    """A bank holding experts [start, end) of ``experts``: gate_up [end − start, d, 2h], down [end − start, h, d]."""
-    n, d_in, _ = experts.gate_up.shape
+def expert_parallel_layers(module: nn.Module) -> list[MoE]:
+    """The MoE layers of ``module`` whose experts are spread over ranks (empty on one process)."""
+    return [m for m in module.modules() if isinstance(m, MoE) and isinstance(m.dispatcher, AllToAllDispatch)]
+
+
+def keep_experts(experts: RoutedExperts, start: int, end: int) -> None:
+    """Keep experts [start, end) of the bank, in place: gate_up [n, w, 2h] -> [end − start, w, 2h], down
+    [n, h, w] -> [end − start, h, w], under the same names (new parameters holding copies of the slices)."""
+    n = experts.gate_up.shape[0]
     if not 0 <= start < end <= n:
         raise ValueError(f"start, end must satisfy 0 <= start < end <= {n}, got {start}, {end}")
-    activation = next(name for name, fn in ACTIVATIONS.items() if fn is experts.act)
-    with torch.device("meta"):  # shapes only; the weights are the sliced copies below
-        local = RoutedExperts(end - start, d_in, experts.hidden, activation, backend=experts.backend)
-    local.gate_up = nn.Parameter(experts.gate_up.detach()[start:end].clone(), experts.gate_up.requires_grad)
-    local.down = nn.Parameter(experts.down.detach()[start:end].clone(), experts.down.requires_grad)
-    return local
+    for name in ("gate_up", "down"):
+        param = getattr(experts, name)
+        setattr(experts, name, nn.Parameter(param.detach()[start:end].clone(), param.requires_grad))
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
@@ -59,75 +88,64 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return counts.cumsum(0) - counts
 
 
-class ExpertParallelMoE(MoE):
-    """An :class:`~k3course.moe.MoE` / ``LatentMoE`` whose routed experts are split over the ranks of ``group``.
+class AllToAllDispatch:
+    """How an MoE reaches routed experts spread over the ranks of ``group``: the contract of
+    :class:`k3course.moe.LocalDispatch`, with collectives.
 
-    Build it with :meth:`from_moe` from a layer built identically on every rank. Parameter names are the
-    layer's own: ``experts.gate_up`` [E_r, w, 2h] and ``experts.down`` [E_r, h, w] hold this rank's experts
-    ``local_expert_range`` = [start, end); everything else (router, bias, shared experts, W↓, W↑, norm) is the
-    layer's tensor, replicated. Forward x [..., d] -> y [..., d], equal to the single-process layer on this
-    rank's tokens. Ranks may hold different token counts (zero included) but must call forward, backward and
-    :meth:`update_bias` together (they are collectives). ``dedup=True`` sends each token once per destination
-    rank (not once per expert) plus a 4-byte index per slot; results are identical.
-    After each forward ``last_traffic`` holds the bytes that this rank's tokens moved between ranks: dispatch
-    (sent), combine (received back) and metadata (split sizes and dedup indices, sent).
+    n_routed experts in contiguous blocks, ``expert_ranges`` [(start_r, end_r)] for every rank;
+    ``local_expert_range`` is this rank's (the experts its bank holds). ``expert_outputs`` equals the
+    single-process layer on this rank's tokens; ``pool_counts`` all-reduces M and the load;
+    ``quantile_bias`` reads the quantile off all-reduced margin histograms (``histogram_bins`` bins).
+    ``dedup=True`` sends each token once per destination rank (not once per expert) plus a 4-byte index per
+    slot; results are identical. After each forward ``last_traffic`` holds the bytes that this rank's tokens
+    moved between ranks: dispatch (sent), combine (received back) and metadata (split sizes and dedup
+    indices, sent); ``last_exchange_seconds`` the wall time in the exchanges (on CUDA exact only with
+    ``time_exchanges = True``, which synchronises).
     """
 
-    def __init__(self, layer: MoE, group=None, dedup: bool = False, histogram_bins: int = 256):
-        nn.Module.__init__(self)
-        if not isinstance(layer, MoE) or isinstance(layer, ExpertParallelMoE):
-            raise TypeError(f"layer must be an MoE or LatentMoE (not yet expert-parallel), got {type(layer).__name__}")
+    def __init__(self, n_routed: int, group=None, dedup: bool = False, histogram_bins: int = HISTOGRAM_BINS):
         if not dist.is_initialized():
-            raise RuntimeError("ExpertParallelMoE needs torch.distributed.init_process_group(...) first")
-        for name, value in vars(layer).items():
-            if name not in _MODULE_STATE:
-                setattr(self, name, value.copy() if isinstance(value, (list, dict)) else value)
-        for name, param in layer.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buffer in layer.named_buffers(recurse=False):
-            self.register_buffer(name, buffer.clone(), persistent=name not in layer._non_persistent_buffers_set)
-        for name, child in layer.named_children():
-            self.add_module(name, child)
-        self.group, self.dedup, self.histogram_bins = group, dedup, histogram_bins
+            raise RuntimeError("expert parallelism needs torch.distributed.init_process_group(...) first")
+        if isinstance(histogram_bins, bool) or not isinstance(histogram_bins, int) or histogram_bins < 1:
+            raise ValueError(f"histogram_bins must be a positive int, got {histogram_bins!r}")
+        self.n_routed, self.group, self.dedup, self.histogram_bins = n_routed, group, dedup, histogram_bins
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.expert_ranges = expert_ranges(layer.n_routed, self.world_size)
+        self.expert_ranges = expert_ranges(n_routed, self.world_size)
         self.local_expert_range = self.expert_ranges[self.rank]
-        self.experts = local_experts(layer.experts, *self.local_expert_range)
         self.last_traffic: dict[str, int] = {}
         self.last_exchange_seconds, self.time_exchanges = 0.0, False
 
-    @classmethod
-    def from_moe(cls, moe: MoE, group=None, dedup: bool = False, histogram_bins: int = 256) -> ExpertParallelMoE:
-        """Wrap ``moe`` (built identically on every rank of ``group``); see the class docstring."""
-        return cls(moe, group, dedup, histogram_bins)
-
-    def expert_parameters(self) -> list[nn.Parameter]:
-        """This rank's routed-expert tensors (never all-reduced: each rank owns different experts)."""
-        return list(self.experts.parameters())
-
-    def replicated_parameters(self) -> list[nn.Parameter]:
-        """Router, shared experts and latent projections: the same on every rank, gradients to all-reduce."""
-        local = {id(p) for p in self.experts.parameters()}
-        return [p for p in self.parameters() if id(p) not in local]
-
-    def expert_outputs(self, z: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
+    def expert_outputs(self, experts: RoutedExperts, z: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
         """E_{idx_ti}(z_t) for every token-slot, the experts living on whichever rank owns them.
 
-        z [m, w] (w = d, or ℓ for LatentMoE), expert_idx [m, k] (global expert ids) -> [m, k, w], slot order.
-        Sets ``last_traffic`` and ``last_exchange_seconds`` (wall time in the exchanges, split-size exchange
-        included; on CUDA exact only with ``time_exchanges = True``, which synchronises).
+        experts: this rank's bank; z [m, w] (w = d, or ℓ for LatentMoE), expert_idx [m, k] (global expert ids)
+        -> [m, k, w], slot order. Sets ``last_traffic`` and ``last_exchange_seconds`` (split-size exchange
+        included).
         """
         m, k = expert_idx.shape
         order = dispatch_permutation(expert_idx)  # [m k]: slots by expert, hence by destination rank
         started = self._clock(z)
         received, recv_counts, send_splits, recv_splits = self._dispatch(z, expert_idx, order)
         dispatched = self._clock(z)
-        outputs = self._run_local_experts(received, recv_counts)  # [R, w], same order as received
+        outputs = self._run_local_experts(experts, received, recv_counts)  # [R, w], same order as received
         computed = self._clock(z)
         returned = all_to_all(outputs, send_splits, recv_splits, self.group)  # [m k, w] in dispatch order
         self.last_exchange_seconds = dispatched - started + self._clock(z) - computed
         self.last_traffic["combine"] = self._remote_bytes(returned, send_splits)  # this rank's slots, back
         return returned.index_select(0, inverse_permutation(order)).view(m, k, z.shape[1])
+
+    def pool_counts(self, tokens: int, load: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(M, load [n]) summed over the ranks: all-reduces of integers, exact and equal on every rank."""
+        load = load.clone()
+        dist.all_reduce(load, group=self.group)
+        total = torch.tensor(tokens, device=load.device)
+        dist.all_reduce(total, group=self.group)
+        return int(total), load
+
+    def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+        """The quantile step on the tokens of all ranks from this rank's scores [m_r, n]: within one bin width of
+        the exact step on the concatenated scores, equal on every rank (:func:`pooled_quantile_bias`)."""
+        return pooled_quantile_bias(scores, bias, k, self.histogram_bins, self.group)
 
     def _dispatch(self, z: torch.Tensor, expert_idx: torch.Tensor, order: torch.Tensor):
         """Exchange split sizes, then send every slot's row to the rank owning its expert.
@@ -157,30 +175,6 @@ class ExpertParallelMoE(MoE):
             torch.cuda.synchronize(like.device)
         return time.perf_counter()
 
-    @torch.no_grad()
-    def update_bias(self) -> bool:
-        """:meth:`MoE.update_bias` on the tokens of ALL ranks since the last update; every rank gets the same bias.
-
-        quantile: read off the all-reduced margin histograms (``histogram_bins`` bins, default 256);
-        sign: b ← b − γ sign(load − mean load), load all-reduced. A collective: call it on every rank together
-        (a rank that recorded no token takes part with empty statistics).
-        """
-        if not self.training or self.balancing not in ("quantile", "sign"):
-            return False
-        statistics = self.balancing_statistics()
-        self.reset_statistics()
-        tokens = torch.tensor(statistics["tokens"], device=self.bias.device)
-        dist.all_reduce(tokens, group=self.group)
-        if int(tokens) == 0:
-            return False
-        if self.balancing == "quantile":
-            new_bias = pooled_quantile_bias(statistics["scores"], self.bias, self.top_k, self.histogram_bins,
-                                            self.group)
-        else:
-            new_bias = sign_rule_update(self.bias, pooled_load(statistics["load"], self.group), self.gamma)
-        self.bias.copy_(new_bias)
-        return True
-
     def _dispatch_dedup(self, z: torch.Tensor, expert_idx: torch.Tensor, order: torch.Tensor,
                         send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Send each (destination rank, token) pair once, plus per slot the index of its pair's row.
@@ -204,7 +198,8 @@ class ExpertParallelMoE(MoE):
         start = _exclusive_cumsum(torch.tensor(pair_recv, device=device))
         return rows.index_select(0, recv_index + start[source])
 
-    def _run_local_experts(self, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+    def _run_local_experts(self, experts: RoutedExperts, received: torch.Tensor,
+                           recv_counts: torch.Tensor) -> torch.Tensor:
         """Rows grouped by (source, local expert) -> regrouped by expert -> local experts -> original order.
 
         received [R, w], recv_counts [P, E_r] -> [R, w].
@@ -213,7 +208,7 @@ class ExpertParallelMoE(MoE):
         expert_of_row = torch.repeat_interleave(
             torch.arange(local_size, device=received.device).repeat(self.world_size), recv_counts.reshape(-1))
         local_order, offsets = sort_by_expert(expert_of_row[:, None], local_size)
-        outputs = self.experts(received.index_select(0, local_order), offsets)
+        outputs = experts(received.index_select(0, local_order), offsets)
         return unsort(outputs, local_order)
 
     def _remote_bytes(self, rows: torch.Tensor, splits: list[int]) -> int:

@@ -14,7 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from k3course.distributed.ep import ExpertParallelMoE
+from k3course import train
+from k3course.distributed import gather_state_dict, parallelize_experts
 from k3course.moe import LatentMoE, MoE
 from k3course.moe.balancing import HISTOGRAM_BINS
 
@@ -44,16 +45,19 @@ def rank_slice(case: dict, rank: int) -> slice:
 
 
 def forward_backward(rank: int, world_size: int, case: dict) -> dict:
-    """On one rank: y, the loss Σ g ⊙ y's gradients by parameter name, the routing and the counted traffic."""
+    """On one rank: y, the loss Σ g ⊙ y's gradients by parameter name, the routing, the counted traffic, the
+    parameter shapes by name and the routing statistics pooled over the ranks."""
     dtype = getattr(torch, case.get("dtype", "float32"))
-    layer = ExpertParallelMoE.from_moe(build_layer(case).to(dtype), dedup=case.get("dedup", False))
+    layer = parallelize_experts(build_layer(case).to(dtype), dedup=case.get("dedup", False))
     x, g = (t[rank_slice(case, rank)].to(dtype) for t in global_batch(case))
     y = layer(x)
     (g * y).sum().backward()
     _, _, expert_idx, _ = layer.route(x)
     return {"y": y.detach(), "grads": {name: p.grad for name, p in layer.named_parameters()},
-            "expert_idx": expert_idx, "traffic": dict(layer.last_traffic),
-            "local_expert_range": layer.local_expert_range}
+            "expert_idx": expert_idx, "traffic": dict(layer.dispatcher.last_traffic),
+            "local_expert_range": layer.dispatcher.local_expert_range,
+            "shapes": {name: tuple(t.shape) for name, t in layer.state_dict().items()},
+            "routing": layer.routing_stats()}
 
 
 def balancing_steps(rank: int, world_size: int, case: dict) -> dict:
@@ -62,7 +66,7 @@ def balancing_steps(rank: int, world_size: int, case: dict) -> dict:
     The global batch of step s is drawn with seed + s. Returns per step the scores the update used [m_r, n],
     this rank's load per expert [n], and the bias before and after.
     """
-    layer = ExpertParallelMoE.from_moe(build_layer(case), histogram_bins=case.get("bins", HISTOGRAM_BINS))
+    layer = parallelize_experts(build_layer(case), histogram_bins=case.get("bins", HISTOGRAM_BINS))
     steps = {"scores": [], "load": [], "bias_before": [], "bias_after": []}
     for step in range(case.get("steps", 2)):
         x, _ = global_batch({**case, "seed": case["seed"] + step})
@@ -93,19 +97,16 @@ def failing(rank: int, world_size: int, how: str) -> None:
     dist.all_reduce(torch.ones(1))
 
 
-def train_steps(rank: int, world_size: int, case: dict) -> dict:
-    """``case["train"].steps`` expert-parallel training steps of a K3Model preset on ``case["batches"]``, each rank
-    reading its 1/P of every micro-batch, the model in ``case["dtype"]`` (default float32). Returns the losses,
-    grad norms and the gathered single-process state dict."""
-    from k3course.distributed.training import gather_state_dict, make_expert_parallel, train_step
-    from k3course.train import build_model, make_optimizer
-
+def expert_parallel_steps(rank: int, world_size: int, case: dict) -> dict:
+    """``case["train"].steps`` calls of :func:`k3course.train.train_step` on a K3Model preset with expert-parallel
+    experts, on ``case["batches"]``, each rank reading its 1/P of every micro-batch, the model in
+    ``case["dtype"]`` (default float32). Returns the per-step records and the gathered single-process state dict."""
     model_config, train_config = case["model"], case["train"]
-    model = make_expert_parallel(build_model(model_config, train_config.seed).to(case.get("dtype", torch.float32)))
-    optimizer, scheduler = make_optimizer(model, train_config)
+    model = train.build_model(model_config, train_config.seed).to(case.get("dtype", torch.float32))
+    model = parallelize_experts(model)
+    optimizer, scheduler = train.make_optimizer(model, train_config)
     records = []
     for step in range(train_config.steps):
-        batches = [(inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank])
-                   for inputs, targets in case["batches"][step]]
-        records.append(train_step(model, optimizer, scheduler, batches, train_config.grad_clip))
+        shards = train.rank_shards(case["batches"][step], rank, world_size)
+        records.append(train.train_step(model, optimizer, scheduler, shards, train_config.grad_clip))
     return {"records": records, "state": gather_state_dict(model)}

@@ -14,12 +14,12 @@ from k3course.moe.balancing import (
 from k3course.moe.dispatch import grouped_mm, sort_by_expert, unsort
 from k3course.moe.experts import GLUFFN, RoutedExperts, situ_glu, swiglu
 from k3course.moe.latent import all_to_all_bytes_per_token, latent_combine, moe_flops_per_token, rms_norm
-from k3course.moe.layers import LatentMoE, MoE
+from k3course.moe.layers import LatentMoE, LocalDispatch, MoE
 from k3course.moe.routing import router_scores, topk_route
 from k3course.moe.stats import load_entropy, load_statistics, max_violation
 
-__all__ = ["GLUFFN", "LatentMoE", "MoE", "RoutedExperts", "all_to_all_bytes_per_token", "latent_combine",
-           "moe_flops_per_token", "rms_norm", "bias_from_histogram", "expert_load", "grouped_mm",
+__all__ = ["GLUFFN", "LatentMoE", "LocalDispatch", "MoE", "RoutedExperts", "all_to_all_bytes_per_token",
+           "latent_combine", "moe_flops_per_token", "rms_norm", "bias_from_histogram", "expert_load", "grouped_mm",
            "load_entropy", "load_statistics", "margin_histogram", "max_violation", "quantile_balance_bias",
            "quantile_balance_bias_from_histograms", "router_scores", "router_z_loss", "sign_rule_update",
            "situ_glu", "sort_by_expert", "swiglu", "switch_aux_loss", "token_cutoffs", "topk_route", "unsort"]

@@ -5,8 +5,10 @@
     MoE:        z = x,      y = shared(x) + u
     LatentMoE:  z = x W↓,   y = shared(x) + RMSNorm(u) W↑                   experts run at width ℓ
 
-Dispatch is sort-based: token-slots are sorted by expert, each expert's GEMM runs on its contiguous block
-(:func:`k3course.moe.dispatch.grouped_mm`), and the outputs are unsorted and weighted. No loop over tokens.
+The layer reaches its experts through a dispatcher (:class:`LocalDispatch` on one process): token-slots are
+sorted by expert, each expert's GEMM runs on its contiguous block (:func:`k3course.moe.dispatch.grouped_mm`),
+and the outputs are unsorted and weighted. No loop over tokens. Expert parallelism
+(:func:`k3course.distributed.parallelize_experts`) swaps the dispatcher, not the layer.
 
 The selection bias is a buffer, moved by the balancing rule between optimizer steps (see :class:`MoE`).
 """
@@ -34,6 +36,34 @@ from k3course.params import no_weight_decay, residual_output
 
 BALANCING = ("quantile", "sign", "aux", None)
 ALIASES = {"aux_loss": "aux", "none": None}  # the spellings K3Config uses
+
+
+class LocalDispatch:
+    """How an :class:`MoE` reaches its routed experts when this process holds all of them (the default).
+
+    Three methods, the contract every dispatcher keeps (:class:`k3course.distributed.AllToAllDispatch` keeps it
+    with the experts spread over ranks):
+
+        expert_outputs(experts, z, expert_idx)   E_{idx_ti}(z_t) for every token-slot: sort, bank, unsort
+        pool_counts(tokens, load)                (M, load) of all tokens: here this process's own
+        quantile_bias(scores, bias, k)           the quantile step on the scores of all tokens: here exact
+    """
+
+    def expert_outputs(self, experts: RoutedExperts, z: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
+        """E_{idx_ti}(z_t) for every token-slot, by sort-based dispatch. z [m, w], expert_idx [m, k] -> [m, k, w]."""
+        m, k = expert_idx.shape
+        order, group_offsets = sort_by_expert(expert_idx, experts.gate_up.shape[0])  # [m k], [n]
+        z_sorted = z.index_select(0, order // k)  # [m k, w]: row r is the token of slot order[r]
+        out_sorted = experts(z_sorted, group_offsets)  # [m k, w]
+        return unsort(out_sorted, order).view(m, k, z.shape[1])  # back in token order
+
+    def pool_counts(self, tokens: int, load: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(M, load [n]) over all tokens: on one process the recorded ones, unchanged."""
+        return tokens, load
+
+    def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+        """:func:`~k3course.moe.quantile_balance_bias` on the scores [M, n] of all tokens -> new bias [n]."""
+        return quantile_balance_bias(scores, bias, k)
 
 
 class MoE(nn.Module):
@@ -102,6 +132,7 @@ class MoE(nn.Module):
                              persistent=False)  # token-slots per expert since the last update
         self.recorded_tokens = 0  # tokens since the last update
         self.recorded_scores: list[torch.Tensor] = []  # quantile balancing: detached scores [m_j, n] per forward
+        self.dispatcher = LocalDispatch()  # how tokens reach the experts (and how records are pooled)
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> MoE:
@@ -120,12 +151,8 @@ class MoE(nn.Module):
         return logits, scores, expert_idx, weights
 
     def expert_outputs(self, z: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
-        """E_{idx_ti}(z_t) for every token-slot, by sort-based dispatch. z [m, w] -> [m, k, w]."""
-        m, k = expert_idx.shape
-        order, group_offsets = sort_by_expert(expert_idx, self.n_routed)  # [m k], [n]
-        z_sorted = z.index_select(0, order // k)  # [m k, w]: row r is the token of slot order[r]
-        out_sorted = self.experts(z_sorted, group_offsets)  # [m k, w]
-        return unsort(out_sorted, order).view(m, k, z.shape[1])  # back in token order
+        """E_{idx_ti}(z_t) for every token-slot, through the dispatcher. z [m, w] -> [m, k, w]."""
+        return self.dispatcher.expert_outputs(self.experts, z, expert_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """y = shared(x) + routed(x), x [..., d_model] -> [..., d_model]; records the routing in training."""
@@ -174,8 +201,7 @@ class MoE(nn.Module):
         """What the balancing rule reads, over the training forwards since the last update (or reset).
 
         {"tokens": M (int), "load": [n] int64 token-slots per expert (Σ = M·k), "scores": [M, n] detached
-        router scores for balancing="quantile", else None}. Load sums over ranks; scores are pooled as
-        margin histograms (:func:`k3course.moe.quantile_balance_bias_from_histograms`).
+        router scores for balancing="quantile", else None}: this process's record (the dispatcher pools it).
         """
         scores = None
         if self.balancing == "quantile":
@@ -195,17 +221,23 @@ class MoE(nn.Module):
 
         quantile: b ← quantile_balance_bias(s, b, k) on the scores s [M, n] of all M recorded tokens;
         sign: b ← b − γ sign(load − mean load) on the summed load; aux / None: the bias stays 0.
-        Returns True when the bias moved. In eval mode, or with nothing recorded, nothing happens (False).
+        The statistics are pooled by the dispatcher: on one process they are the record itself; with parallel
+        experts, load and M are all-reduced and the quantile read off all-reduced margin histograms, so every
+        rank sets the same bias. Returns True when the bias moved. In eval mode, or with no token recorded
+        (on any rank), nothing moves (False).
         """
-        if not self.training or self.recorded_tokens == 0:
+        if not self.training:
             return False
         statistics = self.balancing_statistics()
         self.reset_statistics()
+        tokens, load = self.dispatcher.pool_counts(statistics["tokens"], statistics["load"])
+        if tokens == 0 or self.balancing not in ("quantile", "sign"):
+            return False
         if self.balancing == "quantile":
-            self.bias.copy_(quantile_balance_bias(statistics["scores"], self.bias, self.top_k))
-        elif self.balancing == "sign":
-            self.bias.copy_(sign_rule_update(self.bias, statistics["load"], self.gamma))
-        return self.balancing in ("quantile", "sign")
+            self.bias.copy_(self.dispatcher.quantile_bias(statistics["scores"], self.bias, self.top_k))
+        else:
+            self.bias.copy_(sign_rule_update(self.bias, load, self.gamma))
+        return True
 
     def reference_params(self) -> dict:
         """The weights as fp64 NumPy arrays under the names :func:`k3course.reference.moe.moe_forward` reads."""
@@ -221,13 +253,15 @@ class MoE(nn.Module):
         return params
 
     def routing_stats(self) -> dict:
-        """Load, max-violation and entropy of the routing recorded since the last update (all micro-batches).
+        """Load, max-violation and entropy of the routing recorded since the last update (all micro-batches, and
+        with parallel experts all ranks: the dispatcher pools the counts).
 
         {'load': [n] counts, 'max_violation': float, 'entropy': float, 'tokens': int}; see :func:`load_statistics`.
         """
-        if self.recorded_tokens == 0:
+        tokens, load = self.dispatcher.pool_counts(self.recorded_tokens, self.recorded_load.clone())
+        if tokens == 0:
             raise RuntimeError("routing_stats needs a forward in training mode since the last update_bias()")
-        return {**load_statistics(self.recorded_load.clone()), "tokens": self.recorded_tokens}
+        return {**load_statistics(load), "tokens": tokens}
 
 
 class LatentMoE(MoE):

@@ -1,0 +1,118 @@
+"""Everything but the routed experts is data-parallel: what a training step on P ranks adds to the one-process step.
+
+Each of the P ranks holds the same model except for its block of routed experts (:func:`parallelize_experts`),
+and reads its own 1/P of every micro-batch. With L_r the mean loss of rank r's shard (equal shard sizes), the
+global loss is L = (1/P) Σ_r L_r, so after backward:
+
+    replicated parameter θ:  ∂L/∂θ = (1/P) Σ_r ∂L_r/∂θ         an all-reduce (average), as DDP does
+    routed expert θ_e:       ∂L/∂θ_e = (1/P) · (what arrived)   the exchanges already summed over the ranks
+
+and the gradient norm for clipping is ‖g‖² = ‖g_replicated‖² + Σ_r ‖g_experts of r‖² (one more all-reduce).
+The group is the one the model's experts were spread over. :func:`gather_state_dict` and
+:func:`gather_optimizer_state` turn the ranks' blocks back into the one-process model's state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from k3course.distributed.ep import expert_parallel_layers
+
+
+def expert_group(model: torch.nn.Module):
+    """The process group ``model``'s experts are spread over (None: the default group); one for all layers."""
+    layers = expert_parallel_layers(model)
+    if not layers:
+        raise ValueError("model: its experts are not expert-parallel (see k3course.distributed.parallelize_experts)")
+    group = layers[0].dispatcher.group
+    if any(layer.dispatcher.group is not group for layer in layers):
+        raise ValueError("model: its MoE layers are spread over different process groups")
+    return group
+
+
+def _expert_ids(model: torch.nn.Module) -> set[int]:
+    """ids of the routed-expert parameters: each rank holds different ones, never all-reduced."""
+    return {id(p) for layer in expert_parallel_layers(model) for p in layer.experts.parameters()}
+
+
+def average_gradients(model: torch.nn.Module) -> None:
+    """Gradients of L = mean over ranks of the ranks' losses: replicated ones all-reduced and divided by P,
+    routed experts' divided by P (their contributions from all ranks already arrived through the exchanges)."""
+    group = expert_group(model)
+    world_size, experts = dist.get_world_size(group), _expert_ids(model)
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        if id(param) not in experts:
+            dist.all_reduce(param.grad, group=group)
+        param.grad.div_(world_size)
+
+
+def clip_global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip all gradients by the norm of the whole (unsharded) gradient, as ``clip_grad_norm_`` does on one
+    process; returns that norm, the same on every rank.
+
+    ‖g‖² = Σ_replicated ‖g‖² (equal on every rank) + all-reduce of Σ_this rank's experts ‖g‖², in float64;
+    every gradient is multiplied by min(1, max_norm / (‖g‖ + 1e-6)).
+    """
+    group, experts = expert_group(model), _expert_ids(model)
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    device = with_grad[0].grad.device if with_grad else torch.device("cpu")
+    squares = {kind: torch.zeros((), dtype=torch.float64, device=device) for kind in ("replicated", "experts")}
+    for param in with_grad:
+        squares["experts" if id(param) in experts else "replicated"] += param.grad.double().square().sum()
+    dist.all_reduce(squares["experts"], group=group)
+    norm = float((squares["replicated"] + squares["experts"]).sqrt())
+    scale = min(1.0, max_norm / (norm + 1e-6))
+    for param in with_grad:
+        param.grad.mul_(scale)
+    return norm
+
+
+def average_over_ranks(value: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """(1/P) Σ_r value_r over the ranks of ``model``'s expert group, equal on every rank; value keeps its
+    device and dtype (it travels through the model's device, which NCCL needs)."""
+    group = expert_group(model)
+    total = value.to(next(model.parameters()).device)
+    dist.all_reduce(total, group=group)
+    return (total / dist.get_world_size(group)).to(value.device)
+
+
+def gather_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The single-process state dict on every rank: each routed-expert tensor all-gathered from its blocks
+    (padded to the largest block, then trimmed), everything else as it is. Loadable by the plain model."""
+    group, state = expert_group(model), model.state_dict()
+    parallel = {id(layer) for layer in expert_parallel_layers(model)}
+    for prefix, module in model.named_modules():
+        if id(module) in parallel:
+            for name, param in module.experts.named_parameters():
+                key = f"{prefix}.experts.{name}" if prefix else f"experts.{name}"
+                state[key] = _gather_blocks(param.detach(), module.dispatcher.expert_ranges, group)
+    return state
+
+
+def _gather_blocks(block: torch.Tensor, ranges: list[tuple[int, int]], group=None) -> torch.Tensor:
+    """Concatenate every rank's block [E_r, ...] of one tensor, in rank order -> [n, ...]."""
+    largest = max(end - start for start, end in ranges)
+    padded = block.new_zeros((largest, *block.shape[1:]))
+    padded[: block.shape[0]] = block
+    pieces = [torch.empty_like(padded) for _ in ranges]
+    dist.all_gather(pieces, padded, group=group)
+    return torch.cat([piece[: end - start] for piece, (start, end) in zip(pieces, ranges)])
+
+
+def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with every routed expert's per-parameter state (Adam's moments) all-gathered,
+    so the single-process model's optimizer can load it (its parameters come in the same order)."""
+    group = expert_group(model)
+    blocks = {id(p): layer.dispatcher.expert_ranges for layer in expert_parallel_layers(model)
+              for p in layer.experts.parameters()}
+    params = [p for group_ in optimizer.param_groups for p in group_["params"]]
+    state = optimizer.state_dict()
+    for index, param in enumerate(params):
+        if id(param) in blocks and index in state["state"]:
+            state["state"][index] = {key: _gather_blocks(value, blocks[id(param)], group)
+                                     if torch.is_tensor(value) and value.shape == param.shape else value
+                                     for key, value in state["state"][index].items()}
+    return state

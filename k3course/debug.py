@@ -8,14 +8,19 @@ call, so the layers never run them in the hot path. Turn them on to find where a
         model(tokens)
 
 or for a whole process with the environment variable ``K3COURSE_DEBUG=1``.
+
+The layers also name their stages for ``torch.profiler`` with :func:`profiler_range`, a no-op unless a profiler
+runs; the benchmarks read those ranges to say where a layer's time goes.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
+
+import torch
 
 _VALUE_CHECKS: ContextVar[bool] = ContextVar("k3course_value_checks",
                                              default=os.environ.get("K3COURSE_DEBUG", "0") == "1")
@@ -34,3 +39,14 @@ def value_checks(on: bool = True) -> Iterator[None]:
         yield
     finally:
         _VALUE_CHECKS.reset(token)
+
+
+def profiler_range(name: str) -> AbstractContextManager:
+    """A named range of ``torch.profiler`` (``record_function(name)``) while a profiler runs, else a no-op context.
+
+    Entering a ``record_function`` costs a dispatcher call even with no profiler running, so the layers' hot paths
+    check the profiler's flag first. Outputs are the same either way; ``torch.compile`` ignores the ranges.
+    """
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return nullcontext()

@@ -267,13 +267,14 @@ def test_bf16_forward_within_fla_tolerance_on_gpu():
 
 @pytest.mark.parametrize("T", [1, 21])
 @pytest.mark.parametrize("requires_grad", [False, True])
-def test_kda_triton_picks_decode_or_chunk_and_leaves_the_callers_state(T, requires_grad):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_kda_triton_runs_the_path_asked_and_leaves_the_callers_state(T, requires_grad, chunked):
     from k3course.kernels.kda import kda_triton
 
     q, k, v, g, beta, h0 = kda_inputs(1, T, 2, 16, 16, seed=12)
     q.requires_grad_(requires_grad)
     before = h0.clone()
-    o, final = kda_triton(q, k, v, g, beta, initial_state=h0, chunk_size=16)
+    o, final = kda_triton(q, k, v, g, beta, initial_state=h0, chunked=chunked, chunk_size=16)
     want_o, want_state = kda_per_token(q.detach(), k, v, g, beta, 16 ** -0.5, h0)
     assert torch.equal(h0, before)
     assert o.requires_grad == requires_grad

@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import k3course.kernels.grouped_gemm as grouped_gemm_module
-import k3course.kernels.kda as kda_module
-from k3course.kernels import TRITON_MODE
-from k3course.layers.kda import KimiDeltaAttention
-from k3course.moe import LatentMoE
-from k3course.moe.dispatch import grouped_mm
+pytest.importorskip("triton")
+
+import k3course.kernels.grouped_gemm as grouped_gemm_module  # noqa: E402
+import k3course.kernels.kda as kda_module  # noqa: E402
+from k3course.kernels import TRITON_MODE  # noqa: E402
+from k3course.layers.kda import KimiDeltaAttention  # noqa: E402
+from k3course.moe import LatentMoE  # noqa: E402
+from k3course.moe.dispatch import grouped_mm  # noqa: E402
 
 DEVICE = torch.device("cuda" if TRITON_MODE == "native" else "cpu")
 
@@ -101,3 +103,98 @@ def test_moe_layer_forced_triton_matches_torch_forward_and_backward(monkeypatch,
     assert triton_calls["grouped_gemm"] >= 2  # gate|up and down projections
     torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(results["triton"][1], results["torch"][1], rtol=1e-4, atol=1e-5)
+
+
+# --- the Triton branch of the KDA layer honours what the torch branch honours --------------------------------
+
+
+def _forward_backward(layer, x, backend, monkeypatch):
+    """y, the final state, and the gradients of x and of every parameter, with K3COURSE_KERNELS=backend."""
+    monkeypatch.setenv("K3COURSE_KERNELS", backend)
+    layer.zero_grad()
+    x = x.clone().requires_grad_()
+    y, cache = layer(x)
+    weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    ((y * weights).sum() + cache.state.sum()).backward()
+    return {"y": y.detach(), "state": cache.state.detach(), "x": x.grad,
+            **{name: p.grad.clone() for name, p in layer.named_parameters()}}
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -1.0])
+def test_kda_layer_triton_gradients_equal_torch_and_its_recompute_takes_the_layers_bound(monkeypatch, lower_bound):
+    import k3course.kernels.kda_chunk as chunk_module
+
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(32, 2, 16, chunk_size=32, lower_bound=lower_bound).to(DEVICE)
+    x = torch.randn(1, 37, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    recomputes = []
+
+    def recording(*args, **kwargs):
+        recomputes.append({key: kwargs[key] for key in ("chunk_size", "lower_bound")})
+        return kda_chunk(*args, **kwargs)
+
+    kda_chunk = chunk_module.kda_chunk
+    monkeypatch.setattr(chunk_module, "kda_chunk", recording)
+    want = _forward_backward(layer, x, "torch", monkeypatch)
+    got = _forward_backward(layer, x, "triton", monkeypatch)
+    assert recomputes == [{"chunk_size": 32, "lower_bound": lower_bound}]
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=f"{name} differs")
+
+
+def test_triton_chunk_op_clamps_at_lower_bound_like_the_torch_op():
+    from k3course.kernels.kda_chunk import kda_chunk_triton
+    from k3course.ops.chunk import kda_chunk
+
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 20, 1, 16, generator=gen).to(DEVICE) for _ in range(3))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g = (-2 * torch.rand(1, 20, 1, 16, generator=gen)).to(DEVICE)  # half of it below the bound -1
+    beta = torch.rand(1, 20, 1, generator=gen).to(DEVICE)
+    results = []
+    for op in (kda_chunk, kda_chunk_triton):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        o, state = op(*leaves, output_final_state=True, chunk_size=16, lower_bound=-1.0)
+        (o.square().sum() + state.sum()).backward()
+        results.append([o.detach(), state.detach(), *(t.grad for t in leaves)])
+    for got, want in zip(*reversed(results)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert (g < -1).any() and (results[1][5][g < -1] == 0).all(), "no gradient reaches g below the bound"
+    with pytest.raises(ValueError, match="lower_bound must be None or a negative finite number"):
+        kda_chunk_triton(q, k, v, g, beta, lower_bound=0.5)
+
+
+@pytest.mark.parametrize("bad", [dict(chunk_size=8), dict(chunk_size=48), dict(chunk_size=0), dict(mode="fast")])
+def test_kda_layer_rejects_a_bad_chunk_size_or_mode_alike_on_both_backends(monkeypatch, bad):
+    x = torch.randn(1, 20, 32).to(DEVICE)
+    messages = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("K3COURSE_KERNELS", backend)
+        with pytest.raises(ValueError) as error:
+            KimiDeltaAttention(32, 2, 16, **bad).to(DEVICE)(x)
+        messages[backend] = str(error.value)
+    assert messages["torch"] == messages["triton"] and next(iter(bad)) in messages["torch"]
+
+
+@pytest.mark.parametrize("mode, tokens, grad, kernel", [("chunk", 1, False, "chunk"),
+                                                        ("recurrent", 20, False, "fused recurrent"),
+                                                        ("recurrent", 20, True, "torch recurrent"),
+                                                        ("auto", 20, True, "chunk")])
+def test_kda_layer_triton_branch_follows_the_layers_mode(monkeypatch, mode, tokens, grad, kernel):
+    """The path is the layer's (mode, training, length), on Triton as on torch; the fused kernel has no backward,
+    so a recurrent path that needs gradients takes the torch recurrent op."""
+    calls = []
+    for name, label in (("kda_chunk_triton", "chunk"), ("kda_decode_triton", "fused recurrent"),
+                        ("kda_recurrent", "torch recurrent")):
+        fn = getattr(kda_module, name)
+        monkeypatch.setattr(kda_module, name, lambda *a, fn=fn, label=label, **kw: calls.append(label) or fn(*a, **kw))
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(32, 2, 16, chunk_size=16, mode=mode).to(DEVICE).train(grad)
+    x = torch.randn(1, tokens, 32, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("K3COURSE_KERNELS", backend)
+        with torch.set_grad_enabled(grad):
+            outputs[backend] = layer(x)[0]
+    assert calls == [kernel]
+    torch.testing.assert_close(outputs["triton"], outputs["torch"], rtol=1e-4, atol=1e-5)

@@ -425,9 +425,9 @@ def test_bench_runs_small(capsys, dtype):
     for row in ("forward", "training step"):
         assert f"{row}: sort-based MoE takes " in out
         assert f"the dense FFN's time (target <= {1.5 if dtype == 'float32' else 2.0}x in {dtype}: " in out
-    assert all(f"  {stage}" in out for stage in ("route", "dispatch", "experts", "projections + combine",
-                                                  "GEMMs alone"))
-    assert "bias update" in out and out.count("of the MoE's step)") == 5  # the training step, stage by stage
+    stages = ("route", "down projection", "dispatch", "experts", "combine", "outside the ranges", "GEMMs")
+    assert all(f"  {stage} " in out for stage in stages) and out.count("of the MoE)") == len(stages)
+    assert "  bias update " in out and out.count("of the MoE's step)") == len(stages) + 1  # the step, by stage
 
 
 def test_bench_dense_baseline_has_a_gemm_friendly_width_within_the_moe_flops():

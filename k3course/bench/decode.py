@@ -7,20 +7,20 @@ then N one-token decode steps run, the three schedules taking turns step by step
 machine slows all of them alike). Reported per (B, L, schedule): the best and median TPOT over the N steps,
 the bytes the cache holds (``K3Cache.nbytes()``, summed from the tensors) and the accounting's prediction
 ``B · accounting.kv_cache_bytes(cfg, L, dtype_bytes=4)`` (fp32 activations on the CPU, so dtype_bytes = 4; the KDA
-state is
-fp32 in any case). The two must be equal.
+state is fp32 in any case). The two must be equal.
 
 Filling the cache: ``--fill random`` (default) writes L random latent / rope-key rows into each MLA cache and a
 random state into each KDA cache, without running the model; the cost of a decode step depends on how much
-the cache holds, not on its values, and a real prefill of 64k tokens takes many minutes on 2 cores (the MLA
-prefill is quadratic in L). ``--fill prefill`` runs the real prefill, in chunks of ``--chunk`` tokens through
+the cache holds, not on its values, and a real prefill of 64k tokens takes far longer (the MLA prefill is
+quadratic in L). ``--fill prefill`` runs the real prefill, in chunks of ``--chunk`` tokens through
 the cache under ``torch.no_grad`` (use it with short contexts; the test checks both fills hold the same bytes).
 
 The slope of the median TPOT against L (least squares, µs per 1k context tokens) is the per-token cost of
 reading the cache: all-MLA reads L · (kv_lora_rank + rope) numbers per MLA layer per step, the hybrid a quarter
 of that, all-KDA a constant H·K·V state per layer. ``--save`` writes ``k3course/results/decode_bench.json`` and
 ``decode_bench.png``, which notebook 14 reads. Decoding runs on one thread by default (``--threads``): on a
-shared machine OpenMP spin-waits otherwise make single-token steps vary widely.
+shared machine OpenMP spin-waits otherwise make single-token steps vary widely. Freed memory is kept in the
+process, as in ``k3course train`` (``--return-freed-memory``: glibc's default).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from k3course import accounting
+from k3course.bench import add_options, apply_options
 from k3course.config import K3Config
 from k3course.layers.kda import KDACache
 from k3course.model import K3Cache, K3Model
@@ -225,11 +226,10 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40, help="decode steps N timed per point")
     parser.add_argument("--fill", default="random", choices=("random", "prefill"), help="how caches reach L")
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per call of --fill prefill")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1: no OpenMP spin-waits on a shared machine; 0: torch's default)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     parser.add_argument("--quick", action="store_true", help="tiny contexts and few steps (seconds; for tests)")
     parser.add_argument("--save", action="store_true", help="write k3course/results/decode_bench.json and .png")
+    add_options(parser, threads=1)  # 1: no OpenMP spin-waits on a shared machine
     args = parser.parse_args(options)
     if args.quick:
         args.contexts, args.batches, args.steps = [64, 256, 512], [1, 2], 3
@@ -240,8 +240,7 @@ def _options(options: list[str]) -> argparse.Namespace:
 
 def main(options: list[str]) -> int:
     args = _options(options)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    print(f"settings: {apply_options(args.threads, args.return_freed_memory)}")
     results = run(K3Config.preset(args.preset), args.contexts, args.batches, args.steps, args.fill, args.chunk,
                   args.device)
     print(report(results))

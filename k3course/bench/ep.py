@@ -1,7 +1,8 @@
 """``k3course bench ep``: the expert-parallel latent MoE on P processes vs raw all-to-alls and vs one process.
 
-For each P in ``--ranks`` a P-rank group (gloo CPU processes, one thread each; ``--backend nccl``: one GPU
-per rank) runs the layer's forward on m / P tokens per rank (no grad) and times, best of ``--repeats``:
+For each P in ``--ranks`` a P-rank group (gloo CPU processes, ``--threads`` threads each, default 1;
+``--backend nccl``: one GPU per rank) runs the layer's forward on m / P tokens per rank (no grad) and times,
+best of ``--repeats``:
 
     layer       the whole expert-parallel forward (slowest rank, after a barrier)
     exchange    the part of it spent in the layer's exchanges: split sizes, packing, dispatch, combine
@@ -9,7 +10,7 @@ per rank) runs the layer's forward on m / P tokens per rank (no grad) and times,
 
 achieved bandwidth = bytes that crossed between ranks (dispatch + combine payload) / time, summed over the
 ranks; the layer-to-raw ratio is what the layer's bookkeeping costs. The one-process time is the plain layer
-on all m tokens in this process (one thread). On one CPU the P processes share the cores, so P ranks are
+on all m tokens in this process (with as many threads). On one CPU the P processes share the cores, so P ranks are
 not P times faster here: the ratios, measured in one run, are what to read.
 """
 
@@ -20,7 +21,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from k3course.bench import best_seconds
+from k3course.bench import add_options, apply_options, best_seconds
 from k3course.distributed import exchange_counts, parallelize_experts, run_ranks, split_sizes
 from k3course.moe import LatentMoE, MoE
 
@@ -47,6 +48,7 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
 
 def rank_timings(rank: int, world_size: int, opts: argparse.Namespace) -> dict:
     """On one rank: best layer, exchange and raw all-to-all seconds, and the payload bytes moved between ranks."""
+    apply_options(opts.threads, opts.return_freed_memory)  # in this rank's process too
     device = torch.device("cuda", rank) if opts.backend == "nccl" else torch.device("cpu")
     layer = parallelize_experts(_layer(opts), dedup=opts.dedup).to(device)
     dispatcher = layer.dispatcher
@@ -83,21 +85,21 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--latent", type=int, default=128, help="latent width ℓ (0: a full-width MoE)")
     parser.add_argument("--d-expert", type=int, default=128, help="expert inner width")
     parser.add_argument("--dedup", action="store_true", help="send each token once per destination rank")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls (the best is reported)")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="process-group backend")
+    add_options(parser, threads=1, repeats=5)
     return parser.parse_args(options)
 
 
 def main(options: list[str]) -> int:
     args = _options(options)
-    torch.set_num_threads(1)
+    settings = apply_options(args.threads, args.return_freed_memory)
     device = torch.device("cuda") if args.backend == "nccl" else torch.device("cpu")
     layer, x = _layer(args).to(device), _tokens(args).to(device)
     with torch.no_grad():
         one_process = best_seconds(lambda: layer(x), args.repeats, device)
     kind = f"latent MoE (ℓ = {args.latent})" if args.latent else "MoE (full width)"
     print(f"expert-parallel {kind} forward on {args.backend}: m={args.m} n={args.n} k={args.k} d={args.d} "
-          f"d_expert={args.d_expert}, fp32, dedup={args.dedup}, one thread per process")
+          f"d_expert={args.d_expert}, fp32, dedup={args.dedup}; per process: {settings}")
     print(f"one process, all {args.m} tokens: {one_process * 1e3:.2f} ms")
     for world_size in args.ranks:
         ranks = run_ranks(rank_timings, world_size, args, timeout_s=600, backend=args.backend)

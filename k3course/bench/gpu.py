@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from k3course.bench import kernels
+from k3course.bench import add_options, apply_options, kernels
 
 RESULTS_FILE = Path(__file__).resolve().parents[1] / "results" / "gpu.json"
 KERNEL_TESTS = ("test_kernels.py", "test_kernels_basics.py", "test_kernels_compile.py", "test_kernels_layers.py")
@@ -127,6 +127,7 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS_FILE, help=f"results file (default {RESULTS_FILE})")
     parser.add_argument("--no-tests", action="store_true", help="benchmarks only, without the kernel tests")
     parser.add_argument("--full", action="store_true", help="every length of `bench kernels` (longer than 5 min)")
+    add_options(parser, threads=0)
     args = parser.parse_args(options)
     if args.out.is_dir():
         parser.error(f"--out must be a file path, got the folder {args.out}")
@@ -135,13 +136,14 @@ def _options(options: list[str]) -> argparse.Namespace:
 
 def main(options: list[str]) -> int:
     args = _options(options)
+    settings = apply_options(args.threads, args.return_freed_memory)
     if not torch.cuda.is_available():
         print(kernels.explain_cpu_skip("k3course bench gpu", QUICK.seq_lens)
               + "\nOn a GPU it also runs the kernel tests natively and saves every row to k3course/results/gpu.json."
               " Nothing was written.")
         return 0
     gpu = torch.cuda.get_device_name()
-    print(f"GPU: {gpu}; roofline peaks (bf16 TFLOP/s, TB/s): {kernels.roofline_peaks_text(gpu)}")
+    print(f"GPU: {gpu}; roofline peaks (bf16 TFLOP/s, TB/s): {kernels.roofline_peaks_text(gpu)}; host: {settings}")
     results = collect(kernels.Workload() if args.full else QUICK, gpu, run_tests=not args.no_tests)
     print(f"saved {save(results, args.out)} ({results['seconds']:.0f} s"
           + (f", over the {BUDGET_S} s budget)" if results["seconds"] > BUDGET_S and not args.full else ")"))

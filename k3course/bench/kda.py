@@ -23,7 +23,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from k3course.bench import best_seconds, freed_memory_setting, interleaved_best_seconds, page_faults_per_call
+from k3course.bench import add_options, apply_options, best_seconds, interleaved_best_seconds, page_faults_per_call
 from k3course.layers.kda import KDA_LOWER_BOUND, KimiDeltaAttention, kda_gate
 from k3course.ops.chunk import kda_chunk
 from k3course.ops.recurrent import kda_recurrent
@@ -104,7 +104,7 @@ def _report(times: dict, peak: float, args, lengths: list[int]) -> list[str]:
     """The table: one row per timed variant, with its ratio, target and verdict."""
     T_rec, short, long = args.recurrent_length, min(args.lengths), max(args.lengths)
     flops = lambda T: args.heads * chunk_flops(T, args.dim, args.chunk_size)
-    lines = [f"fp32 matmul (1024²): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads; B=1, H={args.heads}, "
+    lines = [f"fp32 matmul (1024²): {peak:.1f} GFLOP/s; B=1, H={args.heads}, "
              f"K=V={args.dim}, chunk size C={args.chunk_size}; best of {args.rounds} rounds",
              f"FLOPs of the chunked forward: H·(6T·d² + 3T·C·d + T·C²) = {flops(T_rec) / 1e6:.0f} MFLOP at T={T_rec}",
              f"{'variant':<44} {'T':>6} {'ms':>9}  {'measure':<26} target",
@@ -130,23 +130,20 @@ def _report(times: dict, peak: float, args, lengths: list[int]) -> list[str]:
     return lines
 
 
-def main(options: list[str]) -> int:
+def _options(options: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="k3course bench kda", description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--recurrent-length", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5, help="chunked calls per round; each time is the best call")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, each timing every variant in turn")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--return-freed-memory", action="store_true",
-                        help="leave glibc's default: freed memory goes back to the OS and is faulted in anew "
-                             "(by default it is kept in the process, as in k3course train)")
-    args = parser.parse_args(options)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    setting = freed_memory_setting(args.return_freed_memory)
+    add_options(parser, threads=0, repeats=5, rounds=3)
+    return parser.parse_args(options)
+
+
+def main(options: list[str]) -> int:
+    args = _options(options)
+    settings = apply_options(args.threads, args.return_freed_memory)
     lengths, T_rec = sorted(set(args.lengths) | {args.recurrent_length}), args.recurrent_length
     inputs = {T: kda_inputs(T, args.heads, args.dim) for T in lengths}
     inputs["init"] = kda_inputs(T_rec, args.heads, args.dim, gates="init")
@@ -164,13 +161,14 @@ def main(options: list[str]) -> int:
         peak = matmul_gflops()
         times = interleaved_best_seconds(calls, args.rounds)
         chunked_faults, recurrent_faults = (page_faults_per_call(calls[key][0]) for key in (T_rec, "recurrent"))
+    print(f"settings: {settings}")
     print("\n".join(_report(times, peak, args, lengths)))
-    print(_faults_line(chunked_faults, recurrent_faults, setting))
+    print(_faults_line(chunked_faults, recurrent_faults))
     return 0
 
 
-def _faults_line(chunked: float | None, recurrent: float | None, setting: str) -> str:
-    """Page faults per call of the chunked and recurrent paths at the recurrent length, and the allocator setting."""
+def _faults_line(chunked: float | None, recurrent: float | None) -> str:
+    """Page faults per call of the chunked and recurrent paths at the recurrent length."""
     if chunked is None or recurrent is None:
         return "page faults: not counted on this platform"
-    return f"page faults per call: chunked {chunked:.0f}, package recurrent {recurrent:.0f}; {setting}"
+    return f"page faults per call: chunked {chunked:.0f}, package recurrent {recurrent:.0f}"

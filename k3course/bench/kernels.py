@@ -11,8 +11,9 @@ Rows:
 Each row (a dict, see :func:`measure`) gives milliseconds (``triton.testing.do_bench``, median), TFLOP/s, the
 percentage of the GPU's roofline (min(peak FLOP/s, arithmetic intensity × memory bandwidth) for the GPUs in
 ``PEAKS``) and the ratio of our throughput to the peer's (> 1: ours is faster). On a CPU there is nothing
-meaningful to time (the Triton interpreter is thousands of times slower than torch), so it says what it skipped
-and exits 0. ``k3course bench gpu`` runs these rows at a shorter sweep together with the kernel tests and saves them.
+meaningful to time (the Triton interpreter is orders of magnitude slower than torch), so it says what it skipped
+and exits 0. ``k3course bench gpu`` runs these rows at a shorter sweep together with the kernel tests and saves
+them. ``--threads`` and ``--return-freed-memory`` (shared by every bench) set the host side.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from k3course.bench import best_seconds
+from k3course.bench import add_options, apply_options, best_seconds
 
 # Dense bf16 tensor-core peak (TFLOP/s) and HBM bandwidth (TB/s), from the vendors' data sheets (SXM parts).
 PEAKS: dict[str, tuple[float, float]] = {
@@ -314,6 +315,7 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-backward", action="store_true", help="skip the KDA forward + backward rows")
     parser.add_argument("--scale", type=int, default=1, help="divide the GEMM widths 3584 → 3072 by this")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens routed through the grouped GEMM")
+    add_options(parser, threads=0)
     args = parser.parse_args(options)
     for name in ("seq_lens", "scale", "tokens"):
         values = getattr(args, name)
@@ -335,11 +337,12 @@ def explain_cpu_skip(command: str = "k3course bench kernels", seq_lens: tuple[in
 
 def main(options: list[str]) -> int:
     args = _options(options)
+    settings = apply_options(args.threads, args.return_freed_memory)
     if not torch.cuda.is_available():
         print(explain_cpu_skip())
         return 0
     gpu = torch.cuda.get_device_name()
-    print(f"GPU: {gpu}; roofline peaks (bf16 TFLOP/s, TB/s): {roofline_peaks_text(gpu)}")
+    print(f"GPU: {gpu}; roofline peaks (bf16 TFLOP/s, TB/s): {roofline_peaks_text(gpu)}; host: {settings}")
     work = Workload(seq_lens=tuple(args.seq_lens), gemm_tokens=args.tokens,
                     gemm_dims=(3584 // args.scale, 3072 // args.scale))
     check_bf16_accuracy(work)

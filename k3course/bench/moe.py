@@ -9,10 +9,15 @@ Shared experts are left out of both sides: they are a dense FFN either way and w
 
 The dense FFN is a GLU at width d with the same activation and the largest hidden size that is a multiple
 of 16 without exceeding the MoE's active FLOPs (router + W↓ + W↑ + k experts); a hidden size like 363 would
-make its GEMMs slower and flatter the MoE. Two rows are timed for each: the forward (eval, no grad)
-and a training step (forward in training mode, backward of a fixed output gradient into the weights and the
-input, and, for the MoE, the quantile bias update, which a training loop runs once per optimizer step). Both are
-broken down by stage (route, dispatch, experts, projections + combine; and the bias update in training).
+make its GEMMs slower and flatter the MoE. Two rows are timed for each: the forward (eval, no grad) and a
+training step (forward in training mode, backward of a fixed output gradient into the weights and the input,
+and, for the MoE, the quantile bias update, which a training loop runs once per optimizer step).
+
+Both are broken down by stage from the layer's own profiler ranges (``MoE.forward``: route, down projection,
+dispatch, experts, combine; :func:`~k3course.bench.range_seconds`): the real layer runs ``--repeats`` times under
+``torch.profiler`` and each stage is the mean time of its range, in training plus the backward of the autograd
+nodes made inside it, plus the bias update. Every range the layer opens gets a row, so the breakdown follows the
+layer when it changes; what runs outside the ranges is its own row, and the GEMMs' share is printed too.
 
 Times are the best over ``--rounds`` rounds of ``--repeats`` calls, the variants taking turns (robust to
 other processes on a shared machine); the ratios are what to read. ``--threads`` defaults to 1: with more
@@ -23,14 +28,13 @@ Targets: MoE / dense ≤ 1.5x in fp32 and ≤ 2x in bf16. The MoE does the dense
 instead of m, so it cannot beat it; the stage breakdown shows what each costs. bf16 results depend on the CPU:
 the bench times one bf16 and one fp32 GEMM of the dense FFN's shape and prints the ratio. With AVX512-BF16 /
 AMX, bf16 GEMMs run several times faster than fp32 while routing and data movement do not, so their share
-grows; without bf16 GEMMs a bf16 GEMM takes a slow software path, for the MoE and the dense FFN alike (the
-printed ratio says how slow). The per-token loop and the NumPy rung are timed on ``--loop-tokens`` tokens and
-scaled, for the speed-up of chapter 01.
+grows; without bf16 GEMMs a bf16 GEMM takes a slow software path, for the MoE and the dense FFN alike. The
+per-token loop and the NumPy rung are timed on ``--loop-tokens`` tokens and scaled, for the speed-up of chapter 01.
 
 Freed memory is kept in the process, as ``k3course train`` keeps it (:func:`~k3course.device.keep_freed_memory`),
 and page faults per call are printed for both sides. ``--return-freed-memory`` leaves glibc's default, which hands
 large freed blocks back to the OS: the dense FFN's temporaries are m × hidden (megabytes), the MoE's per-expert
-blocks small, so the dense side then pays more page faults, and the MoE / dense ratio looks better than it is.
+blocks small, so the dense side then pays more page faults.
 """
 
 from __future__ import annotations
@@ -39,12 +43,21 @@ import argparse
 
 import torch
 
-from k3course.bench import best_seconds, freed_memory_setting, interleaved_best_seconds, page_faults_per_call
+from k3course.bench import (
+    add_options,
+    apply_options,
+    best_seconds,
+    interleaved_best_seconds,
+    op_seconds,
+    page_faults_per_call,
+    profile_calls,
+    range_seconds,
+)
+from k3course.debug import profiler_range
 from k3course.device import default_device
 from k3course.moe import GLUFFN, LatentMoE
-from k3course.moe.balancing import expert_load, quantile_balance_bias
-from k3course.moe.dispatch import grouped_mm, sort_by_expert, unsort
-from k3course.moe.latent import latent_combine, moe_flops_per_token, rms_norm
+from k3course.moe.balancing import expert_load
+from k3course.moe.latent import moe_flops_per_token, rms_norm
 from k3course.moe.stats import max_violation
 from k3course.reference import moe as reference
 
@@ -77,18 +90,13 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--d-expert", type=int, default=128, help="expert inner width")
     parser.add_argument("--activation", default="situ_glu", choices=["situ_glu", "swiglu"],
                         help="expert activation (K3: situ_glu), the same in the dense FFN")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per round (the best is reported)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds, each timing every variant in turn")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--loop-tokens", type=int, default=256,
                         help="tokens the per-token loop runs on (its time is scaled to m)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and tokens")
     parser.add_argument("--backend", default="auto", choices=["auto", "loop", "torch"], help="grouped_mm backend")
-    parser.add_argument("--return-freed-memory", action="store_true",
-                        help="leave glibc's default: freed memory goes back to the OS and is faulted in anew "
-                             "(by default it is kept in the process, as in k3course train)")
+    add_options(parser, threads=1, repeats=3, rounds=5)
     args = parser.parse_args(options)
-    for name in ("m", "n", "k", "d", "latent", "d_expert", "repeats", "rounds", "threads", "loop_tokens"):
+    for name in ("m", "n", "k", "d", "latent", "d_expert", "loop_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -134,94 +142,36 @@ def dense_hidden_size(flops: int, d: int) -> int:
 
 def training_step(module: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
     """A call that runs module(x) in training mode, backpropagates grad_out into its weights and x, and
-    applies the MoE's bias update (a training loop runs it once per optimizer step); gradients are dropped."""
+    applies the MoE's bias update (a training loop runs it once per optimizer step, here in the profiler range
+    moe.bias update); gradients are dropped."""
     x = x.detach().requires_grad_()
 
     def step():
         module(x).backward(grad_out)
         if isinstance(module, LatentMoE):
-            module.update_bias()
+            with profiler_range("moe.bias update"):
+                module.update_bias()
         module.zero_grad(set_to_none=True)
         x.grad = None
     return step
 
 
-def _stage_inputs(layer: LatentMoE, x: torch.Tensor) -> tuple:
-    """Every intermediate of the MoE's forward on x, each stage's input: (scores, expert_idx, weights, z = x W↓,
-    order, group_offsets, z_sorted, out_sorted, slots [m, k, ℓ])."""
-    _, scores, expert_idx, weights = layer.route(x)
-    z = x @ layer.down_proj
-    order, group_offsets = sort_by_expert(expert_idx, layer.n_routed)
-    z_sorted = z.index_select(0, order // layer.top_k)
-    out_sorted = layer.experts(z_sorted, group_offsets)
-    slots = unsort(out_sorted, order).view(x.shape[0], layer.top_k, -1)
-    return scores, expert_idx, weights, z, order, group_offsets, z_sorted, out_sorted, slots
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")  # the profiler's names of the GEMMs
 
 
-def stage_calls(layer: LatentMoE, x: torch.Tensor, repeats: int) -> dict:
-    """The MoE forward cut into its stages, each a call on the previous stage's outputs (for the breakdown).
-
-    route: router GEMM, scores, top-k;  dispatch: sort by expert, gather the tokens, unsort the outputs;
-    experts: the routed experts' GEMMs and activation;  projections + combine: W↓, the weighted sum over k,
-    RMSNorm and W↑.  GEMMs alone: every matmul of the layer on the same shapes, nothing else (a subset of
-    the stages, to tell GEMM time from the rest).
-    """
-    _, expert_idx, weights, z, order, group_offsets, z_sorted, out_sorted, slots = _stage_inputs(layer, x)
-    hidden_sorted = z_sorted.new_empty(z_sorted.shape[0], layer.experts.hidden).normal_()
-    u = slots.sum(1)
-
-    def dispatch():
-        unsort(out_sorted, sort_by_expert(expert_idx, layer.n_routed)[0])
-        z.index_select(0, order // layer.top_k)
-
-    def projections_and_combine():
-        x @ layer.down_proj
-        latent_combine(slots, layer.route_scale * weights, layer.up_proj, layer.latent_norm, layer.eps)
-
-    def gemms():
-        x @ layer.router, x @ layer.down_proj, u @ layer.up_proj
-        grouped_mm(z_sorted, layer.experts.gate_up, group_offsets, "loop")
-        grouped_mm(hidden_sorted, layer.experts.down, group_offsets, "loop")
-
-    return {"route": (lambda: layer.route(x), repeats), "dispatch": (dispatch, repeats),
-            "experts": (lambda: layer.experts(z_sorted, group_offsets), repeats),
-            "projections + combine": (projections_and_combine, repeats), "GEMMs alone": (gemms, repeats)}
+def stage_seconds(fn, calls: int, device: torch.device | None = None) -> tuple[dict, float, float]:
+    """Where a call of ``fn`` (the MoE's forward or training step) spends its time, from the layer's profiler
+    ranges: ({stage: seconds per call}, seconds per profiled call, seconds in GEMMs per call), the mean of
+    ``calls`` calls under ``torch.profiler`` (:func:`~k3course.bench.range_seconds`)."""
+    events, profiled = profile_calls(fn, calls, device)
+    return range_seconds(events, "moe.", calls, device), profiled, op_seconds(events, GEMM_OPS, calls, device)
 
 
-def training_stage_calls(layer: LatentMoE, x: torch.Tensor, repeats: int) -> dict:
-    """The training step cut into the stages of :func:`stage_calls`, each a forward and a backward (of a random
-    output gradient) on the previous stage's outputs, detached, plus the quantile bias update: where a training
-    step's time goes. The stages' weights get gradients, dropped after each call."""
-    generator = torch.Generator(device=x.device).manual_seed(1)
-    like = lambda t: torch.randn(t.shape, generator=generator, device=t.device).to(t.dtype)  # an output gradient
-    leaf = lambda t: t.detach().requires_grad_()
-    with torch.no_grad():
-        scores, expert_idx, weights, z, order, group_offsets, z_sorted, out_sorted, slots = _stage_inputs(layer, x)
-    x, z, z_sorted, out_sorted, slots, weights = (leaf(t) for t in (x, z, z_sorted, out_sorted, slots, weights))
-    grads = {name: like(t) for name, t in (("weights", weights), ("z", z), ("z_sorted", z_sorted),
-                                           ("out_sorted", out_sorted), ("slots", slots), ("x", x))}
-
-    def backward(*pairs):
-        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
-        layer.zero_grad(set_to_none=True)
-
-    def route():
-        backward((layer.route(x)[3], grads["weights"]))
-
-    def dispatch():
-        backward((z.index_select(0, order // layer.top_k), grads["z_sorted"]),
-                 (unsort(out_sorted, sort_by_expert(expert_idx, layer.n_routed)[0]), grads["z_sorted"]))
-
-    def experts():
-        backward((layer.experts(z_sorted, group_offsets), grads["out_sorted"]))
-
-    def projections_and_combine():
-        combined = latent_combine(slots, layer.route_scale * weights, layer.up_proj, layer.latent_norm, layer.eps)
-        backward((x @ layer.down_proj, grads["z"]), (combined, grads["x"]))
-
-    return {"route": (route, repeats), "dispatch": (dispatch, repeats), "experts": (experts, repeats),
-            "projections + combine": (projections_and_combine, repeats),
-            "bias update": (lambda: quantile_balance_bias(scores, layer.bias, layer.top_k), repeats)}
+def _stage_lines(stages: dict, profiled: float, gemms: float, of_what: str) -> list[str]:
+    """One row per stage (ms and share of the profiled call), then what ran outside the ranges, then the GEMMs."""
+    rows = {**stages, "outside the ranges": profiled - sum(stages.values()), "GEMMs (within the above)": gemms}
+    return [f"  {stage:26s}{seconds * 1e3:8.1f} ms  ({seconds / profiled:4.0%} of {of_what})"
+            for stage, seconds in rows.items()]
 
 
 def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
@@ -252,19 +202,18 @@ def _print_machine(args: argparse.Namespace, device: torch.device, hidden: int) 
               f"emulated layers, not what bf16 hardware would show")
 
 
-def _faults_line(faults: dict, train_faults: dict, setting: str) -> str:
-    """Page faults per call of each side, forward and training step, and the allocator setting."""
+def _faults_line(faults: dict, train_faults: dict) -> str:
+    """Page faults per call of each side, forward and training step."""
     if None in faults.values() or None in train_faults.values():
         return "page faults: not counted on this platform"
     return (f"page faults per call: forward MoE {faults['sorted']:.0f}, dense {faults['dense']:.0f}; training step "
-            f"MoE {train_faults['sorted']:.0f}, dense {train_faults['dense']:.0f}; {setting}")
+            f"MoE {train_faults['sorted']:.0f}, dense {train_faults['dense']:.0f}")
 
 
 def main(options: list[str]) -> int:
     args = _options(options)
-    setting = freed_memory_setting(args.return_freed_memory)
+    settings = apply_options(args.threads, args.return_freed_memory)
     device, dtype = default_device(), getattr(torch, args.dtype)
-    torch.set_num_threads(args.threads)
     layer, dense, x, grad_out, hidden = _build(args, device, dtype)
     loop_tokens = min(args.loop_tokens, args.m)
     with torch.no_grad():
@@ -274,15 +223,16 @@ def main(options: list[str]) -> int:
         error = float((loop_out - sorted_out[:loop_tokens]).abs().max() / sorted_out.abs().max())
         violation = max_violation(expert_load(layer.route(x)[2], args.n))
         calls = {"sorted": (lambda: layer(x), args.repeats), "dense": (lambda: dense(x), args.repeats),
-                 "loop": (lambda: per_token_loop(layer, x[:loop_tokens]), 1), **stage_calls(layer, x, args.repeats)}
+                 "loop": (lambda: per_token_loop(layer, x[:loop_tokens]), 1)}
         times = interleaved_best_seconds(calls, args.rounds, device)
         faults = {name: page_faults_per_call(calls[name][0]) for name in ("sorted", "dense")}
+        stages = stage_seconds(lambda: layer(x), args.repeats, device)
     layer.train(), dense.train()
     train_calls = {"sorted": (training_step(layer, x, grad_out), args.repeats),
-                   "dense": (training_step(dense, x, grad_out), args.repeats),
-                   **{f"train {name}": call for name, call in training_stage_calls(layer, x, args.repeats).items()}}
+                   "dense": (training_step(dense, x, grad_out), args.repeats)}
     train_times = interleaved_best_seconds(train_calls, args.rounds, device)
     train_faults = {name: page_faults_per_call(train_calls[name][0]) for name in ("sorted", "dense")}
+    train_stages = stage_seconds(train_calls["sorted"][0], args.repeats, device)
     t_sorted, t_dense, t_loop = times["sorted"], times["dense"], times["loop"] * args.m / loop_tokens
     params, x_np = layer.reference_params(), x[:loop_tokens].cpu().double().numpy()
     t_numpy = best_seconds(lambda: reference.moe_forward(x_np, params, args.k), 1, device) * args.m / loop_tokens
@@ -291,6 +241,7 @@ def main(options: list[str]) -> int:
     print(f"latent MoE on {device.type}: m={args.m} n={args.n} k={args.k} d={args.d} latent={args.latent} "
           f"d_expert={args.d_expert} {args.activation}, {args.dtype}, backend={args.backend}, "
           f"{torch.get_num_threads()} CPU thread(s)")
+    print(f"settings: {settings}")
     _print_machine(args, device, hidden)
     print(f"active FLOPs per token: MoE {flops / 1e6:.3f} M; dense GLU FFN hidden {hidden}: "
           f"{6 * args.d * hidden / 1e6:.3f} M ({6 * args.d * hidden / flops:.1%} of the MoE's)")
@@ -299,17 +250,17 @@ def main(options: list[str]) -> int:
     print(f"per-token loop  {t_loop * 1e3:10.1f} ms  (timed on {loop_tokens} tokens, scaled to {args.m})")
     print(f"NumPy rung 0    {t_numpy * 1e3:10.1f} ms  (fp64 loop, timed on {loop_tokens} tokens, scaled to {args.m})")
     print(f"sort-based MoE  {t_sorted * 1e3:10.1f} ms  forward (max rel. difference from the loop {error:.1e})")
-    for stage in ("route", "dispatch", "experts", "projections + combine", "GEMMs alone"):
-        print(f"  {stage:22s}{times[stage] * 1e3:8.1f} ms  ({times[stage] / t_sorted:4.0%} of the MoE)")
+    print(f"  by the layer's profiler ranges, mean of {args.repeats} profiled calls ({stages[1] * 1e3:.1f} ms each):")
+    print("\n".join(_stage_lines(*stages, "the MoE")))
     print(f"dense FFN       {t_dense * 1e3:10.1f} ms  forward")
     print(f"training step: sort-based MoE {train_times['sorted'] * 1e3:.1f} ms, dense FFN "
           f"{train_times['dense'] * 1e3:.1f} ms  (forward + backward + bias update)")
-    for stage in ("route", "dispatch", "experts", "projections + combine", "bias update"):
-        seconds = train_times[f"train {stage}"]
-        print(f"  {stage:22s}{seconds * 1e3:8.1f} ms  ({seconds / train_times['sorted']:4.0%} of the MoE's step)")
+    print(f"  by the layer's profiler ranges, forward + backward of each, mean of {args.repeats} profiled steps "
+          f"({train_stages[1] * 1e3:.1f} ms each):")
+    print("\n".join(_stage_lines(*train_stages, "the MoE's step")))
     print(f"sort-based MoE is {t_loop / t_sorted:.0f}x faster than the per-token loop, "
           f"{t_numpy / t_sorted:.0f}x faster than the NumPy loop")
-    print(_faults_line(faults, train_faults, setting))
+    print(_faults_line(faults, train_faults))
     target = TARGETS[args.dtype]
     ratios = {"forward": t_sorted / t_dense, "training step": train_times["sorted"] / train_times["dense"]}
     for row, ratio in ratios.items():

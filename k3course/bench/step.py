@@ -3,11 +3,15 @@
 The whole step is timed as the training loop runs it. Each component is then timed forward + backward on the
 exact inputs it saw in that step (captured by hooks), so the rows are the cost of that part of the model:
 
-    embedding · KDA mixers · MLA mixers · dense FFN · MoE routing · MoE experts · MoE dispatch + combine + shared
-    · AttnRes (residual reads and writes) + RMSNorms · LM head + loss · optimizer
+    embedding · KDA mixers · MLA mixers · dense FFN · the MoE layers, stage by stage · AttnRes (residual reads
+    and writes) + RMSNorms · LM head + loss · optimizer
 
-``other`` is the step minus their sum (autograd bookkeeping, the parts' interaction with the cache of a larger
-working set); it is reported, not hidden. Ratios and shares come from one run.
+The MoE layers' time (forward + backward of each layer on its input) is split over the stages the layer names
+as profiler ranges (route, down projection, dispatch, experts, combine, shared, and what runs outside them), in
+the shares a profiled run of the same call gives (:func:`~k3course.bench.range_seconds`): the real layer, not
+a copy of its forward. ``other`` is the step minus the sum of the rows (autograd bookkeeping, the parts'
+interaction with the cache of a larger working set); it is reported, not hidden. Ratios and shares come from
+one run.
 """
 
 from __future__ import annotations
@@ -18,10 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from k3course.bench import best_seconds
+from k3course.bench import add_options, apply_options, best_seconds, profile_calls, range_seconds
 from k3course.config import K3Config
 from k3course.model import K3Model
-from k3course.moe.dispatch import sort_by_expert
 from k3course.moe.layers import MoE
 
 
@@ -30,24 +33,29 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"], help="K3Config presets to time")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (the best is reported)")
     parser.add_argument("--plot", default=None, help="save a stacked bar of the breakdown to this PNG")
+    add_options(parser, threads=0, repeats=3)
     args = parser.parse_args(options)
-    for name in ("batch", "seq", "repeats"):
+    for name in ("batch", "seq"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be ≥ 1, got {getattr(args, name)}")
     return args
 
 
-def _fwd_bwd(fn, *inputs: torch.Tensor) -> float:
-    """Best time of y = fn(*inputs); y.backward(ones) with fresh leaf copies of the inputs (the floating ones
+def _fwd_bwd_call(fn, *inputs: torch.Tensor):
+    """A call of y = fn(*inputs); y.backward(ones) with fresh leaf copies of the inputs (the floating ones
     require grad; integer inputs such as token ids pass through)."""
     def run():
         leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
         out = fn(*leaves)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.ones_like(out))
-    return best_seconds(run, repeats=3)
+    return run
+
+
+def _fwd_bwd(fn, *inputs: torch.Tensor) -> float:
+    """Best time of :func:`_fwd_bwd_call` over 3 calls."""
+    return best_seconds(_fwd_bwd_call(fn, *inputs), repeats=3)
 
 
 def _capture(model: K3Model, tokens: torch.Tensor, targets: torch.Tensor) -> dict:
@@ -71,20 +79,16 @@ def _capture(model: K3Model, tokens: torch.Tensor, targets: torch.Tensor) -> dic
     return seen
 
 
-def _moe_parts(moe: MoE, x: torch.Tensor) -> dict[str, float]:
-    """Routing (router matmul, scores, top-k) and the routed experts' GEMMs, forward + backward; the rest of
-    the layer (sort, gather, unsort, latent projections, combine, shared experts) is what remains."""
-    flat = x.reshape(-1, moe.d_model)
-    with torch.no_grad():
-        _, _, expert_idx, _ = moe.route(flat)
-        z = flat @ moe.down_proj if moe.d_latent is not None else flat
-        order, offsets = sort_by_expert(expert_idx, moe.n_routed)
-        z_sorted = z.index_select(0, order // moe.top_k)
-    routing = _fwd_bwd(lambda h: moe.route(h)[3], flat)
-    experts = _fwd_bwd(lambda rows: moe.experts(rows, offsets), z_sorted)
-    whole = _fwd_bwd(moe, x)
-    return {"MoE routing": routing, "MoE experts": experts,
-            "MoE dispatch + combine + shared": max(whole - routing - experts, 0.0)}
+def _moe_parts(moe: MoE, x: torch.Tensor, calls: int = 2) -> dict[str, float]:
+    """The layer's forward + backward on x (best of 3), split over its profiler ranges in the shares of ``calls``
+    profiled calls: {"MoE <stage>": seconds, ..., "MoE outside the ranges": seconds}; the rows add up to the
+    layer's time."""
+    call = _fwd_bwd_call(moe, x)
+    whole = best_seconds(call, repeats=3)
+    events, profiled = profile_calls(call, calls)
+    shares = {stage: seconds / profiled for stage, seconds in range_seconds(events, "moe.", calls).items()}
+    shares["outside the ranges"] = 1 - sum(shares.values())
+    return {f"MoE {stage}": whole * share for stage, share in shares.items()}
 
 
 def _attnres_and_norms(model: K3Model, embedding: torch.Tensor, outputs: list[torch.Tensor]) -> float:
@@ -155,6 +159,7 @@ def _plot(results: dict, path: str) -> None:
 
 def main(options: list[str]) -> int:
     args = _options(options)
+    print(f"settings: {apply_options(args.threads, args.return_freed_memory)}")
     results = {}
     for preset in args.presets:
         cfg = K3Config.preset(preset)

@@ -29,6 +29,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from k3course import debug  # noqa: E402
+from k3course.ops.checks import check_kda_chunk_size, check_lower_bound  # noqa: E402
 from k3course.ops.chunk import SUB_CHUNK, kda_chunk  # noqa: E402  (the ops sit below the kernels: no cycle)
 
 STATE_KERNEL_STAGES = 2  # software-pipelining depth of the state kernel: 3 needs 249 KB of shared memory in fp32
@@ -71,7 +72,7 @@ def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
     """
     if g.dim() != 4:
         raise ValueError(f"g must be [B, T, H, K], got shape {tuple(g.shape)}")
-    _check_chunk_size(chunk_size)
+    check_kda_chunk_size(chunk_size)
     g = g.contiguous()
     B, T, H, K = g.shape
     out = torch.empty(B, T, H, K, dtype=torch.float32, device=g.device)
@@ -245,11 +246,6 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _check_chunk_size(chunk_size: int) -> None:
-    if chunk_size not in (16, 32, 64):
-        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
-
-
 def _check_inputs(q, k, v, g, beta, initial_state) -> None:
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
@@ -372,12 +368,13 @@ def kda_chunk_forward(q, k, v, g, beta, scale: float, initial_state=None, output
 
 
 class _KDAChunkFunction(torch.autograd.Function):
-    """Forward: the Triton kernels. Backward: recompute through the torch chunked path and differentiate it."""
+    """Forward: the Triton kernels. Backward: recompute through the torch chunked op with the same chunk size and
+    lower bound, and differentiate it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, lower_bound):
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.scale, ctx.chunk_size, ctx.lower_bound = scale, chunk_size, lower_bound
         o, final_state = kda_chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
         return o, final_state
 
@@ -390,7 +387,8 @@ class _KDAChunkFunction(torch.autograd.Function):
         with torch.enable_grad():
             o, final_state = kda_chunk(*inputs[:5], scale=ctx.scale,
                                        initial_state=inputs[5] if len(inputs) > 5 else None,
-                                       output_final_state=grad_final_state is not None, chunk_size=ctx.chunk_size)
+                                       output_final_state=grad_final_state is not None, chunk_size=ctx.chunk_size,
+                                       lower_bound=ctx.lower_bound)
             outputs, grads_out = [o], [grad_o.float()]
             if grad_final_state is not None:
                 outputs.append(final_state)
@@ -398,23 +396,30 @@ class _KDAChunkFunction(torch.autograd.Function):
             grads = torch.autograd.grad(outputs, inputs, grads_out, allow_unused=True)
         grads = [None if grad is None else grad.to(x.dtype) for grad, x in zip(grads, present)]
         dh0 = grads[5] if len(grads) > 5 else None
-        return (*grads[:5], None, dh0, None, None)
+        return (*grads[:5], None, dh0, None, None, None)
 
 
 def kda_chunk_triton(q, k, v, g, beta, scale: float | None = None, initial_state: torch.Tensor | None = None,
-                     output_final_state: bool = False, chunk_size: int = 64):
+                     output_final_state: bool = False, chunk_size: int = 64, *, lower_bound: float | None = None):
     """Chunkwise KDA with Triton kernels: the recurrence S_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k_t v_tᵀ,
     o_t = scale · S_tᵀ q_t, computed chunk by chunk (lesson 07).
 
     q, k: [B, T, H, K] (K ≤ 256); v: [B, T, H, V]; g: [B, T, H, K] log-decay ≤ 0; beta: [B, T, H];
     initial_state: [B, H, K, V] or None; scale defaults to K^-1/2; chunk_size ∈ {16, 32, 64}; any T ≥ 1.
+    ``lower_bound``: as in the torch op ``k3course.ops.kda_chunk``, a number L < 0 with g ≥ L guaranteed (K3's −5);
+    g is clamped at L (g ← max(g, L), no gradient below it) and the backward's recompute takes the bounded form.
     Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
 
     Forward: five Triton kernels (see the module docstring). Backward: an autograd function that recomputes the
-    forward through the torch chunked path ``k3course.ops.kda_chunk`` and differentiates it (no backward
-    kernels). On a GPU the kernels run natively; on a CPU under the Triton interpreter in fp32.
+    forward through the torch chunked path ``k3course.ops.kda_chunk`` (same chunk size and lower bound) and
+    differentiates it (no backward kernels). On a GPU the kernels run natively; on a CPU under the Triton
+    interpreter in fp32.
     """
     _check_inputs(q, k, v, g, beta, initial_state)
-    _check_chunk_size(chunk_size)
+    check_kda_chunk_size(chunk_size)
+    check_lower_bound(lower_bound, g)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _KDAChunkFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+    if lower_bound is not None:
+        g = g.clamp(min=lower_bound)  # what the torch op does: the same forward, and the same zero gradient below L
+    return _KDAChunkFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size,
+                                   lower_bound)

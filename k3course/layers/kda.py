@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3course.ops.checks import check_mixer_input
+from k3course.ops.checks import check_kda_chunk_size, check_mixer_input
 from k3course.ops.chunk import gdn_chunk, gla_chunk, kda_chunk
 from k3course.ops.norm import NORM_EPS, rms_norm
 from k3course.ops.recurrent import gdn_recurrent, gla_recurrent, kda_recurrent
@@ -113,7 +113,7 @@ class _GatedMixer(nn.Module):
 
     d_model, n_heads, head_dim (K = V); conv_size (4); output_gate "full" (K3: d → H·V) or "low_rank" (Kimi
     Linear: d → V → H·V, the second map with a bias, as in fla); norm_eps; mode "auto" | "chunk" | "recurrent";
-    chunk_size (16, 32 or 64); allow_neg_eigval (β ∈ (0, 2)).
+    chunk_size (a positive int; KDA: 16, 32 or 64); allow_neg_eigval (β ∈ (0, 2)).
     """
 
     uses_beta = True
@@ -122,7 +122,7 @@ class _GatedMixer(nn.Module):
                  norm_eps: float = NORM_EPS, mode: str = "auto", chunk_size: int = 64, allow_neg_eigval: bool = False):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim),
-                            ("conv_size", conv_size)):
+                            ("conv_size", conv_size), ("chunk_size", chunk_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if mode not in MODES:
@@ -236,13 +236,15 @@ class KimiDeltaAttention(_GatedMixer):
     ``lower_bound=-5.0`` is K3's bounded gate g = −5·σ(e^{A_log}(z + dt_bias)); ``lower_bound=None`` is
     Kimi Linear's g = −e^{A_log}·softplus(z + dt_bias). The defaults are K3's (bounded gate, full-rank output
     gate); Kimi Linear is ``lower_bound=None, output_gate="low_rank"``. Other options: see the shared body.
-    On CUDA (or with ``K3COURSE_KERNELS=triton``) the op is chapter 08's Triton kernels: the chunk kernels, or
-    the fused decode step for one token at inference.
+    On CUDA (or with ``K3COURSE_KERNELS=triton``) the op is chapter 08's Triton kernels, on the same path (``mode``)
+    with the same ``chunk_size`` and ``lower_bound``: the chunk kernels, or the fused recurrent kernel (decoding).
+    chunk_size must be 16, 32 or 64 on every device (the kernels' tiles).
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, lower_bound: float | None = KDA_LOWER_BOUND,
                  **kwargs):
         super().__init__(d_model, n_heads, head_dim, **kwargs)
+        check_kda_chunk_size(self.chunk_size)
         if lower_bound is not None and not lower_bound < 0:
             raise ValueError(f"lower_bound must be None or a negative number, got {lower_bound!r}")
         self.lower_bound = lower_bound
@@ -265,7 +267,8 @@ class KimiDeltaAttention(_GatedMixer):
         if use_triton(q.device) and not self.allow_neg_eigval:  # the chapter 08 kernels
             from k3course.kernels.kda import kda_triton
 
-            return kda_triton(q, k, v, g, beta, initial_state, self.chunk_size)
+            return kda_triton(q, k, v, g, beta, initial_state, chunked=chunked, chunk_size=self.chunk_size,
+                              lower_bound=self.lower_bound)
         op = kda_chunk if chunked else kda_recurrent
         # a bounded gate (K3) lets the chunked path take its fast sub-chunk form (lesson 07)
         extra = dict(chunk_size=self.chunk_size, lower_bound=self.lower_bound) if chunked else {}

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from k3course.debug import profiler_range
 from k3course.moe.dispatch import expert_blocks, grouped_mm, grouped_mm_backend
 from k3course.params import residual_output
 
@@ -99,11 +100,12 @@ class RoutedExperts(nn.Module):
         return self.gate_up[..., self.hidden:]
 
     def forward(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
-        if grouped_mm_backend(x_sorted, self.gate_up, self.backend) == "loop":
-            return self._expert_by_expert(x_sorted, group_offsets)
-        gate_up = grouped_mm(x_sorted, self.gate_up, group_offsets, self.backend)  # [M, 2h]
-        gate, up = gate_up.split(self.hidden, dim=-1)
-        return grouped_mm(self.act(gate, up), self.down, group_offsets, self.backend)  # [M, d_in]
+        with profiler_range("moe.experts"):  # the expert bank's stage, for k3course bench moe
+            if grouped_mm_backend(x_sorted, self.gate_up, self.backend) == "loop":
+                return self._expert_by_expert(x_sorted, group_offsets)
+            gate_up = grouped_mm(x_sorted, self.gate_up, group_offsets, self.backend)  # [M, 2h]
+            gate, up = gate_up.split(self.hidden, dim=-1)
+            return grouped_mm(self.act(gate, up), self.down, group_offsets, self.backend)  # [M, d_in]
 
     def _expert_by_expert(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         """The loop path: each expert's whole FFN on its block before the next expert's, so the block's hidden

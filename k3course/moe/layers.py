@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3course.debug import profiler_range
 from k3course.moe.balancing import (
     AUX_LOSS_WEIGHT,
     SIGN_RULE_STEP,
@@ -155,18 +156,31 @@ class MoE(nn.Module):
         return self.dispatcher.expert_outputs(self.experts, z, expert_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """y = shared(x) + routed(x), x [..., d_model] -> [..., d_model]; records the routing in training."""
+        """y = shared(x) + routed(x), x [..., d_model] -> [..., d_model]; records the routing in training.
+
+        Its stages are named profiler ranges (:func:`k3course.debug.profiler_range`, no-ops without a profiler):
+        moe.route, moe.down projection (LatentMoE), moe.dispatch (sort, gather, unsort, with the experts' own
+        range moe.experts inside), moe.combine and moe.shared. ``k3course bench moe`` reads them.
+        """
         self._check_input(x)
         flat = x.reshape(-1, self.d_model)  # [m, d]
-        logits, scores, expert_idx, weights = self.route(flat)
-        weights = self.route_scale * weights
-        if self.d_latent is None:
-            y = torch.einsum("mk,mkd->md", weights, self.expert_outputs(flat, expert_idx))
-        else:
-            out_slots = self.expert_outputs(flat @ self.down_proj, expert_idx)  # [m, k, ℓ]
-            y = latent_combine(out_slots, weights, self.up_proj, self.latent_norm, self.eps)
+        with profiler_range("moe.route"):
+            logits, scores, expert_idx, weights = self.route(flat)
+        z = flat
+        if self.d_latent is not None:
+            with profiler_range("moe.down projection"):
+                z = flat @ self.down_proj  # [m, ℓ]
+        with profiler_range("moe.dispatch"):
+            out_slots = self.expert_outputs(z, expert_idx)  # [m, k, w]
+        with profiler_range("moe.combine"):
+            weights = self.route_scale * weights
+            if self.d_latent is None:
+                y = torch.einsum("mk,mkd->md", weights, out_slots)
+            else:
+                y = latent_combine(out_slots, weights, self.up_proj, self.latent_norm, self.eps)
         if self.shared is not None:
-            y = y + self.shared(flat)
+            with profiler_range("moe.shared"):
+                y = y + self.shared(flat)
         if self.training:
             self._record(logits, scores, expert_idx)
         return y.view(x.shape)

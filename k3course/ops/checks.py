@@ -14,6 +14,8 @@ names the argument.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from k3course import debug
@@ -98,3 +100,24 @@ def check_mixer_input(x, d_model: int) -> None:
         raise ValueError(f"x must be [B, T, d_model={d_model}], got {shape}")
     if x.shape[1] == 0:
         raise ValueError("x must hold at least one token (T ≥ 1), got T = 0")
+
+
+KDA_CHUNK_SIZES = (16, 32, 64)  # the Triton kernels' tiles (16: the smallest tl.dot), so every KDA path takes these
+
+
+def check_kda_chunk_size(chunk_size) -> None:
+    """``chunk_size`` is one of :data:`KDA_CHUNK_SIZES`: what the KDA layer and its Triton kernels accept, the same
+    check (and error) on every device."""
+    if isinstance(chunk_size, bool) or chunk_size not in KDA_CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
+
+
+def check_lower_bound(lower_bound, g: torch.Tensor) -> None:
+    """``lower_bound`` is None or a negative finite number; under the debug switch g must respect it."""
+    if lower_bound is None:
+        return
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, int | float) or not -math.inf < lower_bound < 0:
+        raise ValueError(f"lower_bound must be None or a negative finite number, got {lower_bound!r}")
+    if debug.enabled() and bool((g < lower_bound).any()):
+        raise ValueError(f"g has values below lower_bound = {lower_bound}: the gate must satisfy g ≥ lower_bound "
+                         "(K3's is lower_bound·σ(·)); pass lower_bound=None for an unbounded gate")

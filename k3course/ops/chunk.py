@@ -27,12 +27,9 @@ GDN is KDA with one gate per head shared by the channels; GLA skips the delta st
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from k3course import debug
-from k3course.ops.checks import validate
+from k3course.ops.checks import check_lower_bound, validate
 
 UT_BLOCK = 8  # the UT transform's smallest diagonal blocks, solved row by row
 SUB_CHUNK = 16  # most tokens per sub-chunk, whose decays are referenced to one token: the bounded-gate scores here,
@@ -345,17 +342,6 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chun
     return o.to(dtype), final
 
 
-def _check_lower_bound(lower_bound, g) -> None:
-    """``lower_bound`` is None or a negative finite number; under the debug switch g must respect it."""
-    if lower_bound is None:
-        return
-    if isinstance(lower_bound, bool) or not isinstance(lower_bound, int | float) or not -math.inf < lower_bound < 0:
-        raise ValueError(f"lower_bound must be None or a negative finite number, got {lower_bound!r}")
-    if debug.enabled() and bool((g < lower_bound).any()):
-        raise ValueError(f"g has values below lower_bound = {lower_bound}: the gate must satisfy g ≥ lower_bound "
-                         "(K3's is lower_bound·σ(·)); pass lower_bound=None for an unbounded gate")
-
-
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64, *,
               allow_neg_eigval=False, lower_bound=None):
     """Chunkwise Kimi Delta Attention; same result as :func:`~k3course.ops.recurrent.kda_recurrent`.
@@ -368,7 +354,7 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     """
     scale = validate(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,
                      allow_neg_eigval=allow_neg_eigval)
-    _check_lower_bound(lower_bound, g)
+    check_lower_bound(lower_bound, g)
     return _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, lower_bound)
 
 

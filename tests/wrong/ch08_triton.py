@@ -226,13 +226,30 @@ def l2norm_unmasked_store_crashes(x):
     return y
 
 
+@triton.jit
+def _l2norm_unmasked_store_kernel(x_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=0.0)
+    tl.store(y_ptr + row * n_cols + cols, x / tl.sqrt(tl.sum(x * x, axis=0) + eps))  # no mask on the store
+
+
+def l2norm_store_runs_past_the_end(x):
+    """Masks the load but not the store: the last row writes BLOCK − D zeros past the output. Every value it
+    returns is right; the heap behind the output is corrupted, which aborts the process when it is freed."""
+    y = torch.empty_like(x)
+    _l2norm_unmasked_store_kernel[(x.shape[0],)](x, y, x.shape[1], 1e-6, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return y
+
+
 WRONG = {
     "08.kda_decode": [decode_returns_a_new_state, decode_in_torch],
     "08.softmax_rows": [softmax_without_the_max, softmax_padded_with_zeros],
     "08.softmax_online": [softmax_online_without_rescaling],
     "08.scale_add": [scale_add_alpha_on_y, scale_add_one_program, scale_add_in_torch],
     "08.matmul": [matmul_without_the_k_loop, matmul_in_torch],
-    "08.l2norm_rows": [l2norm_in_torch, l2norm_eps_outside_sqrt, l2norm_unmasked_store_crashes],
+    "08.l2norm_rows": [l2norm_in_torch, l2norm_eps_outside_sqrt, l2norm_unmasked_store_crashes,
+                      l2norm_store_runs_past_the_end],
     "08.chunk_cumsum": [cumsum_one_chunk_for_all],
     "08.kk_tile": [tile_factored_naively, tile_always_16_wide, tile_in_torch],
 }

@@ -14,9 +14,10 @@ def notebooks(folder: str) -> list[Path]:
 
 
 def wrong_answers() -> dict[str, list]:
-    """Plausible wrong implementations, by exercise id, gathered from ``tests/wrong/chNN_*.py``."""
+    """Plausible wrong implementations, by exercise id, gathered from ``tests/wrong/*.py`` (one module per
+    chapter, ``chNN_*.py``, and ``every_exercise.py`` for cheats that apply to every exercise)."""
     merged: dict[str, list] = {}
-    for path in sorted((ROOT / "tests" / "wrong").glob("ch*.py")):
+    for path in sorted((ROOT / "tests" / "wrong").glob("*.py")):
         spec = importlib.util.spec_from_file_location(f"wrong_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import _thread
 import copy
 import inspect
+import os
 import re
+import threading
 import time
 
 import nbformat
@@ -15,6 +18,7 @@ from helpers import ROOT, notebooks, wrong_answers
 
 from k3course.grading import Case, Exercise, ExerciseFailed, ExerciseNotDone, all_exercises, check, get_exercise
 from k3course.grading.compare import explain_difference
+from k3course.grading.fresh_stack import call_on_fresh_stack
 from k3course.grading.isolation import ChildCrashed, can_isolate, run_isolated
 from k3course.grading.notebooks import check_ids, execute
 from k3course.grading.registry import _EXERCISES
@@ -189,6 +193,62 @@ def test_a_crashing_kernel_fails_its_check_quickly_and_names_the_cause():
     with pytest.raises(ExerciseFailed, match=r"crashed the process \(SIGSEGV\): most likely a tl.load or tl.store"):
         check("08.l2norm_rows", crashing)
     assert time.perf_counter() - start < 30
+
+
+@pytest.mark.skipif(not can_isolate(), reason="needs fork and no initialised CUDA")
+def test_a_kernel_that_corrupts_the_heap_fails_though_its_values_are_right():
+    """Its store runs a few elements past the output: the child frees what the call allocated before it answers,
+    and the C library aborts it there."""
+    past_the_end = next(fn for fn in WRONG["08.l2norm_rows"] if fn.__name__ == "l2norm_store_runs_past_the_end")
+    with pytest.raises(ExerciseFailed, match=r"crashed the process \(SIGABRT\): most likely a tl.load or tl.store"):
+        check("08.l2norm_rows", past_the_end)
+
+
+def _answers_then_aborts():
+    """Returns 7, while a thread that the child waits for at exit aborts the process after the answer is sent."""
+    threading.Thread(target=lambda: (time.sleep(0.5), os.abort())).start()
+    return 7
+
+
+@pytest.mark.skipif(not can_isolate(), reason="needs fork and no initialised CUDA")
+def test_a_child_that_dies_after_answering_is_a_crash():
+    with pytest.raises(ChildCrashed, match=r"crashed the process after it answered \(SIGABRT\)"):
+        run_isolated(_answers_then_aborts)
+
+
+def test_the_learners_stack_holds_nothing_of_the_grader():
+    """The learner's function runs on a thread of its own: up its stack are only that thread's frames."""
+    def stack_files(*args, **kwargs):
+        return [record.filename for record in inspect.stack()]
+
+    files = call_on_fresh_stack(stack_files, (), {})
+    assert files[1].endswith("fresh_stack.py") and all(f.endswith("threading.py") for f in files[2:]), files
+
+
+def test_interrupting_the_check_interrupts_the_learners_function():
+    def endless():
+        while True:
+            time.sleep(0.01)
+
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        call_on_fresh_stack(endless, (), {})
+    assert not [t for t in threading.enumerate() if t.name == "k3course learner call" and t.is_alive()]
+
+
+def test_a_notebook_shows_the_message_first_and_only_the_learners_frames(toy_exercise):
+    def raises_inside(x):
+        return x[99]
+
+    with pytest.raises(ExerciseFailed) as failure:
+        check(toy_exercise, raises_inside)
+    shown = failure.value._render_traceback_()
+    assert shown[0].startswith("ExerciseFailed: 99.toy_cumsum, case 'seeded': your function raised IndexError")
+    assert "return x[99]" in "\n".join(shown) and "k3course/grading" not in "\n".join(shown)
+    with pytest.raises(ExerciseFailed) as failure:
+        check(toy_exercise, lambda x: x)
+    assert failure.value._render_traceback_() == ["ExerciseFailed: " + line if i == 0 else line
+                                                  for i, line in enumerate(str(failure.value).splitlines())]
 
 
 @pytest.mark.skipif(not can_isolate(), reason="needs fork and no initialised CUDA")

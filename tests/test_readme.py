@@ -20,3 +20,17 @@ def test_ci_runs_the_readme_test_command():
     assert "<!-- test-command -->" in README and "test-command" in ci
     (command,) = re.findall(r"<!-- test-command -->\n```bash\n(.*?)\n```", README, flags=re.S)
     assert command.count("\n") == 0 and "pip install torch==2.13.0 &&" in command and "pytest" in command
+
+
+def test_course_map_is_one_table_of_every_chapter():
+    """Rendered as markdown, the course map is one table whose rows are chapters 00 to 14, in order."""
+    from markdown_it import MarkdownIt
+
+    tokens = MarkdownIt("commonmark").enable("table").parse(README)
+    tables = [i for i, token in enumerate(tokens) if token.type == "table_open"]
+    header_cells = [tokens[i + 4].content for i in tables]  # table_open thead_open tr_open th_open inline
+    (start,) = [i for i, cell in zip(tables, header_cells) if cell == "#"]
+    end = next(i for i in range(start, len(tokens)) if tokens[i].type == "table_close")
+    body = tokens[next(i for i in range(start, end) if tokens[i].type == "tbody_open"):end]
+    first_cells = [body[i + 2].content for i, token in enumerate(body) if token.type == "tr_open"]
+    assert first_cells == [f"{n:02d}" for n in range(15)], first_cells

@@ -1,30 +1,55 @@
 """``check(exercise_id, fn)``: grade a learner's function against the package reference.
 
 For every case the learner's function runs first, on its own copy of the inputs; only then is the reference
-computed, so no expected value exists anywhere on the stack while the learner's code runs. After the call the
-inputs are compared with the originals: an answer that changes its inputs in place fails, unless the exercise
-allows it.
+computed, so no expected value exists anywhere while the learner's code runs. After the call the inputs are
+compared with the originals: an answer that changes its inputs in place fails, unless the exercise allows it.
+
+What an answer can reach: the learner's function runs on a thread of its own
+(:func:`k3course.grading.fresh_stack.call_on_fresh_stack`), in a forked child for exercises that isolate, so
+walking up its call stack (``frame.f_back``, ``sys._getframe``, ``inspect.stack()``) and reading the frames'
+locals and globals finds neither the exercise, nor its reference, nor the registry, nor an expected value.
+Out of scope, because they reach no further than ``import k3course`` does (the reference is a package
+function, one import away, and reading the package is part of the course): importing the registry or the
+reference, the garbage collector (``gc.get_objects``), and other threads' stacks (``sys._current_frames``).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import traceback
 from typing import Any
 
 import torch
 
 from k3course.grading.compare import describe, explain_difference
-from k3course.grading.forbid import refusing
+from k3course.grading.forbid import GRADER_DIR
+from k3course.grading.fresh_stack import call_on_fresh_stack
 from k3course.grading.isolation import ChildCrashed, can_isolate, run_isolated
-from k3course.grading.registry import Case, Exercise, get_exercise
+from k3course.grading.registry import Case, Exercise, Forbidden, get_exercise
 
 
-class ExerciseNotDone(Exception):
+class _ShortTraceback:
+    """In a notebook, a check's error shows its message first, then (when the learner's code raised) the
+    learner's own frames, and none of the grader's: IPython displays what ``_render_traceback_`` returns."""
+
+    def _render_traceback_(self) -> list[str]:
+        lines = f"{type(self).__name__}: {self}".splitlines()
+        cause = self.__cause__
+        if cause is not None:
+            yours = [frame for frame in traceback.extract_tb(cause.__traceback__)
+                     if not frame.filename.startswith(GRADER_DIR)]
+            lines += ["", "Where your function raised it (most recent call last):",
+                      *(line.rstrip("\n") for line in traceback.format_list(yours)),
+                      *(line.rstrip("\n") for line in traceback.format_exception_only(cause))]
+        return lines
+
+
+class ExerciseNotDone(_ShortTraceback, Exception):
     """Raised when the learner's function is still the stub (it raised ``NotImplementedError``)."""
 
 
-class ExerciseFailed(AssertionError):
+class ExerciseFailed(_ShortTraceback, AssertionError):
     """Raised when the learner's function runs but disagrees with the reference on some case."""
 
 
@@ -34,13 +59,11 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _learner_call(fn, case: Case, exercise: Exercise):
-    """Run ``fn`` on a copy of the case's inputs; return its output and the inputs as it left them."""
+def _learner_call(fn, case: Case, forbidden: Forbidden | None):
+    """Run ``fn`` on a copy of the case's inputs, on a fresh stack; its output and the inputs as it left them."""
     __tracebackhide__ = True
     args, kwargs = copy.deepcopy(case.args), copy.deepcopy(case.kwargs)
-    with refusing(exercise.forbidden):
-        output = fn(*args, **kwargs)
-    return output, args, kwargs
+    return call_on_fresh_stack(fn, args, kwargs, forbidden), args, kwargs
 
 
 def _same(before: Any, after: Any) -> bool:
@@ -89,8 +112,8 @@ def _run_learner(fn, case: Case, exercise: Exercise, where: str):
     __tracebackhide__ = True  # IPython leaves the grader's frames out of the learner's traceback
     try:
         if exercise.isolate and can_isolate():
-            return run_isolated(lambda: _learner_call(fn, case, exercise))
-        return _learner_call(fn, case, exercise)
+            return run_isolated(lambda: _learner_call(fn, case, exercise.forbidden))
+        return _learner_call(fn, case, exercise.forbidden)
     except NotImplementedError:
         raise ExerciseNotDone(f"{exercise.id} is not done yet: replace the NotImplementedError stub "
                               "with your code") from None

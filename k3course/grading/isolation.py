@@ -2,12 +2,16 @@
 
 An unmasked ``tl.store`` under the Triton interpreter writes outside its tensor and can kill the process
 (SIGSEGV); an infinite loop never returns. Run in a child, the notebook's kernel survives both, and the
-learner reads what probably happened within seconds.
+learner reads what probably happened within seconds. A store just past the end of a tensor kills nothing at
+once: it corrupts the heap, which the C library notices when that memory is freed (SIGABRT). So the child
+frees everything the call allocated before it answers, and its exit status is checked after it answers: an
+answer from a child that then dies is a crash, not a result.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing
 import pickle
 import signal
@@ -29,21 +33,28 @@ def can_isolate() -> bool:
     return "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
 
 
-def _child(send, call: Callable[[], Any]) -> None:
-    """In the child: one thread (OpenMP's pool did not survive the fork), run ``call``, send back its result.
+def _outcome(call: Callable[[], Any]) -> bytes:
+    """``call()``'s result or exception, pickled by value; whatever the call allocated is unreferenced on return.
 
-    Plain pickle, by value: torch's multiprocessing pickler would share tensors through file descriptors that
-    die with the child.
+    Plain pickle: torch's multiprocessing pickler would share tensors through file descriptors that die with
+    the child.
     """
-    torch.set_num_threads(1)
-    faulthandler.disable()  # a crash here is expected and reported by the parent, not dumped to stderr
     try:
-        message = pickle.dumps(("returned", call()))
+        return pickle.dumps(("returned", call()))
     except BaseException as error:  # noqa: BLE001  (everything goes back to the parent, to be reported)
         try:
-            message = pickle.dumps(("raised", error))
+            return pickle.dumps(("raised", error))
         except Exception:  # an exception that can't be pickled goes back as its text
-            message = pickle.dumps(("raised", RuntimeError(f"{type(error).__name__}: {error}")))
+            return pickle.dumps(("raised", RuntimeError(f"{type(error).__name__}: {error}")))
+
+
+def _child(send, call: Callable[[], Any]) -> None:
+    """In the child: one thread (OpenMP's pool did not survive the fork), run ``call``, free what it allocated
+    (a heap it corrupted aborts here, before any answer), then send back its pickled outcome."""
+    torch.set_num_threads(1)
+    faulthandler.disable()  # a crash here is expected and reported by the parent, not dumped to stderr
+    message = _outcome(call)
+    gc.collect()
     send.send_bytes(message)
 
 
@@ -57,10 +68,16 @@ def _how_it_ended(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+def _crashed(child, when: str) -> ChildCrashed:
+    """The error for a child that died: how it ended (its signal or exit code) and the likely cause."""
+    return ChildCrashed(f"your function crashed the process{when} ({_how_it_ended(child.exitcode)}): {CRASH_HINT}")
+
+
 def run_isolated(call: Callable[[], Any], timeout: float = 30.0) -> Any:
     """``call()`` in a forked child; its return value, or its exception re-raised here.
 
-    Raises :class:`ChildCrashed` when the child dies without answering (a signal) or runs past ``timeout`` s.
+    Raises :class:`ChildCrashed` when the child dies without answering (a signal), runs past ``timeout`` s, or
+    answers but then does not exit cleanly (exit code 0) within ``timeout`` s.
     """
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
@@ -76,8 +93,12 @@ def run_isolated(call: Callable[[], Any], timeout: float = 30.0) -> Any:
             message = pickle.loads(receive.recv_bytes())
         except EOFError:
             child.join(5)
-            raise ChildCrashed(f"your function crashed the process ({_how_it_ended(child.exitcode)}): "
-                               f"{CRASH_HINT}") from None
+            raise _crashed(child, "") from None
+        child.join(timeout)
+        if child.exitcode != 0:
+            child.kill()
+            child.join(5)
+            raise _crashed(child, " after it answered")
     finally:
         receive.close()
         child.join(5)

@@ -58,9 +58,16 @@ def combine_in_float32(expert_out, weights, up_proj, norm_weight, eps=1e-6):
     return _rms(u, norm_weight.float(), eps) @ up_proj.float()
 
 
+def combine_weighted_mean(expert_out, weights, up_proj, norm_weight, eps=1e-6):
+    """Divides by the weights' sum: the norm hides it, except where eps matters (tiny outputs, weights that do
+    not sum to 1)."""
+    u = torch.einsum("mk,mkl->ml", weights, expert_out) / weights.sum(-1, keepdim=True)
+    return _rms(u, norm_weight, eps) @ up_proj
+
+
 WRONG = {
     "02.situ_glu": [situ_is_plain_swiglu, situ_caps_the_sigmoid_too, situ_swapped_betas, situ_tanh_from_exp],
     "02.latent_combine": [combine_normalises_each_expert, combine_forgets_the_norm_weight, combine_eps_outside_sqrt,
-                          combine_in_float32],
+                          combine_in_float32, combine_weighted_mean],
     "02.all_to_all_bytes_per_token": [bytes_at_full_width, bytes_dispatch_only],
 }

@@ -226,13 +226,92 @@ def l2norm_unmasked_store_crashes(x):
     return y
 
 
+@triton.jit
+def _l2norm_unmasked_store_kernel(x_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=0.0)
+    tl.store(y_ptr + row * n_cols + cols, x / tl.sqrt(tl.sum(x * x, axis=0) + eps))  # no mask on the store
+
+
+def l2norm_store_runs_past_the_end(x):
+    """Masks the load but not the store: the last row writes BLOCK − D zeros past the output. Every value it
+    returns is right; the heap behind the output is corrupted, which aborts the process when it is freed."""
+    y = torch.empty_like(x)
+    _l2norm_unmasked_store_kernel[(x.shape[0],)](x, y, x.shape[1], 1e-6, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return y
+
+
+@triton.jit
+def _softmax_zero_padded_kernel(x_ptr, y_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)  # the padding (0) joins the max
+    e = tl.where(mask, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    tl.store(y_ptr + row * n_cols + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+def softmax_max_includes_the_padding(x):
+    """Pads with 0 and keeps the padding out of the sum, but not out of the max: when every entry of a row is
+    far below 0 and the width is not a power of two, e^{x − 0} underflows and the row is 0 / 0."""
+    y = torch.empty_like(x)
+    _softmax_zero_padded_kernel[(x.shape[0],)](x, y, x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]))
+    return y
+
+
+@triton.jit
+def _online_max_from_zero_kernel(x_ptr, y_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    m = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)  # the running max starts at 0, not −inf
+    s = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=-float("inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=-float("inf"))
+        tl.store(y_ptr + row * n_cols + cols, tl.exp(x - m) / s, mask=cols < n_cols)
+
+
+def softmax_online_max_starts_at_zero(x, block=64):
+    """Starts the running max at 0: right while some entry of each row is above about −80, 0 / 0 below."""
+    y = torch.empty_like(x)
+    _online_max_from_zero_kernel[(x.shape[0],)](x, y, x.shape[1], BLOCK=block)
+    return y
+
+
+@triton.jit
+def _cumsum_kernel(g_ptr, out_ptr, T, H, K, BT: tl.constexpr, BK: tl.constexpr):
+    chunk, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows, cols = chunk * BT + tl.arange(0, BT), tl.arange(0, BK)
+    offsets = ((b * T + rows[:, None]) * H + h) * K + cols[None, :]
+    mask = (rows[:, None] < T) & (cols[None, :] < K)
+    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, tl.cumsum(g, axis=0), mask=mask)
+
+
+def cumsum_in_the_input_dtype(g, chunk_size=64):
+    """out = torch.empty_like(g): a bf16 g gets a bf16 G (the contract is fp32, whatever g's dtype)."""
+    B, T, H, K = g.shape
+    out = torch.empty_like(g)
+    _cumsum_kernel[(triton.cdiv(T, chunk_size), B * H)](g.contiguous(), out, T, H, K, BT=chunk_size,
+                                                         BK=triton.next_power_of_2(K))
+    return out
+
+
 WRONG = {
     "08.kda_decode": [decode_returns_a_new_state, decode_in_torch],
-    "08.softmax_rows": [softmax_without_the_max, softmax_padded_with_zeros],
-    "08.softmax_online": [softmax_online_without_rescaling],
+    "08.softmax_rows": [softmax_without_the_max, softmax_padded_with_zeros, softmax_max_includes_the_padding],
+    "08.softmax_online": [softmax_online_without_rescaling, softmax_online_max_starts_at_zero],
     "08.scale_add": [scale_add_alpha_on_y, scale_add_one_program, scale_add_in_torch],
     "08.matmul": [matmul_without_the_k_loop, matmul_in_torch],
-    "08.l2norm_rows": [l2norm_in_torch, l2norm_eps_outside_sqrt, l2norm_unmasked_store_crashes],
-    "08.chunk_cumsum": [cumsum_one_chunk_for_all],
+    "08.l2norm_rows": [l2norm_in_torch, l2norm_eps_outside_sqrt, l2norm_unmasked_store_crashes,
+                      l2norm_store_runs_past_the_end],
+    "08.chunk_cumsum": [cumsum_one_chunk_for_all, cumsum_in_the_input_dtype],
     "08.kk_tile": [tile_factored_naively, tile_always_16_wide, tile_in_torch],
 }

@@ -90,10 +90,21 @@ def absorb_query_in_float32(q_nope, k_up):
     return torch.einsum("bthn,hnr->bthr", q_nope.float(), k_up.float())
 
 
+def probs_future_masked_with_minus_1e4(q_nope, q_rope, k_nope, k_rope, scale=None, start=0):
+    """Masks the future with −10⁴ instead of −inf: right until every visible score of a row is below −10⁴."""
+    if scale is None:
+        scale = (q_nope.shape[-1] + q_rope.shape[-1]) ** -0.5
+    nope = "bthn,bshn->bhts" if k_nope.dim() == 4 else "bthn,bsn->bhts"
+    scores = (torch.einsum(nope, q_nope, k_nope) + torch.einsum("bthe,bse->bhts", q_rope, k_rope)) * scale
+    T, S = scores.shape[-2:]
+    visible = torch.arange(S)[None, :] <= start + torch.arange(T)[:, None]
+    wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    return torch.softmax(wide.masked_fill(~visible, -1e4), dim=-1)
+
 WRONG = {
     "09.compress_kv": [compress_kv_norm_includes_rope, compress_kv_no_norm, compress_kv_eps_outside_sqrt],
     "09.attention_probs": [probs_scale_nope_only, probs_softmax_over_queries, probs_not_causal,
-                           probs_softmax_without_max, probs_in_input_dtype],
+                           probs_softmax_without_max, probs_in_input_dtype, probs_future_masked_with_minus_1e4],
     "09.absorb_query": [absorb_query_scaled, absorb_query_first_head, absorb_query_in_float32],
     "09.mla_cache_numbers": [cache_full_keys_and_values, cache_rope_per_head],
 }

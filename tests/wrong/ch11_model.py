@@ -84,10 +84,38 @@ def count_buffers_too(cfg):
     return total, sum(active for _, active in model.param_breakdown().values())
 
 
+def cache_doubles_the_length_not_the_capacity(buffer, length, rows):
+    """Grows to max(length + T, 2·length): the same as 2·capacity whenever the cache was full."""
+    end = length + rows.shape[1]
+    if end > buffer.shape[1]:
+        grown = buffer.new_zeros(buffer.shape[0], max(end, 2 * length), buffer.shape[2])
+        grown[:, :length] = buffer[:, :length]
+        buffer = grown
+    buffer[:, length:end] = rows
+    return buffer, end
+
+
+def cache_grows_in_the_default_dtype(buffer, length, rows):
+    """torch.zeros(...) without a dtype: a grown bf16 cache comes back float32."""
+    end = length + rows.shape[1]
+    if end > buffer.shape[1]:
+        grown = torch.zeros(buffer.shape[0], max(end, 2 * buffer.shape[1]), buffer.shape[2])
+        grown[:, :length] = buffer[:, :length]
+        buffer = grown
+    buffer[:, length:end] = rows
+    return buffer, end
+
+def count_with_the_ratios_layer_plan(cfg):
+    """Counts the model that the ratio kda_per_mla describes, as if the config had no explicit mla_layers."""
+    breakdown = K3Model.from_config(cfg.replace(mla_layers=None), device="meta").param_breakdown()
+    return sum(total for total, _ in breakdown.values()), sum(active for _, active in breakdown.values())
+
+
 WRONG = {
     "11.layer_schedule": [schedule_mla_first, schedule_last_layer_not_forced, schedule_one_dense_too_many],
     "11.decoder_layer": [layer_ffn_reads_before_the_mixer_writes, layer_queries_swapped,
                          layer_norm_after_the_sublayer],
-    "11.cache_write": [cache_concatenates, cache_grows_to_exactly_what_fits, cache_never_grows],
-    "11.param_count": [count_every_expert_as_active, count_buffers_too],
+    "11.cache_write": [cache_concatenates, cache_grows_to_exactly_what_fits, cache_never_grows,
+                    cache_doubles_the_length_not_the_capacity, cache_grows_in_the_default_dtype],
+    "11.param_count": [count_every_expert_as_active, count_buffers_too, count_with_the_ratios_layer_plan],
 }

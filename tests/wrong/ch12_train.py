@@ -56,7 +56,23 @@ def ngram_ignores_history(train, val, order, k=0.1):
     return _ngram(train, val, 1, k)
 
 
+def schedule_cosine_past_the_end(step, warmup_steps, total_steps, min_lr_ratio):
+    """Does not clamp the progress at 1: past the last step the cosine climbs back up."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def schedule_divides_by_the_decay_length(step, warmup_steps, total_steps, min_lr_ratio):
+    """Divides by total − warmup: ZeroDivisionError once the warmup is the whole run and the warmup is over."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
 WRONG = {
-    "12.lr_factor": [schedule_warmup_from_zero, schedule_cosine_to_zero, schedule_linear_decay],
+    "12.lr_factor": [schedule_warmup_from_zero, schedule_cosine_to_zero, schedule_linear_decay,
+                  schedule_cosine_past_the_end, schedule_divides_by_the_decay_length],
     "12.ngram_bits_per_byte": [ngram_in_nats, ngram_unnormalised, ngram_ignores_history],
 }

@@ -65,10 +65,29 @@ def combine_forgets_the_weights(returned, order, weights):
     return returned[inverse].view(m, k, -1).sum(1)
 
 
+def _unsorted_slots(returned, order, m, k):
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return returned[inverse].view(m, k, -1)  # [m, k, w]
+
+
+def combine_in_the_weights_dtype(returned, order, weights):
+    """weights[..., None] * slots: type promotion makes bf16 outputs with fp32 weights come back fp32."""
+    m, k = weights.shape
+    return (weights.unsqueeze(-1) * _unsorted_slots(returned, order, m, k)).sum(1)
+
+
+def combine_weighted_mean(returned, order, weights):
+    """Divides by the weights' sum: right only when each token's weights already sum to 1."""
+    m, k = weights.shape
+    total = torch.einsum("mk,mkw->mw", weights.to(returned.dtype), _unsorted_slots(returned, order, m, k))
+    return total / weights.sum(-1, keepdim=True).to(returned.dtype)
+
 WRONG = {
     "13.split_sizes": [splits_count_tokens_not_slots, splits_with_equal_blocks_rounded_up, splits_per_expert],
     "13.dispatch_permutation": [permutation_sorted_descending, permutation_token_major,
                                 permutation_sorted_by_token_index_last],
     "13.inverse_permutation": [inverse_is_the_permutation, inverse_reversed],
-    "13.combine": [combine_without_unsorting, combine_gathers_with_order, combine_forgets_the_weights],
+    "13.combine": [combine_without_unsorting, combine_gathers_with_order, combine_forgets_the_weights,
+                   combine_in_the_weights_dtype, combine_weighted_mean],
 }

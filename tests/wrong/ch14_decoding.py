@@ -1,5 +1,7 @@
 """Plausible wrong answers for chapter 14 (decoding at long context)."""
 
+import math
+
 from k3course import accounting
 
 
@@ -57,11 +59,18 @@ def extrapolate_from_end_points(contexts, seconds, target):
     return seconds[0] + slope * (target - contexts[0])
 
 
+def crossover_rounds_up(cfg, dtype_bytes=2):
+    """⌈s / gap⌉ instead of ⌊s / gap⌋ + 1: one token short when the division is exact (equal, not below)."""
+    per_token = accounting.kv_cache_bytes_per_token
+    gap = per_token(cfg.all_mla(), dtype_bytes) - per_token(cfg, dtype_bytes)
+    return math.ceil(accounting.recurrent_state_bytes(cfg, dtype_bytes) / gap)
+
+
 WRONG = {
     "14.kda_step_bytes": [kda_bytes_without_conv_tails, kda_bytes_state_in_activation_dtype,
                           kda_bytes_tails_all_k_wide],
     "14.mla_step_bytes": [mla_bytes_without_rope, mla_bytes_in_numbers],
     "14.crossover_context": [crossover_ignores_the_state, crossover_state_in_activation_dtype,
-                             crossover_against_all_mla_growth],
+                             crossover_against_all_mla_growth, crossover_rounds_up],
     "14.extrapolate_tpot": [extrapolate_through_origin, extrapolate_from_end_points],
 }

@@ -35,6 +35,7 @@ def _config_cases() -> list[Case]:
         Case("full-width experts (latent_dim None)", (_random_config(rng, latent_dim=None),)),
         Case("every expert chosen (top_k = n_routed)", (_random_config(rng, n_routed_experts=6, top_k=6),)),
         Case("one expert chosen of one", (_random_config(rng, n_routed_experts=1, top_k=1),)),
+        Case("explicit mla_layers", (_random_config(rng, n_layers=12, mla_layers=(1, 2)),)),
     ]
     return cases
 
@@ -48,7 +49,9 @@ def _kv_cases() -> list[Case]:
     cases += [Case(f"random config {i}", (_random_config(rng),), {"dtype_bytes": int(rng.choice([1, 2, 4]))})
               for i in range(6)]
     cases += [Case("all KDA: nothing grows", (K3Config(mla_layers=()),), {"dtype_bytes": 2}),
-              Case("no rope dims", (_random_config(rng, qk_rope_head_dim=0),), {"dtype_bytes": 2})]
+              Case("no rope dims", (_random_config(rng, qk_rope_head_dim=0),), {"dtype_bytes": 2}),
+              Case("explicit mla_layers (not the ratio's plan)",
+                   (_random_config(rng, n_layers=12, mla_layers=(0, 1, 5, 6, 7)),), {"dtype_bytes": 2})]
     return cases
 
 

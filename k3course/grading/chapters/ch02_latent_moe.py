@@ -29,10 +29,12 @@ def _combine_cases() -> list[Case]:
     out, weights = torch.randn(13, 4, 8, generator=g), torch.softmax(torch.randn(13, 4, generator=g), -1)
     up, norm = torch.randn(8, 16, generator=g), 1 + 0.1 * torch.randn(8, generator=g)
     single = (torch.randn(1, 1, 8, generator=g), torch.ones(1, 1), up, norm)
+    sigmoid = torch.sigmoid(torch.randn(13, 4, generator=g))
     return [Case("m=13, k=4, latent 8 -> d 16", (out, weights, up, norm)),
             Case("k=1, one token", single),
             Case("eps = 0.1", (out, weights, up, norm), {"eps": 0.1}),
             Case("tiny expert outputs (eps inside the square root)", (1e-4 * out, weights, up, norm)),
+            Case("tiny outputs, weights that do not sum to 1 (sigmoid router)", (1e-4 * out, sigmoid, up, norm)),
             Case("bfloat16 inputs keep their dtype", tuple(t.bfloat16() for t in (out, weights, up, norm)))]
 
 

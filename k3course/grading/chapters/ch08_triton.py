@@ -61,6 +61,8 @@ def _softmax_cases() -> list[Case]:
         Case("3 rows of 20 (masked tail)", (torch.randn(3, 20, generator=_generator(31)),)),
         Case("large logits (subtract the row max)", (100 * torch.randn(3, 24, generator=_generator(32)),)),
         Case("one column", (torch.randn(5, 1, generator=_generator(33)),)),
+        Case("rows all far below 0, 20 wide (not a power of two)",
+             (-1000 + 10 * torch.randn(3, 20, generator=_generator(37)),)),
     ]
 
 
@@ -71,6 +73,8 @@ def _online_cases() -> list[Case]:
              {"block": 32}),
         Case("large logits", (80 * torch.randn(2, 150, generator=_generator(35)),), {"block": 64}),
         Case("one block is the whole row", (torch.randn(4, 40, generator=_generator(36)),), {"block": 64}),
+        Case("rows all far below 0, 100 wide (not a multiple of the block)",
+             (-1000 + 10 * torch.randn(3, 100, generator=_generator(38)),), {"block": 64}),
     ]
 
 
@@ -96,6 +100,7 @@ def _cumsum_cases() -> list[Case]:
         Case("T = 1", (_log_decay(1, 2, 16, 2),), {"chunk_size": 32}),
         Case("batch 2, chunk 32", (-torch.rand(2, 40, 2, 8, generator=_generator(3)),), {"chunk_size": 32}),
         Case("long T = 200, chunk 64, strongest decay", (_log_decay(200, 2, 8, 4),), {"chunk_size": 64}),
+        Case("bfloat16 g: G is still fp32", (_log_decay(37, 1, 20, 5).bfloat16(),), {"chunk_size": 16}),
     ]
 
 

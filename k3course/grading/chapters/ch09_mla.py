@@ -39,8 +39,17 @@ def _probs_cases() -> list[Case]:
                                  _randn(g, batch, length, heads, nope), _randn(g, batch, length, rope))))
     large = tuple(20 * t for t in cases[0].args)
     cases.append(Case("large scores (the softmax must subtract its max)", large))
+    cases.append(Case("every score far below 0 (about -1e5)", _far_below_zero(g, 2, 5, 3, 4, 2)))
     cases.append(Case("bfloat16 inputs: weights in fp32", tuple(t.bfloat16() for t in cases[0].args)))
     return cases
+
+
+def _far_below_zero(g: torch.Generator, batch: int, length: int, heads: int, nope: int, rope: int):
+    """(q_nope, q_rope, k_nope, k_rope) whose scores q·k are all far below 0: q and k point opposite ways."""
+    direction = torch.ones(nope)
+    q_nope = 300 * direction + _randn(g, batch, length, heads, nope)
+    k_nope = -300 * direction + _randn(g, batch, length, heads, nope)
+    return q_nope, _randn(g, batch, length, heads, rope), k_nope, _randn(g, batch, length, rope)
 
 
 def _absorb_cases() -> list[Case]:

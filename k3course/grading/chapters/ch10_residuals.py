@@ -23,6 +23,7 @@ def _depth_cases() -> list[Case]:
     cases.append(Case("sources of very different size", (_randn(g, 8), scaled)))
     cases.append(Case("a large query (the softmax must subtract its max)", (100 * _randn(g, 8), _randn(g, 3, 2, 2, 8))))
     cases.append(Case("tiny sources (eps inside the square root)", (_randn(g, 8), 1e-5 * _randn(g, 3, 2, 2, 8))))
+    cases.append(Case("every score far below 0, 5 sources", (-100 * torch.ones(8), 1 + 0.1 * _randn(g, 5, 2, 3, 8))))
     cases.append(Case("float64 inputs keep their dtype", tuple(t.double() for t in cases[0].args)))
     return cases
 
@@ -50,6 +51,8 @@ def _read_cases() -> list[Case]:
                                  "block size 1 (Full)": (3, 1), "one block covers all": (6, 12)}.items():
         cases.append(Case(name, (_randn(g, 2, 3, 4), _outputs(g, count), _randn(g, 4), block)))
     cases.append(Case("zero query", (_randn(g, 2, 3, 4), _outputs(g, 5), torch.zeros(4), 2)))
+    cases.append(Case("every score far below 0", (1 + 0.1 * _randn(g, 2, 3, 4),
+                                                   [1 + 0.1 * o for o in _outputs(g, 5)], -100 * torch.ones(4), 2)))
     embedding, outputs, query, block = cases[0].args
     cases.append(Case("float64 inputs keep their dtype",
                       (embedding.double(), [o.double() for o in outputs], query.double(), block)))

@@ -60,7 +60,9 @@ def _cache_cases() -> list[Case]:
                                                  "exactly full": (6, 5, 1, torch.float32),
                                                  "one past capacity: doubles": (4, 4, 1, torch.float32),
                                                  "a long chunk: grows to fit": (4, 3, 9, torch.float32),
-                                                 "bf16 cache": (8, 2, 3, torch.bfloat16)}.items():
+                                                 "room left, but too little: grows": (8, 6, 3, torch.float32),
+                                                 "bf16 cache": (8, 2, 3, torch.bfloat16),
+                                                 "bf16 cache that grows": (4, 3, 2, torch.bfloat16)}.items():
         buffer = torch.zeros(2, capacity, 6, dtype=dtype)
         buffer[:, :length] = torch.randn(2, length, 6, generator=g).to(dtype)
         cases.append(Case(name, (buffer, length, torch.randn(2, new, 6, generator=g).to(dtype))))
@@ -79,6 +81,8 @@ def _count_cases() -> list[Case]:
             Case("tied embeddings", (tiny.replace(tie_embeddings=True),)),
             Case("no latent, no shared experts", (tiny.replace(latent_dim=None, n_shared_experts=0),)),
             Case("PreNorm (no AttnRes queries)", (tiny.replace(residual="prenorm"),)),
+            Case("explicit mla_layers (not the ratio's plan)",
+                 (K3Config.preset("small").replace(mla_layers=(0, 1, 2)),)),
             Case("Kimi K3", (K3Config.preset("kimi-k3"),))]
 
 

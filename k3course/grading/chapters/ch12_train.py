@@ -12,11 +12,12 @@ from k3course.train import lr_factor
 
 def _schedule_cases() -> list[Case]:
     cases = []
-    for step in (0, 3, 9, 10, 11, 55, 99, 100):
+    for step in (0, 3, 9, 10, 11, 55, 99, 100, 130):
         cases.append(Case(f"step {step} of 100, warmup 10", (step, 10, 100, 0.1)))
     cases.append(Case("no warmup, first step", (0, 0, 50, 0.0)))
     cases.append(Case("no warmup, floor 0.5", (30, 0, 50, 0.5)))
-    cases.append(Case("warmup is the whole run", (7, 20, 20, 0.1)))
+    for step in (7, 19, 20, 25):
+        cases.append(Case(f"warmup is the whole run (20 steps), step {step}", (step, 20, 20, 0.1)))
     return cases
 
 

@@ -41,7 +41,12 @@ def _combine_cases() -> list[Case]:
     weights = torch.softmax(torch.randn(11, 3, generator=g), -1)
     returned = torch.randn(33, 5, generator=g)
     one = torch.tensor([[2]])
+    sigmoid = torch.sigmoid(torch.randn(11, 3, generator=g))
     return [Case("m=11, k=3, w=5", (returned, dispatch_permutation(expert_idx), weights)),
+            Case("weights that do not sum to 1 (sigmoid router, not renormalised)",
+                 (returned, dispatch_permutation(expert_idx), sigmoid)),
+            Case("bfloat16 outputs, float32 weights: the output keeps the outputs' dtype",
+                 (returned.bfloat16(), dispatch_permutation(expert_idx), weights)),
             Case("k=1, one token", (torch.randn(1, 4, generator=g), dispatch_permutation(one), torch.ones(1, 1))),
             Case("float64 keeps its dtype", (returned.double(), dispatch_permutation(expert_idx), weights.double()))]
 

@@ -23,7 +23,8 @@ def _crossover_cases() -> list[Case]:
     tiny, k3 = K3Config.preset("tiny"), K3Config.preset("kimi-k3")
     return [Case("kimi-k3, bf16", (k3, 2)), Case("tiny, fp32", (tiny, 4)), Case("tiny, bf16", (tiny, 2)),
             Case("tiny with 1 KDA per MLA", (tiny.replace(kda_per_mla=1), 4)),
-            Case("kimi-linear-48b, bf16", (K3Config.preset("kimi-linear-48b"), 2))]
+            Case("kimi-linear-48b, bf16", (K3Config.preset("kimi-linear-48b"), 2)),
+            Case("the state is a whole number of tokens' growth (exact division)", (tiny.replace(kv_lora_rank=48), 2))]
 
 
 def _extrapolate_cases() -> list[Case]:

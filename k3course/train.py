@@ -131,7 +131,7 @@ def balance_experts(model: torch.nn.Module) -> dict:
     """
     per_layer = []
     for moe in model.moe_layers():
-        per_layer.append(float(moe.routing_stats()["max_violation"]))
+        per_layer.append(float(moe.load_statistics()["max_violation"]))
         moe.update_bias()
     return {"max_violation": max(per_layer, default=0.0), "max_violation_per_layer": per_layer}
 

@@ -85,11 +85,11 @@ def test_the_parallel_layer_keeps_the_plain_layers_names_with_its_block_of_exper
                 assert r["shapes"][name] == block, (case, name)
 
 
-def test_routing_stats_pool_the_ranks_into_the_one_process_statistics(world):
+def test_load_statistics_pool_the_ranks_into_the_one_process_statistics(world):
     P, cases, results = world
     for index, case in enumerate(cases[:4]):
         _, layer = _single_process(case)
-        want = layer.routing_stats()
+        want = layer.load_statistics()
         for r in (rank_results[index] for rank_results in results):
             got = r["routing"]
             assert torch.equal(got["load"], want["load"]) and got["tokens"] == want["tokens"], case

@@ -206,7 +206,7 @@ def test_layer_matches_reference_loop(name):
                            case.get("activation", "swiglu"), layer.route_scale)
     assert_close(y, want)
     if hot_expert is not None:
-        assert layer.routing_stats()["load"][hot_expert] == 37
+        assert layer.load_statistics()["load"][hot_expert] == 37
 
 
 GRADIENT_CASES = {
@@ -303,11 +303,11 @@ def test_bias_updates_in_training_and_is_frozen_in_eval():
     assert layer.update_bias() is False and torch.equal(layer.bias, torch.zeros(8))
     layer.train()
     layer(x)
-    assert layer.routing_stats()["load"].sum() == 64 * 2
+    assert layer.load_statistics()["load"].sum() == 64 * 2
     assert layer.update_bias() is True and layer.bias.abs().sum() > 0
     assert layer.update_bias() is False  # the same batch is not applied twice
     with pytest.raises(RuntimeError, match="since the last update_bias"):
-        layer.routing_stats()  # the record was used and cleared
+        layer.load_statistics()  # the record was used and cleared
     assert abs(float(layer.bias.mean())) < 1e-6
     frozen = layer.bias.clone()
     layer.eval()

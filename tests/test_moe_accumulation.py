@@ -37,8 +37,8 @@ def test_two_micro_batches_of_8_update_like_one_batch_of_16(balancing):
     for key in ("load", "scores"):
         got, want = split.balancing_statistics()[key], whole.balancing_statistics()[key]
         assert (got is None and want is None and balancing == "sign") or torch.equal(got, want)
-    assert split.routing_stats()["tokens"] == whole.routing_stats()["tokens"] == 16
-    assert split.routing_stats()["max_violation"] == whole.routing_stats()["max_violation"]
+    assert split.load_statistics()["tokens"] == whole.load_statistics()["tokens"] == 16
+    assert split.load_statistics()["max_violation"] == whole.load_statistics()["max_violation"]
     before = split.bias.clone()
     assert split.update_bias() is True and whole.update_bias() is True
     assert torch.equal(split.bias, whole.bias) and not torch.equal(split.bias, before)
@@ -62,7 +62,7 @@ def test_eval_records_nothing_and_reset_clears_the_record():
     layer(grid_tokens(8))
     assert layer.balancing_statistics()["tokens"] == 0 and layer.update_bias() is False
     with pytest.raises(RuntimeError, match="needs a forward in training mode"):
-        layer.routing_stats()
+        layer.load_statistics()
     layer.train()
     layer(grid_tokens(8))
     assert layer.balancing_statistics()["load"].sum() == 8 * 2
@@ -89,7 +89,7 @@ def test_top_k_equal_to_n_routes_to_every_expert_and_balancing_keeps_a_centred_b
     layer = grid_layer(balancing, top_k=8)
     y = layer(grid_tokens(12))
     assert y.shape == (12, 16) and torch.isfinite(y).all()
-    assert layer.routing_stats()["load"].tolist() == [12] * 8
+    assert layer.load_statistics()["load"].tolist() == [12] * 8
     before = layer.bias.clone()
     assert layer.update_bias() is True
     # every load equals the mean: the sign rule does not move; the quantile step only centres the bias

@@ -50,7 +50,7 @@ def parallelize_experts(module: nn.Module, group=None, dedup: bool = False,
     routed experts (``experts.gate_up`` [E_r, w, 2h], ``experts.down`` [E_r, h, w]); router, bias, shared
     experts, W↓, W↑ and the norm stay whole on every rank (replicated). The layer's dispatcher becomes an
     :class:`AllToAllDispatch` (``dedup``: send each token once per destination rank; ``histogram_bins``: the
-    bins of the pooled quantile step). Forward, backward, ``routing_stats`` and ``update_bias`` are then
+    bins of the pooled quantile step). Forward, backward, ``load_statistics`` and ``update_bias`` are then
     collectives: every rank calls them together, with its own tokens (zero included).
     """
     if not isinstance(module, nn.Module):

@@ -57,7 +57,7 @@ def forward_backward(rank: int, world_size: int, case: dict) -> dict:
             "expert_idx": expert_idx, "traffic": dict(layer.dispatcher.last_traffic),
             "local_expert_range": layer.dispatcher.local_expert_range,
             "shapes": {name: tuple(t.shape) for name, t in layer.state_dict().items()},
-            "routing": layer.routing_stats()}
+            "routing": layer.load_statistics()}
 
 
 def balancing_steps(rank: int, world_size: int, case: dict) -> dict:

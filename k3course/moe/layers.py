@@ -86,7 +86,7 @@ class MoE(nn.Module):
             loss_j = task_loss(y_j) + moe.aux_loss + w_z * moe.z_loss   # THIS micro-batch's losses, with grad
             (loss_j / A).backward()
         optimizer.step(); optimizer.zero_grad()
-        moe.routing_stats()      # load over all A micro-batches
+        moe.load_statistics()      # load over all A micro-batches
         moe.update_bias()        # the balancing rule on all A micro-batches, then the record is cleared
 
     Each training forward adds its routing to a record: per-expert token-slot counts (the sign rule and the
@@ -266,15 +266,15 @@ class MoE(nn.Module):
                        "latent_norm": as_np(self.latent_norm)}
         return params
 
-    def routing_stats(self) -> dict:
+    def load_statistics(self) -> dict:
         """Load, max-violation and entropy of the routing recorded since the last update (all micro-batches, and
         with parallel experts all ranks: the dispatcher pools the counts).
 
-        {'load': [n] counts, 'max_violation': float, 'entropy': float, 'tokens': int}; see :func:`load_statistics`.
+        {'load': [n] counts, 'max_violation': float, 'entropy': float, 'tokens': int}; see :func:`k3course.moe.stats.load_statistics`.
         """
         tokens, load = self.dispatcher.pool_counts(self.recorded_tokens, self.recorded_load.clone())
         if tokens == 0:
-            raise RuntimeError("routing_stats needs a forward in training mode since the last update_bias()")
+            raise RuntimeError("load_statistics needs a forward in training mode since the last update_bias()")
         return {**load_statistics(load), "tokens": tokens}
 
 

@@ -270,7 +270,8 @@ class MoE(nn.Module):
         """Load, max-violation and entropy of the routing recorded since the last update (all micro-batches, and
         with parallel experts all ranks: the dispatcher pools the counts).
 
-        {'load': [n] counts, 'max_violation': float, 'entropy': float, 'tokens': int}; see :func:`k3course.moe.stats.load_statistics`.
+        {'load': [n] counts, 'max_violation': float, 'entropy': float, 'tokens': int}; see
+        :func:`k3course.moe.stats.load_statistics`.
         """
         tokens, load = self.dispatcher.pool_counts(self.recorded_tokens, self.recorded_load.clone())
         if tokens == 0:

@@ -106,15 +106,23 @@ def softmax_padded_with_zeros(x):
 
 
 @triton.jit
-def _online_no_rescale_kernel(x_ptr, y_ptr, n_cols, BLOCK: tl.constexpr):
+def _online_softmax_kernel(x_ptr, y_ptr, n_cols, BLOCK: tl.constexpr, RESCALE: tl.constexpr,
+                           MAX_FROM_ZERO: tl.constexpr):
+    """The online softmax with one of two slips: no rescaling of s when the max grows (RESCALE=False), or a
+    running max that starts at 0 instead of −inf (MAX_FROM_ZERO=True)."""
     row = tl.program_id(0)
-    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+    if MAX_FROM_ZERO:
+        m = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    else:
+        m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
     s = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=-float("inf"))
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s + tl.sum(tl.exp(x - m_new), axis=0)  # the earlier terms were measured against the old max
+        if RESCALE:
+            s = s * tl.exp(m - m_new)
+        s = s + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -125,7 +133,7 @@ def _online_no_rescale_kernel(x_ptr, y_ptr, n_cols, BLOCK: tl.constexpr):
 def softmax_online_without_rescaling(x, block=64):
     """Forgets s ← s e^{m − m'} when the maximum grows: right only if the first block holds the row max."""
     y = torch.empty_like(x)
-    _online_no_rescale_kernel[(x.shape[0],)](x, y, x.shape[1], BLOCK=block)
+    _online_softmax_kernel[(x.shape[0],)](x, y, x.shape[1], BLOCK=block, RESCALE=False, MAX_FROM_ZERO=False)
     return y
 
 
@@ -260,27 +268,10 @@ def softmax_max_includes_the_padding(x):
     return y
 
 
-@triton.jit
-def _online_max_from_zero_kernel(x_ptr, y_ptr, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    m = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)  # the running max starts at 0, not −inf
-    s = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=-float("inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=-float("inf"))
-        tl.store(y_ptr + row * n_cols + cols, tl.exp(x - m) / s, mask=cols < n_cols)
-
-
 def softmax_online_max_starts_at_zero(x, block=64):
     """Starts the running max at 0: right while some entry of each row is above about −80, 0 / 0 below."""
     y = torch.empty_like(x)
-    _online_max_from_zero_kernel[(x.shape[0],)](x, y, x.shape[1], BLOCK=block)
+    _online_softmax_kernel[(x.shape[0],)](x, y, x.shape[1], BLOCK=block, RESCALE=True, MAX_FROM_ZERO=True)
     return y
 
 

@@ -96,14 +96,15 @@ def cache_doubles_the_length_not_the_capacity(buffer, length, rows):
 
 
 def cache_grows_in_the_default_dtype(buffer, length, rows):
-    """torch.zeros(...) without a dtype: a grown bf16 cache comes back float32."""
+    """Grows with torch.zeros(...) and no dtype: torch.cat promotes a grown bf16 cache to float32."""
+    batch, capacity, width = buffer.shape
     end = length + rows.shape[1]
-    if end > buffer.shape[1]:
-        grown = torch.zeros(buffer.shape[0], max(end, 2 * buffer.shape[1]), buffer.shape[2])
-        grown[:, :length] = buffer[:, :length]
-        buffer = grown
+    if end > capacity:
+        padding = torch.zeros(batch, max(end, 2 * capacity) - length, width)
+        buffer = torch.cat([buffer[:, :length], padding], dim=1)
     buffer[:, length:end] = rows
     return buffer, end
+
 
 def count_with_the_ratios_layer_plan(cfg):
     """Counts the model that the ratio kda_per_mla describes, as if the config had no explicit mla_layers."""

@@ -1,31 +1,38 @@
-"""bench step: where one K3 training step (forward + backward + AdamW) spends its time, by component.
+"""bench step: where one training step (forward + backward + AdamW + the MoE bias update) spends its time, by
+component, for a K3 preset and for the dense Transformer of equal active parameters beside it.
 
-The whole step is timed as the training loop runs it. Each component is then timed forward + backward on the
-exact inputs it saw in that step (captured by hooks), so the rows are the cost of that part of the model:
+Method — one clock, cut into rows. The step runs ``--repeats`` times under ``torch.profiler``; hooks open a named
+range around each part of the model (embedding, every mixer, norm and FFN, each decoder layer, the LM head, the
+model as a whole), the MoE layers open their own stage ranges (``moe.route`` …), and the step names the
+optimizer and the bias update. Every microsecond of the step is given to exactly one row:
 
-    embedding · KDA mixers · MLA mixers · dense FFN · the MoE layers, stage by stage · AttnRes (residual reads
-    and writes) + RMSNorms · LM head + loss · optimizer
+    forward    the innermost range open at that instant (a layer's own time, outside its mixer, norms and FFN,
+               is its residual reads and writes; the model's own time is the final read and the loss)
+    backward   the range whose forward created the autograd node being run (the profiler's sequence numbers)
+    neither    "other": Python between the parts, autograd's engine between nodes, zeroing the gradients
 
-The MoE layers' time (forward + backward of each layer on its input) is split over the stages the layer names
-as profiler ranges (route, down projection, dispatch, experts, combine, shared, and what runs outside them), in
-the shares a profiled run of the same call gives (:func:`~k3course.bench.range_seconds`): the real layer, not
-a copy of its forward. ``other`` is the step minus the sum of the rows (autograd bookkeeping, the parts'
-interaction with the cache of a larger working set); it is reported, not hidden. Ratios and shares come from
-one run.
+so the rows add up to the profiled step exactly and none is negative. The profiler's own cost is reported: the
+profiled step beside the same step timed without it (best of ``--repeats``).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from k3course.bench import add_options, apply_options, best_seconds, profile_calls, range_seconds
+from k3course.bench import add_options, apply_options, best_seconds, profile_calls
 from k3course.config import K3Config
+from k3course.lessons.claims import dense_transformer
 from k3course.model import K3Model
-from k3course.moe.layers import MoE
+
+STEP, OTHER = "step", "other"
+BACKWARD_EVENT = "autograd::engine::evaluate_function: "  # the profiler's name of an autograd node's backward
+MOE_STAGE = "moe."  # prefix of the ranges MoE.forward opens
 
 
 def _options(options: list[str]) -> argparse.Namespace:
@@ -33,6 +40,7 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"], help="K3Config presets to time")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--no-dense", action="store_true", help="leave out the dense Transformer of equal active size")
     parser.add_argument("--plot", default=None, help="save a stacked bar of the breakdown to this PNG")
     add_options(parser, threads=0, repeats=3)
     args = parser.parse_args(options)
@@ -42,99 +50,164 @@ def _options(options: list[str]) -> argparse.Namespace:
     return args
 
 
-def _fwd_bwd_call(fn, *inputs: torch.Tensor):
-    """A call of y = fn(*inputs); y.backward(ones) with fresh leaf copies of the inputs (the floating ones
-    require grad; integer inputs such as token ids pass through)."""
-    def run():
-        leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
-        out = fn(*leaves)
-        out = out[0] if isinstance(out, tuple) else out
-        out.backward(torch.ones_like(out))
-    return run
+# --- naming the parts: ranges opened by forward hooks -------------------------------------------------------
 
+@contextmanager
+def named_parts(labels: dict[nn.Module, str]):
+    """While open, each module of ``labels`` runs inside a profiler range named by its label (a forward pre-hook
+    opens it, the forward hook closes it), so nested modules give nested ranges."""
+    open_ranges: list = []
 
-def _fwd_bwd(fn, *inputs: torch.Tensor) -> float:
-    """Best time of :func:`_fwd_bwd_call` over 3 calls."""
-    return best_seconds(_fwd_bwd_call(fn, *inputs), repeats=3)
+    def enter(module, args, label):
+        open_ranges.append(torch.profiler.record_function(label))
+        open_ranges[-1].__enter__()
 
+    def leave(module, args, output):
+        open_ranges.pop().__exit__(None, None, None)
 
-def _capture(model: K3Model, tokens: torch.Tensor, targets: torch.Tensor) -> dict:
-    """The inputs each component saw in one training forward, and the sub-layer outputs in order."""
-    seen: dict = {"mixer_in": {}, "ffn_in": {}, "outputs": []}
     hooks = []
-    for index, layer in enumerate(model.layers):
-        hooks.append(layer.mixer.register_forward_pre_hook(
-            lambda m, args, i=index: seen["mixer_in"].__setitem__(i, args[0].detach())))
-        hooks.append(layer.ffn.register_forward_pre_hook(
-            lambda m, args, i=index: seen["ffn_in"].__setitem__(i, args[0].detach())))
-        for part in (layer.mixer, layer.ffn):
-            hooks.append(part.register_forward_hook(
-                lambda m, args, out: seen["outputs"].append((out[0] if isinstance(out, tuple) else out).detach())))
-    hooks.append(model.final_norm.register_forward_hook(lambda m, args, out: seen.__setitem__("hidden", out.detach())))
+    for module, label in labels.items():
+        hooks.append(module.register_forward_pre_hook(lambda m, a, label=label: enter(m, a, label)))
+        hooks.append(module.register_forward_hook(leave))
     try:
-        model(tokens, targets=targets)
+        yield
     finally:
         for hook in hooks:
             hook.remove()
-    return seen
 
 
-def _moe_parts(moe: MoE, x: torch.Tensor, calls: int = 2) -> dict[str, float]:
-    """The layer's forward + backward on x (best of 3), split over its profiler ranges in the shares of ``calls``
-    profiled calls: {"MoE <stage>": seconds, ..., "MoE outside the ranges": seconds}; the rows add up to the
-    layer's time."""
-    call = _fwd_bwd_call(moe, x)
-    whole = best_seconds(call, repeats=3)
-    events, profiled = profile_calls(call, calls)
-    shares = {stage: seconds / profiled for stage, seconds in range_seconds(events, "moe.", calls).items()}
-    shares["outside the ranges"] = 1 - sum(shares.values())
-    return {f"MoE {stage}": whole * share for stage, share in shares.items()}
+def model_labels(model: K3Model) -> dict[nn.Module, str]:
+    """The rows of a K3Model: {module: label}, the modules its forward calls."""
+    labels = {model: "final read + loss", model.embed: "embedding", model.final_norm: "RMSNorms"}
+    if model.lm_head is not None:
+        labels[model.lm_head] = "LM head"
+    for layer in model.layers:
+        labels[layer] = "residual reads + writes"
+        labels[layer.mixer_norm] = labels[layer.ffn_norm] = "RMSNorms"
+        labels[layer.mixer] = f"{layer.mixer_kind.upper()} mixers"
+        labels[layer.ffn] = "dense FFN" if layer.ffn_kind == "dense" else "MoE (outside its stages)"
+    return labels
 
 
-def _attnres_and_norms(model: K3Model, embedding: torch.Tensor, outputs: list[torch.Tensor]) -> float:
-    """The residual scheme's reads and writes plus the sub-layer RMSNorms, on the step's real sub-layer outputs."""
-    norms = [norm for layer in model.layers for norm in (layer.mixer_norm, layer.ffn_norm)]
+# --- cutting the clock ---------------------------------------------------------------------------------------
 
-    def stack(v0, *outs):
-        stream, total = model.residual.begin(v0), 0
-        for norm, out in zip(norms, outs):
-            total = total + norm(stream.read()).sum()
-            stream.write(out)
-        return model.final_norm(stream.final()).sum() + total
-    return _fwd_bwd(stack, embedding, *outputs)
+def _row_of_range(name: str, labels: set[str]) -> str | None:
+    """The row a profiler range belongs to: a part's label, a MoE stage ("moe.route" -> "MoE route"), or None."""
+    if name in labels:
+        return name
+    if name.startswith(MOE_STAGE):
+        return "MoE " + name[len(MOE_STAGE):]
+    return None
 
 
-def breakdown(cfg: K3Config, batch: int, seq: int, repeats: int) -> tuple[float, dict[str, float]]:
-    """(step seconds, {component: seconds}) for one AdamW training step of K3Model(cfg) on random tokens."""
-    torch.manual_seed(0)
-    model = K3Model.from_config(cfg).train()
+def _owner(event, labels: set[str]) -> str:
+    """The row of the innermost range around a forward op (OTHER outside every range)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        row = _row_of_range(parent.name, labels)
+        if row is not None:
+            return row
+        parent = parent.cpu_parent
+    return OTHER
+
+
+def attribute(events: list, labels: set[str]) -> list[dict[str, float]]:
+    """Seconds per row of each profiled step, in order (see the module docstring): each range's and each backward
+    node's exclusive time (its span minus the spans of the ranges and nodes directly inside it) goes to its row,
+    the step range's own exclusive time to OTHER. ``labels``: the part labels the hooks used (plus "optimizer"
+    and "MoE bias update", which the step opens)."""
+    owner_of_node = {}  # autograd sequence number -> row of the forward op that made the node
+    for event in events:
+        if event.sequence_nr >= 0 and not event.name.startswith(BACKWARD_EVENT):
+            owner_of_node.setdefault(event.sequence_nr, _owner(event, labels))
+
+    def row_of(event) -> str | None:
+        if event.name == STEP:
+            return OTHER
+        if event.name.startswith(BACKWARD_EVENT):
+            return owner_of_node.get(event.sequence_nr, OTHER)
+        return _row_of_range(event.name, labels)
+
+    def visit(event, row: str, rows: dict[str, float]) -> None:
+        """Give ``event``'s span to ``row``, less the spans of the row-carrying events directly inside it."""
+        inner = [(child, row_of(child)) for child in _row_carrying_children(event, row_of)]
+        own = event.time_range.elapsed_us() - sum(child.time_range.elapsed_us() for child, _ in inner)
+        rows[row] = rows.get(row, 0.0) + max(own, 0.0) / 1e6
+        for child, child_row in inner:
+            visit(child, child_row, rows)
+
+    steps = sorted((e for e in events if e.name == STEP and e.cpu_parent is None), key=lambda e: e.time_range.start)
+    per_step = []
+    for event in steps:
+        per_step.append({})
+        visit(event, OTHER, per_step[-1])
+    return per_step
+
+
+def _row_carrying_children(event, row_of: Callable) -> list:
+    """The nearest descendants of ``event`` that carry a row (looking through ops that do not)."""
+    found = []
+    for child in event.cpu_children:
+        if row_of(child) is not None:
+            found.append(child)
+        else:
+            found.extend(_row_carrying_children(child, row_of))
+    return found
+
+
+# --- a training step, profiled -------------------------------------------------------------------------------
+
+def training_step(model: K3Model, tokens: torch.Tensor) -> Callable[[], None]:
+    """One AdamW step as ``k3course train`` runs it (forward with targets, backward, step, bias update), each
+    call inside a range named STEP; the optimizer and the bias update in ranges of their own."""
     optimizer = torch.optim.AdamW(model.param_groups(0.1), lr=1e-3)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        model(inputs, targets=targets)[1].backward()
-        optimizer.step()
-    step_seconds = best_seconds(step, repeats=repeats)
-    seen = _capture(model, inputs, targets)
-    parts = {"embedding": _fwd_bwd(model.embed, inputs)}  # the lookup and its scatter-add into the table
-    for kind in ("kda", "mla"):
-        parts[f"{kind.upper()} mixers"] = sum(_fwd_bwd(layer.mixer, seen["mixer_in"][i])
-                                             for i, layer in enumerate(model.layers) if layer.mixer_kind == kind)
-    parts["dense FFN"] = sum(_fwd_bwd(layer.ffn, seen["ffn_in"][i])
-                             for i, layer in enumerate(model.layers) if layer.ffn_kind == "dense")
-    for i, layer in enumerate(model.layers):
-        if layer.ffn_kind == "moe":
-            for name, seconds in _moe_parts(layer.ffn, seen["ffn_in"][i]).items():
-                parts[name] = parts.get(name, 0.0) + seconds
-    parts["AttnRes + RMSNorms"] = _attnres_and_norms(model, model.embed(inputs).detach(), seen["outputs"])
-    head = model.lm_head or (lambda h: h @ model.embed.weight.T)
-    parts["LM head + loss"] = _fwd_bwd(
-        lambda h: F.cross_entropy(head(h).flatten(0, 1), targets.flatten()), seen["hidden"])
-    parts["optimizer"] = best_seconds(optimizer.step, repeats=repeats)
-    parts["other"] = step_seconds - sum(parts.values())
-    return step_seconds, parts
+    def step() -> None:
+        with torch.profiler.record_function(STEP):
+            optimizer.zero_grad(set_to_none=True)
+            model(inputs, targets=targets)[1].backward()
+            with torch.profiler.record_function("optimizer"):
+                optimizer.step()
+            with torch.profiler.record_function("MoE bias update"):
+                for moe in model.moe_layers():
+                    moe.update_bias()
+    return step
+
+
+def profile_step(step: Callable[[], None], labels: dict[nn.Module, str], repeats: int) -> dict:
+    """{"step": seconds of the fastest of ``repeats`` steps unprofiled, "profiled": seconds of the fastest of
+    ``repeats`` profiled steps, "rows": {row: seconds} of that profiled step (they add up to it)}, after two
+    warm-up steps. The fastest step of each kind: the one least disturbed by other processes."""
+    step()
+    step()
+    seconds = best_seconds(step, repeats=repeats)
+    with named_parts(labels):
+        events, _ = profile_calls(step, repeats)
+    per_step = attribute(events, set(labels.values()) | {"optimizer", "MoE bias update"})
+    rows = min(per_step, key=lambda rows: sum(rows.values()))
+    return {"step": seconds, "profiled": sum(rows.values()), "rows": rows}
+
+
+def breakdown(cfg: K3Config, batch: int, seq: int, repeats: int) -> dict:
+    """:func:`profile_step` of K3Model(cfg) on seeded random tokens [batch, seq + 1]."""
+    torch.manual_seed(0)
+    model = K3Model.from_config(cfg).train()
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    return profile_step(training_step(model, tokens), model_labels(model), repeats)
+
+
+# --- report --------------------------------------------------------------------------------------------------
+
+def report(name: str, result: dict, tokens: int) -> str:
+    """The table of one model: rows in ms and as shares of the profiled step, which they add up to."""
+    rows, profiled = result["rows"], result["profiled"]
+    lines = [f"{name}: {result['step'] * 1e3:.1f} ms per step unprofiled, {tokens / result['step']:,.0f} tokens/s; "
+             f"profiled {profiled * 1e3:.1f} ms (the profiler's cost: {profiled / result['step'] - 1:+.0%})"]
+    for row, seconds in sorted(rows.items(), key=lambda item: -item[1]):
+        lines.append(f"  {row:<28} {seconds * 1e3:9.1f} ms  {seconds / profiled:6.1%}")
+    lines.append(f"  {'sum of the rows':<28} {sum(rows.values()) * 1e3:9.1f} ms  {sum(rows.values()) / profiled:6.1%}")
+    return "\n".join(lines)
 
 
 def _plot(results: dict, path: str) -> None:
@@ -142,16 +215,17 @@ def _plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    names = list(next(iter(results.values()))[1])
-    for column, (step_seconds, parts) in enumerate(results.values()):
+    names = sorted({row for result in results.values() for row in result["rows"]})
+    fig, ax = plt.subplots(figsize=(1.6 * len(results) + 4, 4.5))
+    for column, result in enumerate(results.values()):
         bottom = 0.0
-        for index, name in enumerate(names):
-            share = max(parts[name], 0.0) / step_seconds
-            ax.bar(column, share, bottom=bottom, color=plt.cm.tab20(index), label=name if column == 0 else None)
-            bottom += share
-    ax.set_xticks(range(len(results)), list(results))
-    ax.set_ylabel("share of one training step")
+        for index, row in enumerate(names):
+            milliseconds = result["rows"].get(row, 0.0) * 1e3
+            ax.bar(column, milliseconds, bottom=bottom, color=plt.cm.tab20(index % 20),
+                   label=row if column == 0 else None)
+            bottom += milliseconds
+    ax.set_xticks(range(len(results)), list(results), fontsize=8)
+    ax.set_ylabel("ms per training step (profiled)")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -159,19 +233,19 @@ def _plot(results: dict, path: str) -> None:
 
 def main(options: list[str]) -> int:
     args = _options(options)
-    print(f"settings: {apply_options(args.threads, args.return_freed_memory)}")
+    print(f"settings: {apply_options(args.threads, args.return_freed_memory)}; {torch.get_num_threads()} thread(s)")
     results = {}
     for preset in args.presets:
         cfg = K3Config.preset(preset)
-        start = time.perf_counter()
-        step_seconds, parts = breakdown(cfg, args.batch, args.seq, args.repeats)
-        results[preset] = (step_seconds, parts)
-        tokens = args.batch * args.seq
-        print(f"{preset}: one AdamW step on {args.batch} x {args.seq} tokens, {torch.get_num_threads()} CPU "
-              f"thread(s): {step_seconds * 1e3:.0f} ms, {tokens / step_seconds:,.0f} tokens/s "
-              f"(bench took {time.perf_counter() - start:.0f} s)")
-        for name, seconds in parts.items():
-            print(f"  {name:<32} {seconds * 1e3:9.1f} ms  {seconds / step_seconds:6.1%}")
+        models = {preset: cfg} if args.no_dense else {preset: cfg, f"dense ({preset})": dense_transformer(cfg)}
+        for name, model_cfg in models.items():
+            start = time.perf_counter()
+            results[name] = breakdown(model_cfg, args.batch, args.seq, args.repeats)
+            took = time.perf_counter() - start
+            print(report(name, results[name], args.batch * args.seq) + f"\n  (took {took:.0f} s)")
+        if not args.no_dense:
+            ratio = results[preset]["step"] / results[f"dense ({preset})"]["step"]
+            print(f"{preset} / dense of equal active parameters: {ratio:.2f}x per training step (unprofiled)")
     if args.plot:
         _plot(results, args.plot)
         print(f"plot saved to {args.plot}")

@@ -718,12 +718,12 @@ def train_command(preset_name: str | None = None, out: Path | str | None = None,
                f"rate follows the warmup + cosine of a {extend_to}-step run); not the same as a straight "
                f"{extend_to}-step run")
     began = time.perf_counter()
-    run(config.model, config.train, out, resume, device=device, progress=progress, options=config.run,
+    corpus = run_corpus(config.run)
+    run(config.model, config.train, out, resume, corpus, device, progress, options=config.run,
         extend=extend_to is not None)
     final = _Metrics.read(out)[-1]
     return {"out": str(out), "step": final["step"], "val_bpb": final.get("val_bpb"), "started_at": started_at,
-            "seconds": time.perf_counter() - began, "baselines": data.baselines(run_corpus(config.run)),
-            "config": config}
+            "seconds": time.perf_counter() - began, "baselines": data.baselines(corpus), "config": config}
 
 
 def generate_command(checkpoint_path: Path | str, prompt: str, max_new_tokens: int = 200,

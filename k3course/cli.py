@@ -67,6 +67,7 @@ def _bench(args) -> int:
 
 
 def _set_threads(args) -> None:
+    """``--threads N``: torch's CPU threads for this process (left alone when not given)."""
     if args.threads is not None:
         import torch
 
@@ -193,6 +194,7 @@ def _doctor(args) -> int:
 
 
 def _positive_int(text: str) -> int:
+    """argparse type of the options that count something (threads, steps to extend to, bytes): an int ≥ 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int ≥ 1, got {value}")

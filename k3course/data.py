@@ -191,6 +191,7 @@ GLOB_CHARS = "*?["
 
 
 def _is_hidden(relative: Path) -> bool:
+    """Whether a path inside a folder is hidden: a part starting with '.', or __pycache__."""
     return any(part.startswith(".") or part == "__pycache__" for part in relative.parts)
 
 
@@ -204,8 +205,8 @@ def _is_text(path: Path, option: str) -> bool:
 
 
 def _walk(folder: Path, base: Path) -> list[tuple[Path, str]]:
-    """Every file under ``folder`` that is not hidden (no part starting with '.', no __pycache__), with its path
-    relative to ``base`` as the split key."""
+    """Every file under ``folder`` that is not hidden (:func:`_is_hidden`), with its path relative to ``base`` as
+    the split key."""
     return [(file, file.relative_to(base).as_posix()) for file in sorted(folder.rglob("*"))
             if file.is_file() and not _is_hidden(file.relative_to(folder))]
 

@@ -11,7 +11,8 @@ The package is a house of floors, each importing only the floors below it (the c
     5  accounting, checkpoint                       costs from the dimensions; safetensors run folders
     6  distributed/                                 expert parallelism: exchanges around the expert bank
     7  train                                        the one training loop (one process or P ranks)
-    8  lessons/                                     lesson tasks, chapter-12 claims and experiments
+    8  lessons/, runs                               lesson tasks, chapter-12 claims and experiments; run folders as
+                                                    a tool (evaluate a checkpoint, compare runs)
     9  bench/                                       benchmarks
     10 grading/, doctor                             the exercises' checks; what this machine unlocks
     11 cli                                          the ``k3course`` command

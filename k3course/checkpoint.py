@@ -53,6 +53,17 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def find_checkpoint(path: Path | str) -> Path:
+    """``path`` itself when it is a checkpoint folder, else the latest checkpoint of the run folder ``path``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint: no folder at {path}")
+    folder = path if (path / "config.json").exists() else latest_checkpoint(path)
+    if folder is None:
+        raise CheckpointError(f"checkpoint: {path} holds no checkpoint (step-NNNNNN folders)")
+    return folder
+
+
 def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer, scheduler, config: dict) -> Path:
     """Write the checkpoint of ``step`` into ``out`` atomically; returns its folder.
 

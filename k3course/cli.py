@@ -1,4 +1,4 @@
-"""The ``k3course`` command: doctor, build-exercises, progress, bench, train, generate, experiments."""
+"""The ``k3course`` command: doctor, build-exercises, progress, bench, train, generate, eval, runs, experiments."""
 
 from __future__ import annotations
 
@@ -66,35 +66,61 @@ def _bench(args) -> int:
     return importlib.import_module(f"k3course.bench.{args.name}").main(args.options) or 0
 
 
+def _set_threads(args) -> None:
+    """``--threads N``: torch's CPU threads for this process (left alone when not given)."""
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def _train_flags(args) -> list[tuple[str, str, object]]:
+    """The shorthand options as (flag, section.field, value), applied after --config and before --set."""
+    flags = [("--steps", "train.steps", args.steps), ("--seed", "train.seed", args.seed),
+             ("--data", "run.data", args.data and tuple(args.data)), ("--val", "run.val", args.val and tuple(args.val)),
+             ("--dtype", "run.dtype", args.dtype)]
+    return [flag for flag in flags if flag[2] is not None]
+
+
 def _train(args) -> int:
     from k3course.checkpoint import CheckpointError
-    from k3course.train import train_command
+    from k3course.train import TrainingInterrupted, configure, train_command
 
-    if args.ep > 1:
-        return _train_expert_parallel(args)
+    _set_threads(args)
+    options = dict(config_file=args.config, flags=_train_flags(args), sets=args.set, resume=args.resume,
+                   extend_to=args.extend_to)
     try:
-        summary = train_command(args.preset, args.steps, args.out, args.resume, args.device)
+        if args.print_config:
+            print(configure(args.preset, args.out, **options)[0].toml(), end="")
+            return 0
+        if args.ep > 1:
+            return _train_expert_parallel(args, options)
+        summary = train_command(args.preset, args.out, device=args.device, notice=print, **options)
+    except TrainingInterrupted as stopped:
+        print(stopped, file=sys.stderr)
+        return 128 + stopped.signum
     except (ValueError, OSError, CheckpointError) as error:
         print(error, file=sys.stderr)
         return 2
+    if args.resume and summary["started_at"] == summary["step"]:
+        print(f"{summary['out']} is finished (step {summary['step']}): nothing to resume; --extend-to N trains it "
+              "further")
+        return 0
     trigram = summary["baselines"]["trigram"]
     print(f"step {summary['step']}: validation {summary['val_bpb']:.3f} bits/byte (byte trigram {trigram:.3f}) "
           f"in {summary['seconds'] / 60:.1f} min; checkpoints, metrics.jsonl and loss.png in {summary['out']}")
     return 0
 
 
-def _train_expert_parallel(args) -> int:
-    from k3course.train import train_expert_parallel
+def _train_expert_parallel(args, options: dict) -> int:
+    from k3course.train import configure, train_expert_parallel
 
-    if args.resume or args.device != "cpu":
-        print("--ep runs P local gloo processes on the CPU from scratch (no --resume, no --device; on GPUs use "
-              "torchrun --standalone -m k3course.train)", file=sys.stderr)
+    if args.resume or args.extend_to is not None or args.device != "cpu":
+        print("--ep runs P local gloo processes on the CPU from scratch (no --resume, --extend-to or --device; on "
+              "GPUs use torchrun --standalone -m k3course.train)", file=sys.stderr)
         return 2
-    try:
-        summary = train_expert_parallel(args.preset, args.ep, args.steps, args.out)
-    except (ValueError, OSError) as error:
-        print(error, file=sys.stderr)
-        return 2
+    out = args.out or f"runs/{args.preset or 'tiny'}-ep{args.ep}"
+    summary = train_expert_parallel(configure(args.preset, out, **options)[0], args.ep, out)
     print(f"step {summary['step']} on {args.ep} expert-parallel ranks: loss {summary['loss']:.4f}; "
           f"one-process checkpoint and metrics.jsonl in {summary['out']}")
     return 0
@@ -104,13 +130,48 @@ def _generate(args) -> int:
     from k3course.checkpoint import CheckpointError
     from k3course.train import generate_command
 
+    _set_threads(args)
     try:
-        text = generate_command(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                                args.seed)
+        pieces = generate_command(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                                  args.seed)
     except (ValueError, CheckpointError) as error:
         print(error, file=sys.stderr)
         return 2
-    print(text)
+    if not args.stream:
+        print("".join(pieces))
+        return 0
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    print()
+    return 0
+
+
+def _eval(args) -> int:
+    from k3course.checkpoint import CheckpointError
+    from k3course.runs import eval_report, evaluate_checkpoint
+
+    _set_threads(args)
+    try:
+        result = evaluate_checkpoint(args.checkpoint, args.data or (), args.eval_bytes, args.device)
+    except (ValueError, OSError, CheckpointError) as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(eval_report(result))
+    return 0
+
+
+def _runs(args) -> int:
+    from k3course.checkpoint import CheckpointError
+    from k3course.runs import compare_runs, runs_table
+
+    try:
+        rows, plot = compare_runs(args.runs, args.plot)
+    except (ValueError, OSError, CheckpointError) as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(runs_table(rows))
+    print(f"validation curves: {plot}")
     return 0
 
 
@@ -132,6 +193,56 @@ def _doctor(args) -> int:
     return doctor_main()
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of the options that count something (threads, steps to extend to, bytes): an int ≥ 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int ≥ 1, got {value}")
+    return value
+
+
+TRAIN_EPILOG = """order: the preset, then --config, then --steps/--seed/--data/--val/--dtype, then --set (later wins).
+--resume continues an interrupted run exactly (Ctrl-C or SIGTERM writes a checkpoint at the next step and prints
+the command); --extend-to N trains a finished or interrupted run on to step N on a new schedule tail (not the
+same as a straight N-step run). Every field of the three tables, with the tiny preset's values:
+
+"""
+
+
+def _add_train(sub) -> None:
+    """``k3course train`` and its options; the help lists each option's default and every config field."""
+    from k3course.train import RunConfig, train_preset
+
+    fields = RunConfig(*train_preset("tiny")).toml().split("\n", 2)[2]
+    train = sub.add_parser("train", help="train a K3 on the stdlib's source bytes or on your own text",
+                           epilog=TRAIN_EPILOG + fields, formatter_class=argparse.RawDescriptionHelpFormatter)
+    option = train.add_argument
+    option("--preset", default=None, help="training preset: tiny (CPU, ≤ 10 min) or small (one GPU) "
+                                          "(default: the config file's preset, else tiny)")
+    option("--config", default=None, metavar="TOML", help="a run config: preset = ..., [model], [train], [run] "
+                                                          "(default: none)")
+    option("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+           help="override any field: model.d_model=64, train.lr=1e-3, run.dtype=bfloat16 (section optional when "
+                "the name is unique; default: none)")
+    option("--steps", type=int, default=None, help="total optimizer steps of the run (default: the preset's)")
+    option("--data", nargs="+", default=None, metavar="PATH",
+           help="your text: files, folders, globs, split by file hash (default: the stdlib's .py files)")
+    option("--val", nargs="+", default=None, metavar="PATH",
+           help="validation files for --data, instead of the hash split (default: none)")
+    option("--dtype", choices=("float32", "bfloat16"), default=None,
+           help="bfloat16: autocast forward, fp32 weights and KDA states (default: float32)")
+    option("--seed", type=int, default=None, help="initialisation and batch seed (default: the preset's, 0)")
+    option("--out", default=None, help="run folder for checkpoints and metrics (default: runs/PRESET)")
+    option("--resume", action="store_true", help="continue the interrupted run in --out exactly (default: off)")
+    option("--extend-to", type=_positive_int, default=None, metavar="N",
+           help="train the run in --out on to step N: a new schedule tail (default: none)")
+    option("--print-config", action="store_true", help="print the resolved config as TOML and stop (default: off)")
+    option("--device", default="cpu", help="torch device: cpu, cuda (default: cpu)")
+    option("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    option("--ep", type=int, default=1, help="expert-parallel ranks: spawn P local gloo processes (default: 1)")
+    train.set_defaults(run=_train)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="k3course", description="Rebuild Kimi K3 from NumPy to Triton.")
     sub = top.add_subparsers(dest="command", required=True)
@@ -148,14 +259,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="which benchmark (moe, kda, kernels, ...)")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(run=_bench)
-    train = sub.add_parser("train", help="train a K3 preset on the standard library's source bytes")
-    train.add_argument("--preset", default="tiny", help="training preset: tiny (CPU, ≤ 10 min) or small (one GPU)")
-    train.add_argument("--steps", type=int, default=None, help="total optimizer steps of the run")
-    train.add_argument("--out", default=None, help="run folder for checkpoints and metrics (default runs/PRESET)")
-    train.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    train.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    train.add_argument("--ep", type=int, default=1, help="expert-parallel ranks: spawn P local gloo processes")
-    train.set_defaults(run=_train)
+    _add_train(sub)
     generate = sub.add_parser("generate", help="continue a prompt with a trained checkpoint")
     generate.add_argument("--checkpoint", required=True, help="a step-NNNNNN folder, or a run folder (latest)")
     generate.add_argument("--prompt", default="def ", help="text to continue (UTF-8)")
@@ -163,7 +267,22 @@ def parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     generate.add_argument("--top-k", type=int, default=None, help="sample among the k most likely bytes")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed")
+    generate.add_argument("--stream", action="store_true", help="print each byte as it is sampled")
+    generate.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     generate.set_defaults(run=_generate)
+    evaluate = sub.add_parser("eval", help="bits/byte of a checkpoint beside the n-gram baselines of the same bytes")
+    evaluate.add_argument("--checkpoint", required=True, help="a step-NNNNNN folder, or a run folder (latest)")
+    evaluate.add_argument("--data", nargs="+", default=None, metavar="PATH",
+                          help="text files, folders or globs to score (default: the run's validation split)")
+    evaluate.add_argument("--eval-bytes", type=_positive_int, default=None,
+                          help="bytes to score, in evenly spaced windows (default: the run's train.eval_bytes)")
+    evaluate.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    evaluate.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    evaluate.set_defaults(run=_eval)
+    runs = sub.add_parser("runs", help="tabulate runs and plot their validation curves in one PNG")
+    runs.add_argument("runs", nargs="+", metavar="RUN", help="run folders (as k3course train --out writes them)")
+    runs.add_argument("--plot", default="runs.png", help="where to write the PNG")
+    runs.set_defaults(run=_runs)
     experiments = sub.add_parser("experiments", help="re-run a saved experiment of chapter 12 (results as JSON)")
     experiments.add_argument("name", help="which experiment: " + ", ".join(_experiment_names()))
     experiments.add_argument("--jobs", type=int, default=1,

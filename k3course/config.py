@@ -2,13 +2,25 @@
 
 One dataclass describes every model in the course, from the four reference models (DeepSeek-V3, Kimi K2,
 Kimi Linear 48B, Kimi K3) down to the ``tiny`` and ``small`` presets that train on a laptop CPU. What a
-config costs (parameters, cache bytes, FLOPs) is computed from it in :mod:`k3course.accounting`.
+config costs (parameters, cache bytes, FLOPs) is computed from it in :mod:`k3course.accounting`. The end of the
+module reads any dataclass's fields from TOML and ``key=value`` text, typed and validated (``k3course train
+--config / --set``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
+import sys
+import types
+import typing
 from dataclasses import dataclass
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser as a package (a dependency there)
+    import tomli as tomllib
 
 ROUTER_SCORES = ("sigmoid", "softmax")
 BALANCING = ("quantile", "sign", "aux_loss", "none")
@@ -248,3 +260,133 @@ PUBLISHED_PARAMS: dict[str, tuple[float, float]] = {
     "kimi-linear-48b": (48e9, 3e9),
     "kimi-k3": (2.78e12, 104e9),
 }
+
+
+# --- settings from text: TOML files and key=value overrides (k3course train --config / --set) ---------------
+
+NONE_WORDS = ("none", "null")  # how TOML and the command line write None (TOML has no null)
+
+
+def field_types(cls) -> dict[str, object]:
+    """The annotation of each field of dataclass ``cls``, resolved (``int | None``, ``tuple[int, ...]``, ...)."""
+    return typing.get_type_hints(cls)
+
+
+def describe_type(annotation) -> str:
+    """How an error names the type: ``int | None`` -> 'an int or "none"', ``tuple[int, ...]`` -> 'a list of ints'."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (types.UnionType, typing.Union):
+        return " or ".join(describe_type(a) for a in args if a is not type(None)) + ' or "none"'
+    if typing.get_origin(annotation) is tuple:
+        if args[-1] is Ellipsis:
+            return f"a list of {describe_type(args[0]).split(' ', 1)[1]}s"
+        return f"a list of {len(args)} {describe_type(args[0]).split(' ', 1)[1]}s"
+    return {int: "an int", float: "a number", bool: "a bool (true or false)", str: "a string"}[annotation]
+
+
+class _Mismatch(Exception):
+    """A value that is not of the annotated type (turned into a ValueError naming the field)."""
+
+
+def _convert(annotation, value):
+    """``value`` as ``annotation``'s type, or raise :class:`_Mismatch`; ints are not bools, numbers become floats."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (types.UnionType, typing.Union):
+        if isinstance(value, str) and value.lower() in NONE_WORDS:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value)
+    if typing.get_origin(annotation) is tuple:
+        if isinstance(value, str) and args == (str, Ellipsis):
+            value = [value]  # one path is a list of one
+        if not isinstance(value, list | tuple) or (args[-1] is not Ellipsis and len(value) != len(args)):
+            raise _Mismatch
+        item_types = [args[0]] * len(value) if args[-1] is Ellipsis else args
+        return tuple(_convert(a, v) for a, v in zip(item_types, value))
+    if annotation is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not annotation:
+        raise _Mismatch
+    return value
+
+
+def coerce_value(annotation, value, key: str):
+    """``value`` (as TOML reads it) converted to the type ``annotation`` names; otherwise a ValueError naming
+    ``key`` and the expected type. ``"none"`` is None for an optional field; a string is a list of one string."""
+    try:
+        return _convert(annotation, value)
+    except _Mismatch:
+        raise ValueError(f"{key} expects {describe_type(annotation)}, got {value!r}") from None
+
+
+def toml_document(text: str) -> dict:
+    """``text`` read as TOML; a ValueError saying where it is not TOML."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"not valid TOML: {error}") from None
+
+
+def _accepts_str(annotation) -> bool:
+    return str in typing.get_args(annotation) or annotation is str
+
+
+def value_from_text(annotation, text: str, key: str):
+    """A command-line value (``--set key=TEXT``) read as a TOML value (``3``, ``1e-3``, ``true``, ``[0, 3]``,
+    ``"x"``), or as the bare text when it is not one; for a string field the text itself (``name=123``)."""
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    if (annotation is str or _accepts_str(annotation)) and not isinstance(value, str | list):
+        value = text
+    return coerce_value(annotation, value, key)
+
+
+def check_field_names(cls, names, section: str, where: str) -> None:
+    """A ValueError naming the first of ``names`` that is not a field of dataclass ``cls``, with the closest
+    field names (or all of them)."""
+    known = field_types(cls)
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else f"; its fields are {', '.join(known)}"
+            raise ValueError(f"{where}: [{section}] has no field {name!r}{hint}")
+
+
+def with_settings(obj, settings: dict, section: str, where: str):
+    """A copy of dataclass instance ``obj`` with ``settings`` {field: value} converted to the fields' types and
+    validated by its class. Errors are ValueErrors that begin with ``where`` (a file, a flag) and name
+    ``section.field``: an unknown field (with the closest names), a wrong type, a value out of range."""
+    known = field_types(type(obj))
+    check_field_names(type(obj), settings, section, where)
+    changes = {name: coerce_value(known[name], value, f"{section}.{name}") for name, value in settings.items()}
+    try:
+        return dataclasses.replace(obj, **changes)
+    except (TypeError, ValueError) as error:
+        first = str(error).split()[0]
+        raise ValueError(f"{where}: {section}.{error}" if first in known else f"{where}: {section}: {error}") from error
+
+
+def _toml_value(value) -> str:
+    if value is None:
+        return '"none"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    return repr(value)  # int, or float (repr gives TOML's 1e-05, inf, nan)
+
+
+def toml_text(sections: dict[str, object]) -> str:
+    """TOML for ``{section: dataclass instance}``: one table per section with every field (None as "none"),
+    which :func:`with_settings` reads back to the same instances."""
+    tables = []
+    for section, obj in sections.items():
+        rows = [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)]
+        tables.append(f"[{section}]\n" + "\n".join(rows) + "\n")
+    return "\n".join(tables)

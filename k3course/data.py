@@ -5,7 +5,8 @@ downloaded), test packages and site-packages excluded, split into train and vali
 on the file's sha256 (so no function is half in each split). Each split is one uint8 array on disk (token =
 byte, vocabulary 256), built once into a cache folder and memory-mapped after; training reads fixed-length
 windows from it. The n-gram and ``lzma`` baselines are scored on the same validation bytes, in bits per byte:
-a model's cross-entropy ℓ (nats per byte) is ℓ / ln 2 bits per byte.
+a model's cross-entropy ℓ (nats per byte) is ℓ / ln 2 bits per byte. Your own text (:func:`text_corpus`: files,
+folders, globs) is split and cached the same way; the stdlib stays the default.
 
 Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"; the synthetic task Kimi Linear uses):
 a sequence first lists key-value pairs, then asks for some of the keys again; at each query the model must
@@ -15,6 +16,7 @@ retrieves them by content, which is what separates the token mixers of chapters 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import lzma
@@ -116,7 +118,8 @@ def cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class ByteCorpus:
-    """Train and validation bytes of the stdlib corpus as read-only memory maps (uint8, token = byte)."""
+    """Train and validation bytes of a corpus (the stdlib's, or your text) as read-only memory maps (uint8, token =
+    byte); ``meta`` describes what was read (``meta["key"]`` names the cache folder)."""
 
     train: np.ndarray
     val: np.ndarray
@@ -137,10 +140,28 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(temporary, path)
 
 
-def _read_split(root: Path, files: list[str]) -> bytes:
-    """Concatenation of the files' bytes, each followed by FILE_SEPARATOR."""
+def _read_split(paths: list[Path]) -> bytes:
+    """Concatenation of the files' bytes (NUL bytes dropped), each followed by FILE_SEPARATOR."""
     separator = bytes([FILE_SEPARATOR])
-    return b"".join((root / name).read_bytes().replace(separator, b"") + separator for name in files)
+    return b"".join(path.read_bytes().replace(separator, b"") + separator for path in paths)
+
+
+def _cached_corpus(folder: Path, splits: dict[str, list[Path]], meta: dict) -> ByteCorpus:
+    """The corpus in ``folder``: built once from ``splits`` {"train": paths, "val": paths} (each split's bytes,
+    then ``meta.json`` = ``meta`` + the split sizes, written last: a half-built cache is rebuilt, never read),
+    memory-mapped after."""
+    meta_path = folder / "meta.json"
+    if not meta_path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        sizes = {}
+        for split, paths in splits.items():
+            data = _read_split(paths)
+            _atomic_write(folder / f"{split}.bin", data)
+            sizes[split] = {"files": len(paths), "bytes": len(data)}
+        _atomic_write(meta_path, json.dumps({**meta, "splits": sizes}, indent=1).encode())
+    meta = json.loads(meta_path.read_text())
+    load = lambda split: np.memmap(folder / f"{split}.bin", dtype=np.uint8, mode="r")
+    return ByteCorpus(load("train"), load("val"), meta)
 
 
 def stdlib_corpus(root: Path | None = None, cache: Path | None = None) -> ByteCorpus:
@@ -153,25 +174,128 @@ def stdlib_corpus(root: Path | None = None, cache: Path | None = None) -> ByteCo
     files = stdlib_files(root)
     listing = "\n".join(f"{name}:{(root / name).stat().st_size}" for name in files)
     key = hashlib.sha256(listing.encode()).hexdigest()[:16]
-    folder = Path(cache or cache_dir()) / f"stdlib-{key}"
-    meta_path = folder / "meta.json"
-    if not meta_path.exists():
-        val_files = [name for name in files if is_validation(name)]
-        train_files = [name for name in files if not is_validation(name)]
-        if not val_files or not train_files:
-            raise ValueError(f"root: {root} has {len(files)} .py files, too few for both splits")
-        folder.mkdir(parents=True, exist_ok=True)
-        sizes = {}
-        for split, names in (("train", train_files), ("val", val_files)):
-            data = _read_split(root, names)
-            _atomic_write(folder / f"{split}.bin", data)
-            sizes[split] = {"files": len(names), "bytes": len(data)}
-        meta = {"root": str(root), "python": sys.version.split()[0], "key": key, "splits": sizes,
-                "val_files": val_files, "rule": "val iff int.from_bytes(sha256(path)[:8], 'big') % 100 < 10"}
-        _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
-    meta = json.loads(meta_path.read_text())
-    load = lambda split: np.memmap(folder / f"{split}.bin", dtype=np.uint8, mode="r")
-    return ByteCorpus(load("train"), load("val"), meta)
+    val_files = [name for name in files if is_validation(name)]
+    train_files = [name for name in files if not is_validation(name)]
+    if not val_files or not train_files:
+        raise ValueError(f"root: {root} has {len(files)} .py files, too few for both splits")
+    meta = {"root": str(root), "python": sys.version.split()[0], "key": key, "val_files": val_files,
+            "rule": "val iff int.from_bytes(sha256(path)[:8], 'big') % 100 < 10"}
+    splits = {"train": [root / name for name in train_files], "val": [root / name for name in val_files]}
+    return _cached_corpus(Path(cache or cache_dir()) / f"stdlib-{key}", splits, meta)
+
+
+# --- a byte-level corpus of your own text (k3course train --data PATH ... [--val PATH ...]) -------------------
+
+TEXT_SNIFF_BYTES = 8192  # a file with a NUL byte in its first 8 KiB is binary, not text
+GLOB_CHARS = "*?["
+
+
+def _is_hidden(relative: Path) -> bool:
+    """Whether a path inside a folder is hidden: a part starting with '.', or __pycache__."""
+    return any(part.startswith(".") or part == "__pycache__" for part in relative.parts)
+
+
+def _is_text(path: Path, option: str) -> bool:
+    """Whether the file holds text (no NUL byte in its first 8 KiB); an unreadable file is a named error."""
+    try:
+        with path.open("rb") as stream:
+            return bytes([FILE_SEPARATOR]) not in stream.read(TEXT_SNIFF_BYTES)
+    except OSError as error:
+        raise PermissionError(f"{option}: cannot read {path} ({error.strerror or error})") from error
+
+
+def _walk(folder: Path, base: Path) -> list[tuple[Path, str]]:
+    """Every file under ``folder`` that is not hidden (:func:`_is_hidden`), with its path relative to ``base`` as
+    the split key."""
+    return [(file, file.relative_to(base).as_posix()) for file in sorted(folder.rglob("*"))
+            if file.is_file() and not _is_hidden(file.relative_to(folder))]
+
+
+def _matches(pattern: str, option: str) -> list[tuple[Path, str]]:
+    """(file, split key) for one PATH: a file (key: its name), a folder (key: the path inside it) or a glob
+    (``**`` recursive; key: the path below the glob's fixed leading folders)."""
+    path = Path(os.path.expanduser(pattern))
+    magic = [i for i, part in enumerate(path.parts) if any(char in part for char in GLOB_CHARS)]
+    if magic:
+        base = Path(*path.parts[:magic[0]]) if magic[0] else Path()
+        found = [Path(match) for match in sorted(glob.glob(str(path), recursive=True))]
+        if not found:
+            raise FileNotFoundError(f"{option}: nothing matches {pattern!r}")
+        return [entry for match in found
+                for entry in (_walk(match, base) if match.is_dir() else [(match, match.relative_to(base).as_posix())])]
+    if path.is_file():
+        return [(path, path.name)]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{option}: no file or folder at {pattern!r}")
+    return _walk(path, path)
+
+
+def text_files(paths, option: str = "data") -> list[tuple[Path, str]]:
+    """The text files that ``paths`` (files, folders, globs) name, as (absolute path, split key), each file once.
+
+    Files with a NUL byte in their first 8 KiB are binary and skipped (a binary file named by itself is an
+    error). Errors name ``option``: a path that matches nothing, an unreadable file, no text file at all.
+    """
+    if isinstance(paths, str | Path) or not paths:
+        raise ValueError(f"{option}: expected a list of one or more files, folders or globs, got {paths!r}")
+    chosen: dict[Path, str] = {}
+    for pattern in map(str, paths):
+        for path, key in _matches(pattern, option):
+            path = path.resolve()
+            if path in chosen:
+                continue
+            if _is_text(path, option):
+                chosen[path] = key
+            elif Path(os.path.expanduser(pattern)).resolve() == path:
+                raise ValueError(f"{option}: {pattern} is not text (a NUL byte in its first 8 KiB)")
+    if not chosen:
+        raise ValueError(f"{option}: no text file in {', '.join(map(str, paths))}")
+    return list(chosen.items())
+
+
+def text_bytes(paths, option: str = "data") -> tuple[np.ndarray, int]:
+    """The bytes of the text files ``paths`` names, as a corpus split holds them (each file followed by
+    FILE_SEPARATOR), as uint8, and how many files they are."""
+    files = [path for path, _ in text_files(paths, option)]
+    return np.frombuffer(_read_split(files), dtype=np.uint8), len(files)
+
+
+def _by_file_split(entries: list[tuple[Path, str]]) -> tuple[list[Path], list[Path]]:
+    """(train, val) files of ``entries`` by :func:`is_validation` on their split keys; both must be non-empty."""
+    val = [path for path, key in entries if is_validation(key)]
+    train = [path for path, key in entries if not is_validation(key)]
+    if not val or not train:
+        missing = "validation" if train else "training"
+        raise ValueError(f"data: the {len(entries)} file(s) give no {missing} file by the {VALIDATION_PERCENT}% "
+                         "by-file split; add files, or name validation files with --val")
+    return train, val
+
+
+def text_corpus(paths, val=(), cache: Path | None = None) -> ByteCorpus:
+    """A corpus of your own text: the files ``paths`` names, split BY FILE with the stdlib's rule
+    (:func:`is_validation` on each file's split key, see :func:`text_files`), or, when ``val`` names files,
+    ``paths`` for training and ``val`` for validation. Built once into ``cache`` (default :func:`cache_dir`),
+    in a folder named by a hash of the files' paths, sizes and modification times, and memory-mapped after.
+    """
+    entries = text_files(paths, "data")
+    if val:
+        train_paths, val_paths = [path for path, _ in entries], [path for path, _ in text_files(val, "val")]
+        shared = sorted(set(train_paths) & set(val_paths))
+        if shared:
+            raise ValueError(f"val: {shared[0]} is also named by data; a file belongs to one split")
+    else:
+        train_paths, val_paths = _by_file_split(entries)
+    splits = {"train": train_paths, "val": val_paths}
+    for split, files in splits.items():
+        if sum(path.stat().st_size for path in files) == 0:
+            raise ValueError(f"{'val' if val and split == 'val' else 'data'}: the {split} files are all empty")
+    listing = "\n".join(f"{split}:{path}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
+                        for split, files in splits.items() for path in files)
+    key = hashlib.sha256(listing.encode()).hexdigest()[:16]
+    rule = "files named by val" if val else "val iff int.from_bytes(sha256(key)[:8], 'big') % 100 < 10"
+    meta = {"data": list(map(str, paths)), "val": list(map(str, val)), "key": key,
+            "val_files": list(map(str, val_paths)), "rule": rule}
+    return _cached_corpus(Path(cache or cache_dir()) / f"text-{key}", splits, meta)
 
 
 def batch_at(tokens: np.ndarray, index: int, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -210,12 +334,13 @@ def ngram_bits_per_byte(train: np.ndarray, val: np.ndarray, order: int, k: float
     """Bits per byte of an add-k byte n-gram model fitted on ``train``, scored on ``val``.
 
     P(c | h) = (n(h c) + k) / (n(h) + 256 k), h = the previous ``order − 1`` bytes (order 1 = unigram).
-    Validation bytes without a full history (the first ``order − 1``) are not scored.
+    Validation bytes without a full history (the first ``order − 1``) are not scored. ``val`` [N] is one text;
+    [R, N] is R texts (windows), each scored on its own.
     """
     if order not in (1, 2, 3):
         raise ValueError(f"order must be 1, 2 or 3, got {order}")
     size = 256 ** order
-    codes = lambda x: sum(np.asarray(x[i:len(x) - order + 1 + i], dtype=np.int64) << (8 * (order - 1 - i))
+    codes = lambda x: sum(np.asarray(x[..., i:x.shape[-1] - order + 1 + i], dtype=np.int64) << (8 * (order - 1 - i))
                           for i in range(order))
     counts = np.bincount(codes(train), minlength=size).astype(np.float64)
     history = counts.reshape(-1, 256).sum(1)
@@ -228,6 +353,17 @@ def lzma_bits_per_byte(data: np.ndarray) -> float:
     """8 · len(lzma -9 of data) / len(data): a general-purpose compressor as a reference point."""
     raw = np.asarray(data).tobytes()
     return 8 * len(lzma.compress(raw, preset=9)) / len(raw)
+
+
+def window_baselines(train: np.ndarray, windows: np.ndarray, k: float = 0.1) -> dict[str, float]:
+    """Bits/byte of the add-k n-grams fitted on ``train`` and of lzma -9 on the bytes a model predicts from
+    ``windows`` [N, T + 1], the bytes :func:`k3course.train.evaluate` scores: each window's from its second on
+    (the trigram's from its third: it needs two bytes of history)."""
+    windows = np.asarray(windows, dtype=np.uint8)
+    result = {name: ngram_bits_per_byte(train, windows[:, max(0, 2 - order):], order, k)
+              for order, name in ((1, "unigram"), (2, "bigram"), (3, "trigram"))}
+    result["lzma-9"] = lzma_bits_per_byte(windows[:, 1:])
+    return result
 
 
 def baselines(corpus: ByteCorpus, k: float = 0.1) -> dict[str, float]:

@@ -21,6 +21,7 @@ router z-loss weighted by ``cfg.z_loss_weight``).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -214,23 +215,31 @@ class K3Model(nn.Module):
         new token is one cached step: the KDA recurrent step and absorbed MLA. temperature 0 is greedy; top_k
         keeps the k most likely tokens; seed makes the sampling reproducible.
         """
+        return torch.cat([tokens, *self.stream(tokens, max_new_tokens, temperature, top_k, seed)], dim=1)
+
+    def stream(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+               top_k: int | None = None, seed: int | None = None) -> Iterator[torch.Tensor]:
+        """The tokens :meth:`generate` appends, one [B, 1] tensor at a time, each as soon as it is sampled (the
+        arguments are checked at the call; the model is in eval mode until the iterator ends)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int ≥ 0, got {max_new_tokens!r}")
         if not temperature >= 0:
             raise ValueError(f"temperature must be ≥ 0, got {temperature!r}")
         if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= self.cfg.vocab_size):
             raise ValueError(f"top_k must be None or an int in [1, vocab_size = {self.cfg.vocab_size}], got {top_k!r}")
+        return self._sampled(tokens, max_new_tokens, temperature, top_k, seed)
+
+    def _sampled(self, tokens, max_new_tokens, temperature, top_k, seed) -> Iterator[torch.Tensor]:
         was_training = self.training
         self.eval()
         try:
             generator = None if seed is None else torch.Generator(tokens.device).manual_seed(seed)
             cache = self.new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens, device=tokens.device)
-            out, step_input = [tokens], tokens
+            step_input = tokens
             for _ in range(max_new_tokens):
                 logits, _, cache = self(step_input, cache)
                 step_input = sample_next(logits[:, -1], temperature, top_k, generator)  # [B, 1]
-                out.append(step_input)
-            return torch.cat(out, dim=1)
+                yield step_input
         finally:
             self.train(was_training)
 

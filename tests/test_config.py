@@ -1,12 +1,14 @@
-"""K3Config: presets count to the published sizes, the two counts agree, the accounting is right, bad input is named."""
+"""K3Config: presets count to the published sizes, the two counts agree, the accounting is right, bad input is named;
+fields from TOML and key=value text."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
-from k3course import accounting
+from k3course import accounting, config
 from k3course.accounting import kda_layer_params, meta_layer, meta_param_count, mla_layer_params, moe_layer_params
 from k3course.config import PRESETS, PUBLISHED_PARAMS, K3Config
 
@@ -173,3 +175,39 @@ def test_decode_flops_grow_with_context_through_mla_layers_only():
     assert 3 < at_1m < 4  # the MLA attention term dominates at 1M tokens: 93 vs 24 MLA layers
     with pytest.raises(ValueError, match="context"):
         accounting.decode_flops_per_token(k3, 1.5)
+
+
+# --- settings from text (k3course train --config / --set) ----------------------------------------------------
+
+@pytest.mark.parametrize("field, text, value", [
+    ("d_model", "64", 64), ("d_model", "1_024", 1024), ("route_scale", "2", 2.0), ("mla_gated", "False", False),
+    ("mla_gated", "true", True), ("name", "123", "123"), ("name", '"tiny v2"', "tiny v2"),
+    ("mla_layers", "[0, 3]", (0, 3)), ("mla_layers", "none", None), ("latent_dim", "None", None),
+    ("kda_lower_bound", "-3", -3.0),
+])
+def test_values_from_text_take_the_fields_types(field, text, value):
+    got = config.value_from_text(config.field_types(K3Config)[field], text, f"model.{field}")
+    assert got == value and type(got) is type(value)
+
+
+@pytest.mark.parametrize("field, text, expected", [
+    ("d_model", "abc", "model.d_model expects an int, got 'abc'"), ("d_model", "1.5", "expects an int, got 1.5"),
+    ("mla_gated", "2", "expects a bool (true or false)"), ("mla_layers", "[0, 'a']", 'a list of ints or "none"'),
+    ("route_scale", "none", "expects a number, got 'none'"),
+])
+def test_values_of_the_wrong_type_name_the_field_and_the_type(field, text, expected):
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        config.value_from_text(config.field_types(K3Config)[field], text, f"model.{field}")
+
+
+def test_settings_are_validated_and_written_back_as_toml():
+    small = K3Config.preset("small")
+    with pytest.raises(ValueError, match=re.escape("run.toml: model.top_k must be ≤ n_routed_experts (16), got 17")):
+        config.with_settings(small, {"top_k": 17}, "model", "run.toml")
+    with pytest.raises(ValueError, match="has no field 'd_modle'; did you mean d_model"):
+        config.with_settings(small, {"d_modle": 1}, "model", "run.toml")
+    changed = small.replace(mla_layers=(1, 7), latent_dim=None, kda_lower_bound=None, route_scale=2.5)
+    document = config.toml_document(config.toml_text({"model": changed}))
+    assert config.with_settings(K3Config(), document["model"], "model", "back") == changed
+    with pytest.raises(ValueError, match="not valid TOML"):
+        config.toml_document("[model\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,3 +134,90 @@ def test_hard_mqar_has_more_pairs_than_the_head_dimension():
     keys, values = tokens[0, 0:80:2], tokens[0, 1:80:2]
     lookup = dict(zip(keys.tolist(), values.tolist()))
     assert all(lookup[k] == v for k, v in zip(tokens[0][asked[0]].tolist(), targets[0][asked[0]].tolist()))
+
+
+# --- your own text ------------------------------------------------------------------------------------------
+
+def _texts(folder, count=30):
+    """``count`` small text files (several fall in validation by the hash rule), a hidden file, a binary one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (folder / f"n{i}.txt").write_text(f"note {i}: the cat sat on the mat.\n" * (3 + i))
+    (folder / ".hidden.txt").write_text("HIDDEN\n")
+    (folder / "image.bin").write_bytes(b"\x89PNG\x00\x01BINARY")
+    return folder
+
+
+def test_text_corpus_splits_your_files_by_their_path_inside_the_folder(tmp_path):
+    corpus = data.text_corpus([str(_texts(tmp_path / "notes"))], cache=tmp_path / "cache")
+    names = [f"n{i}.txt" for i in range(30)]
+    val_names = sorted(name for name in names if data.is_validation(name))
+    assert 0 < len(val_names) < 30
+    assert [Path(p).name for p in corpus.meta["val_files"]] == val_names
+    text = corpus.train.tobytes() + corpus.val.tobytes()
+    assert b"HIDDEN" not in text and b"BINARY" not in text
+    expected_val = b"".join((tmp_path / "notes" / name).read_bytes() + b"\0" for name in val_names)
+    assert corpus.val.tobytes() == expected_val and corpus.meta["splits"]["train"]["files"] == 30 - len(val_names)
+    again = data.text_corpus([str(tmp_path / "notes")], cache=tmp_path / "cache")
+    assert again.meta["key"] == corpus.meta["key"] and isinstance(again.train, np.memmap)
+    (tmp_path / "notes" / "n0.txt").write_text("edited\n")
+    assert data.text_corpus([str(tmp_path / "notes")], cache=tmp_path / "cache").meta["key"] != corpus.meta["key"]
+
+
+def test_text_files_take_files_folders_and_globs_each_once(tmp_path, monkeypatch):
+    _texts(tmp_path / "a" / "deep")
+    (tmp_path / "b.md").write_text("# b\n")
+    monkeypatch.chdir(tmp_path)
+    found = data.text_files(["a/**/n1*.txt", "b.md", "a"])
+    keys = [key for _, key in found]
+    assert keys[:11] == ["deep/n1.txt"] + [f"deep/n1{i}.txt" for i in range(10)]  # below the glob's fixed folder
+    assert "b.md" in keys and len(found) == len({path for path, _ in found}) == 31
+    assert all(path.is_absolute() for path, _ in found)
+
+
+def test_val_files_replace_the_hash_split(tmp_path):
+    corpus = data.text_corpus([str(_texts(tmp_path / "train"))], val=[str(_texts(tmp_path / "held", 2))],
+                              cache=tmp_path / "cache")
+    assert corpus.meta["splits"]["train"]["files"] == 30 and corpus.meta["splits"]["val"]["files"] == 2
+    with pytest.raises(ValueError, match="val: .* is also named by data"):
+        data.text_corpus([str(tmp_path / "train")], val=[str(tmp_path / "train" / "n3.txt")], cache=tmp_path)
+
+
+def test_bad_text_input_is_named(tmp_path, monkeypatch):
+    _texts(tmp_path / "notes")
+    cases = [(["missing/"], FileNotFoundError, "data: no file or folder at 'missing/'"),
+             (["notes/*.csv"], FileNotFoundError, "data: nothing matches 'notes/\\*.csv'"),
+             (["notes/image.bin"], ValueError, "data: notes/image.bin is not text"),
+             ("notes", ValueError, "data: expected a list")]
+    monkeypatch.chdir(tmp_path)
+    for paths, error, message in cases:
+        with pytest.raises(error, match=message):
+            data.text_corpus(paths, cache=tmp_path / "cache")
+    (tmp_path / "one.txt").write_text("x = 1\n")  # its name falls in training: no validation file
+    with pytest.raises(ValueError, match="give no validation file .* --val"):
+        data.text_corpus(["one.txt"], cache=tmp_path / "cache")
+    (tmp_path / "empty").mkdir()
+    for i in range(30):
+        (tmp_path / "empty" / f"{i}.txt").write_text("")
+    with pytest.raises(ValueError, match="data: the train files are all empty"):
+        data.text_corpus(["empty"], cache=tmp_path / "cache")
+    real_open = Path.open
+
+    def locked_open(path, *args, **kwargs):  # n2.txt unreadable (a permission bit would not stop root)
+        if path.name == "n2.txt":
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", locked_open)
+    with pytest.raises(PermissionError, match="data: cannot read .*n2.txt \\(Permission denied\\)"):
+        data.text_corpus(["notes"], cache=tmp_path / "cache")
+
+
+def test_window_baselines_score_the_bytes_the_model_predicts():
+    train = np.frombuffer(b"abcabcabcab", dtype=np.uint8)
+    windows = np.frombuffer(b"xabcyabc", dtype=np.uint8).reshape(2, 4)
+    scores = data.window_baselines(train, windows)
+    assert scores["unigram"] == pytest.approx(data.ngram_bits_per_byte(train, windows[:, 1:].reshape(-1), 1))
+    bigram_pairs = np.concatenate([windows[:, 0:2], windows[:, 1:3], windows[:, 2:4]])
+    assert scores["bigram"] == pytest.approx(data.ngram_bits_per_byte(train, bigram_pairs, 2))
+    assert 0 < scores["lzma-9"]

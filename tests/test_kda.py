@@ -138,6 +138,19 @@ def test_low_precision_inputs_return_their_dtype():
     assert_close(o_ch.float(), o_rec.float(), 2e-2)
 
 
+@pytest.mark.parametrize("op", [kda_chunk, kda_recurrent])
+def test_under_autocast_the_recurrence_and_its_state_stay_fp32(op):
+    """Mixed precision (k3course train --dtype bfloat16): bf16 q, k, v with the gates in fp32 (as autocast makes
+    them) give the numbers the op gives without autocast: the products and the state are fp32 inside."""
+    q, k, v, g, beta, s0 = inputs(40, seed=5)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    plain = op(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = op(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    assert mixed[0].dtype == torch.bfloat16 and mixed[1].dtype == torch.float32
+    assert torch.equal(mixed[0], plain[0]) and torch.equal(mixed[1], plain[1])
+
+
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_fp64_inputs_are_computed_in_fp64(lower_bound):
     """fp64 stays fp64 (a reference dtype, and what gradcheck needs): the ops agree with NumPy to fp64 rounding."""

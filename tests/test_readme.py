@@ -1,10 +1,17 @@
-"""The README's Python example runs as written, and its two commands are the ones CI and learners use."""
+"""The README's Python example runs as written, its two commands are the ones CI and learners use, and every
+``k3course`` command in its bash blocks runs (training shortened by the rule in :func:`shortened`)."""
 
 from __future__ import annotations
 
 import re
+import shlex
 
+import pytest
+import torch
 from helpers import ROOT
+
+from k3course import data
+from k3course.cli import main
 
 README = (ROOT / "README.md").read_text()
 
@@ -34,3 +41,86 @@ def test_course_map_is_one_table_of_every_chapter():
     body = tokens[next(i for i in range(start, end) if tokens[i].type == "tbody_open"):end]
     first_cells = [body[i + 2].content for i, token in enumerate(body) if token.type == "tr_open"]
     assert first_cells == [f"{n:02d}" for n in range(15)], first_cells
+
+
+def readme_commands() -> list[list[str]]:
+    """Every line of a ```bash block that is a ``k3course`` command, as argv after ``k3course``, comments cut."""
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S) for line in block.splitlines()]
+    return [shlex.split(line, comments=True)[1:] for line in lines if line.startswith("k3course ")]
+
+
+# The shortening rule: a training command trains 1/400 of its steps (--steps and --extend-to; 2 when it names
+# none) on batches of 2 × 32 bytes, evaluated on 256; generation stops after 8 bytes; without a GPU, --device
+# cuda is --device cpu. `k3course bench gpu` runs as written where there is no GPU (it prints its plan); on a GPU
+# it would time the kernels for minutes, which tests/test_bench_gpu.py covers.
+SHORT = ["--set", "train.batch_size=2", "train.seq_len=32", "train.eval_bytes=256", "train.warmup_steps=1"]
+
+
+def shortened(argv: list[str]) -> list[str] | None:
+    """The README command ``argv`` as the test runs it (None: not run here, see the rule above)."""
+    argv = list(argv)
+    if argv[:2] == ["bench", "gpu"]:
+        return None if torch.cuda.is_available() else argv
+    for flag, short in (("--steps", lambda n: max(1, n // 400)), ("--extend-to", lambda n: max(1, n // 400)),
+                        ("--max-new-tokens", lambda n: 8)):
+        if flag in argv:
+            at = argv.index(flag) + 1
+            argv[at] = str(short(int(argv[at])))
+    if "--device" in argv and not torch.cuda.is_available():
+        argv[argv.index("--device") + 1] = "cpu"
+    if argv[0] == "train":
+        named = {"--steps", "--extend-to", "--resume", "--print-config"} & set(argv)
+        argv += SHORT + ([] if named else ["--steps", "2"])
+    return argv
+
+
+def _your_data(folder) -> None:
+    """The files the README's own-data commands name: notes/ (30 files, so both splits get some), papers/, held-out/."""
+    for name, count in (("notes", 30), ("papers/2024", 3), ("held-out", 2)):
+        (folder / name).mkdir(parents=True)
+        for i in range(count):
+            suffix = ".md" if name.startswith("papers") else ".txt"
+            (folder / name / f"{i}{suffix}").write_text(f"note {i}: the cat sat on the mat.\n" * (20 + i))
+    (toml,) = re.findall(r"```toml\n(.*?)```", README, flags=re.S)
+    (folder / "run.toml").write_text(toml)
+
+
+@pytest.fixture
+def same_threads():
+    """Commands with --threads N set torch's thread count for the whole process: put it back afterwards."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_every_k3course_command_in_the_readme_runs(tmp_path, monkeypatch, capsys, same_threads):
+    stdlib = data.stdlib_corpus()  # the real cache, linked into a temporary one that also takes the README's data
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / f"stdlib-{stdlib.meta['key']}").symlink_to(data.cache_dir() / f"stdlib-{stdlib.meta['key']}")
+    monkeypatch.setenv("K3COURSE_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    _your_data(tmp_path)
+    commands = readme_commands()
+    assert {argv[0] for argv in commands} >= {"train", "generate", "eval", "runs", "bench"}
+    assert ["train", "--out", "runs/tiny", "--resume"] in commands and "--extend-to" in sum(commands, [])
+    for argv in commands:
+        run = shortened(argv)
+        if run is None:
+            continue
+        code = main(run)
+        assert code == 0, f"k3course {shlex.join(run)} exited {code}: {capsys.readouterr().err[-2000:]}"
+    out = capsys.readouterr().out
+    assert "new schedule tail" in out and "bits/byte" in out and (tmp_path / "runs.png").exists()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--preset", "tiny", "--steps", "800", "--out", "r"], ["train", "--preset", "tiny", "--steps", "2",
+                                                                     "--out", "r", *SHORT]),
+    (["train", "--out", "r", "--extend-to", "1600"], ["train", "--out", "r", "--extend-to", "4", *SHORT]),
+    (["train", "--preset", "small", "--device", "cuda"], ["train", "--preset", "small", "--device",
+                                                          "cuda" if torch.cuda.is_available() else "cpu",
+                                                          *SHORT, "--steps", "2"]),
+])
+def test_the_shortening_rule(argv, expected):
+    assert shortened(argv) == expected

@@ -1,16 +1,28 @@
-"""Training loop, checkpoints and exact resume, and the train / generate commands, on a small real K3Model."""
+"""Training loop, checkpoints and exact resume, and the train / generate commands, on a small real K3Model; runs as a
+tool: TOML + --set, your own text, SIGINT and --resume, --extend-to, eval, runs, bfloat16."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
+import safetensors.torch
 import torch
+from helpers import ROOT
 
 from k3course import checkpoint, data, train
-from k3course.cli import main
+from k3course.cli import main, parser
 from k3course.config import K3Config
+from k3course.layers.kda import KDACache
 
 # Two layers: KDA + dense FFN, then MLA + latent MoE (the tiny preset's kinds, at a quarter of its width).
 SMALL = K3Config.preset("tiny").replace(
@@ -141,7 +153,8 @@ def test_a_failed_save_leaves_the_good_checkpoint(tmp_path, corpus, monkeypatch)
     with pytest.raises(OSError, match="disk full"):
         checkpoint.save_checkpoint(tmp_path / "run", 1, model, optimizer, scheduler, {})
     assert (folder / "model.safetensors").read_bytes() == good
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["loss.png", "metrics.jsonl", "step-000001"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.toml", "loss.png", "metrics.jsonl",
+                                                                  "step-000001"]
 
 
 def test_out_and_resume_errors(tmp_path, corpus):
@@ -191,3 +204,231 @@ def test_cli_train_then_generate(tmp_path, corpus, monkeypatch, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "5",
                  "--top-k", "3"]) == 0
     assert capsys.readouterr().out.startswith("def ")
+
+
+# --- runs as a tool: configuration, your data, resume vs extend, precision -------------------------------
+
+def _texts(folder, count=30):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (folder / f"n{i}.txt").write_text(f"note {i}: the cat sat on the mat, the dog ran.\n" * (20 + i))
+    return folder
+
+
+def _config_file(path, train_config=FAST, **run):
+    """A run.toml of the SMALL model and ``train_config`` (the file k3course train --print-config writes)."""
+    path.write_text(train.RunConfig(SMALL, train_config, train.RunOptions(**run)).toml())
+    return path
+
+
+def test_settings_resolve_preset_then_file_then_flags_then_sets(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "small"\n[model]\nd_model = 64\n[train]\nsteps = 7\nlr = 1e-3\n'
+                    '[run]\ndtype = "bfloat16"\n')
+    resolved = train.resolve_config(config_file=toml, flags=[("--steps", "train.steps", 9)],
+                                    sets=["train.lr=2e-3", "d_model=96", "model.mla_layers=[7]"])
+    assert (resolved.model.name, resolved.model.d_model, resolved.model.mla_layers) == ("small", 96, (7,))
+    assert (resolved.train.steps, resolved.train.lr, resolved.train.batch_size) == (9, 2e-3, 32)
+    assert resolved.run.dtype == "bfloat16"
+    assert train.resolve_config("tiny", toml).model.name == "tiny"  # a named preset wins over the file's
+    (tmp_path / "printed.toml").write_text(resolved.toml())
+    assert train.resolve_config(config_file=tmp_path / "printed.toml") == resolved
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["train.stepz=3"], "--set train.stepz=3: [train] has no field 'stepz'; did you mean steps?"),
+    (["lr=abc"], "--set lr=abc: train.lr expects a number, got 'abc'"),
+    (["model.steps=3"], "--set model.steps=3: steps is a field of [train]: --set train.steps=3"),
+    (["model.top_k=9"], "--set: model.top_k must be ≤ n_routed_experts (8), got 9"),
+    (["train.betas=[0.9]"], "--set train.betas=[0.9]: train.betas expects a list of 2 numbers, got [0.9]"),
+    (["run.dtype=float16"], "--set: run.dtype must be one of float32, bfloat16, got 'float16'"),
+    (["train.min_lr_ratio=2"], "--set: train.min_lr_ratio must be a number in [0, 1], got 2.0"),
+    (["nonsense"], "--set nonsense: expected section.field=value"),
+])
+def test_bad_keys_and_values_are_named(sets, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train.resolve_config(sets=sets)
+
+
+def test_bad_config_files_and_flags_are_named(tmp_path):
+    bad = tmp_path / "bad.toml"
+    for text, message in (('[train]\nsteps = "many"\n', "train.steps expects an int, got 'many'"),
+                          ("steps = 3\n", "unexpected top-level key 'steps'; it belongs in the [train] table"),
+                          ("[train\n", "not valid TOML")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            train.resolve_config(config_file=bad)
+    with pytest.raises(FileNotFoundError, match="config: no file at"):
+        train.resolve_config(config_file=tmp_path / "none.toml")
+    with pytest.raises(ValueError, match=re.escape("--steps: train.steps must be an int ≥ 1, got 0")):
+        train.resolve_config(flags=[("--steps", "train.steps", 0)])
+
+
+@pytest.fixture
+def same_threads():
+    """Commands with --threads N set torch's thread count for the whole process: put it back afterwards."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_run_on_a_folder_of_text_trains_evaluates_and_generates(tmp_path, monkeypatch, capsys, same_threads):
+    monkeypatch.setenv("K3COURSE_CACHE", str(tmp_path / "cache"))
+    texts, other = _texts(tmp_path / "texts"), _texts(tmp_path / "other", 3)
+    toml = _config_file(tmp_path / "run.toml", FAST.replace(eval_bytes=512))
+    run = str(tmp_path / "run")
+    assert main(["train", "--config", str(toml), "--data", str(texts), "--out", run, "--threads", "1"]) == 0
+    assert "bits/byte" in capsys.readouterr().out
+    saved = json.loads((checkpoint.step_dir(run, 4) / "config.json").read_text())
+    assert saved["run"]["data"] == [str(texts)] and saved["model"]["d_model"] == SMALL.d_model
+    assert train.resolve_config(config_file=f"{run}/config.toml") == train.saved_run_config(checkpoint.step_dir(run, 4))
+    assert main(["eval", "--checkpoint", run]) == 0
+    report = capsys.readouterr().out
+    final = train._Metrics.read(run)[-1]["val_bpb"]
+    assert f"{'model':<10}{final:8.3f} bits/byte" in report and "trigram" in report and "lzma-9" in report
+    assert main(["eval", "--checkpoint", run, "--data", str(other), "--eval-bytes", "256"]) == 0
+    assert "3 file(s)" in capsys.readouterr().out
+    argv = ["generate", "--checkpoint", run, "--prompt", "note ", "--max-new-tokens", "12", "--top-k", "5"]
+    assert main(argv) == 0
+    whole = capsys.readouterr().out
+    assert main([*argv, "--stream"]) == 0
+    assert capsys.readouterr().out == whole and whole.startswith("note ")
+    assert main(["runs", run, run, "--plot", str(tmp_path / "runs.png")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["run", "model", "params"] and f"{final:.3f}" in table[1]
+    assert (tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runs_and_eval_name_what_is_missing(tmp_path, capsys):
+    assert main(["runs", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(tmp_path)]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def _cli(*argv):
+    """``k3course ARGV`` in a fresh interpreter (this worktree's package first), as a Popen."""
+    code = "from k3course.cli import main; raise SystemExit(main())"
+    return subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _steps_done(out) -> int:
+    path = out / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def test_sigint_writes_a_checkpoint_and_resume_is_bit_for_bit(tmp_path):
+    """A run stopped by SIGINT after its first step, then resumed, ends with the weights of a straight run."""
+    steps = 60
+    toml = _config_file(tmp_path / "run.toml", FAST.replace(steps=steps, eval_every=0, checkpoint_every=0),
+                        data=(str(_texts(tmp_path / "texts")),))
+    common = ["train", "--config", str(toml), "--threads", "1"]
+    stopped = _cli(*common, "--out", str(tmp_path / "stopped"))
+    deadline = time.monotonic() + 120
+    while _steps_done(tmp_path / "stopped") < 1 and stopped.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stopped.send_signal(signal.SIGINT)
+    _, err = stopped.communicate(timeout=120)
+    assert stopped.returncode == 128 + signal.SIGINT, err
+    at = checkpoint.checkpoints(tmp_path / "stopped")[-1][0]
+    assert 1 <= at < steps and f"k3course train --out {tmp_path / 'stopped'} --resume" in err
+    for process in (_cli("train", "--out", str(tmp_path / "stopped"), "--resume", "--threads", "1"),
+                    _cli(*common, "--out", str(tmp_path / "straight"))):
+        assert process.wait(timeout=300) == 0, process.stderr.read()
+    weights = lambda out: safetensors.torch.load_file(checkpoint.step_dir(out, steps) / "model.safetensors")
+    resumed, straight = weights(tmp_path / "stopped"), weights(tmp_path / "straight")
+    assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
+    assert _steps_done(tmp_path / "stopped") == steps
+
+
+def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path, corpus):
+    """SIGTERM during the first step's forward: the step finishes, its checkpoint is written, the handlers return."""
+    def terminated_once(model_config, seed, device):
+        model = train.build_model(model_config, seed, device)
+        sent = []
+
+        def terminate(*_) -> None:
+            if not sent:
+                sent.append(os.kill(os.getpid(), signal.SIGTERM))
+
+        model.register_forward_pre_hook(terminate)
+        return model
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(train.TrainingInterrupted, match="SIGTERM at step 1: checkpoint .* --resume") as stopped:
+        train.run(SMALL, FAST, tmp_path / "run", corpus=corpus, progress=False, model_factory=terminated_once)
+    assert stopped.value.signum == signal.SIGTERM and stopped.value.step == 1
+    assert [step for step, _ in checkpoint.checkpoints(tmp_path / "run")] == [1]
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_extend_to_continues_on_a_new_schedule_tail(tmp_path, corpus, capsys):
+    _run(tmp_path / "run", corpus)
+    longer = FAST.replace(steps=8)
+    train.run(SMALL, longer, tmp_path / "run", corpus=corpus, progress=False, extend=True)
+    records = train._Metrics.read(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert records[4]["lr"] == pytest.approx(FAST.lr * train.lr_factor(4, FAST.warmup_steps, 8, FAST.min_lr_ratio))
+    saved = checkpoint.read_config(checkpoint.step_dir(tmp_path / "run", 8))
+    assert saved["extensions"] == [{"at_step": 4, "steps_before": 4, "steps_after": 8}]
+    assert saved["train"]["steps"] == 8
+    straight = _run(tmp_path / "straight", corpus, config=longer)
+    extended = train.load_model(tmp_path / "run")
+    assert not all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), extended.state_dict().values()))
+    with pytest.raises(ValueError, match="extend_to: must be more than the run's step 8, got 8"):
+        train.run(SMALL, longer, tmp_path / "run", corpus=corpus, progress=False, extend=True)
+
+
+def test_cli_extend_to_says_it_is_a_new_schedule_and_resume_of_a_finished_run_does_nothing(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("K3COURSE_CACHE", str(tmp_path / "cache"))
+    toml = _config_file(tmp_path / "run.toml", FAST.replace(steps=2), data=(str(_texts(tmp_path / "texts")),))
+    out = str(tmp_path / "run")
+    assert main(["train", "--config", str(toml), "--out", out]) == 0
+    assert main(["train", "--out", out, "--resume"]) == 0
+    assert "nothing to resume; --extend-to N" in capsys.readouterr().out
+    assert main(["train", "--out", out, "--extend-to", "3"]) == 0
+    said = capsys.readouterr().out
+    assert "from step 2 to 3: a new schedule tail" in said and "not the same as a straight 3-step run" in said
+    for argv, message in ((["--extend-to", "4", "--steps", "4"], "leave out --steps"),
+                          (["--extend-to", "4", "--resume"], "use one"),
+                          (["--resume", "--set", "train.lr=1"], "train.lr=0.003")):
+        assert main(["train", "--out", out, *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_resume_refuses_changed_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3COURSE_CACHE", str(tmp_path / "cache"))
+    options = train.RunOptions(data=(str(_texts(tmp_path / "texts")),))
+    settings = FAST.replace(steps=2, eval_every=0, checkpoint_every=1)
+    train.run(SMALL, settings, tmp_path / "run", progress=False, options=options)
+    shutil.rmtree(checkpoint.step_dir(tmp_path / "run", 2))  # as if stopped after step 1
+    (tmp_path / "texts" / "n0.txt").write_text("rewritten\n" * 50)
+    with pytest.raises(ValueError, match="data: the files changed since .* --extend-to N trains on the new bytes"):
+        train.run(SMALL, settings, tmp_path / "run", resume=True, progress=False, options=options)
+
+
+def test_bfloat16_runs_the_forward_in_bf16_and_keeps_weights_and_kda_states_fp32(corpus):
+    model = train.build_model(SMALL, seed=0)
+    optimizer, scheduler = train.make_optimizer(model, FAST)
+    batches = train._micro_batches(corpus.train, 0, FAST, "cpu")
+    record = train.train_step(model, optimizer, scheduler, batches, FAST.grad_clip, torch.bfloat16)
+    assert math.isfinite(record["loss"]) and all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in optimizer.state.values())
+    with train.forward_precision("cpu", torch.bfloat16):
+        logits, _, cache = model(batches[0][0])
+    states = [layer.state for layer in cache.layers if isinstance(layer, KDACache)]
+    assert logits.dtype == torch.bfloat16 and states and all(s.dtype == torch.float32 for s in states)
+
+
+def test_train_help_lists_every_option_with_its_default_and_every_field(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    (train_parser,) = [p for name, p in parser()._subparsers._group_actions[0].choices.items() if name == "train"]
+    options = [a for a in train_parser._actions if a.option_strings and a.dest != "help"]
+    assert len(options) == 15 and all("default" in a.help for a in options), [a.dest for a in options]
+    assert all(a.option_strings[0] in text for a in options)
+    for cls in (K3Config, train.TrainConfig, train.RunOptions):
+        assert all(f"\n{f.name} = " in text for f in dataclasses.fields(cls)), cls

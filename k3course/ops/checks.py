@@ -8,12 +8,14 @@ Value checks (NaN or inf, g > 0, beta out of range) read values back to the host
 the debug switch (:func:`k3course.debug.value_checks` or ``K3COURSE_DEBUG=1``); shape, dtype and device checks
 always run. Documented handling: non-contiguous tensors are accepted (the ops only reshape copies); every tensor must
 share one floating dtype (the initial state may instead be float32: the recurrent state is kept in
-float32, as in fla, or float64 for float64 inputs) and one device, otherwise a ``TypeError`` / ``ValueError``
+float32, as in fla, or float64 for float64 inputs; so may the gates g and beta, which autocast computes in
+float32) and one device, otherwise a ``TypeError`` / ``ValueError``
 names the argument.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -64,6 +66,19 @@ def _check_values(named: dict, g, beta, allow_neg_eigval: bool) -> None:
                          f"{', ×2 with negative eigenvalues' if allow_neg_eigval else ''})")
 
 
+FLOAT32_ALLOWED = ("g", "beta", "initial_state")  # inputs that may be float32 whatever q's dtype
+
+
+def float32_recurrence(device: torch.device):
+    """A context with autocast off on ``device`` (a no-op when autocast is not on there). The ops compute in
+    ``promote_types(q.dtype, float32)`` themselves, so under mixed precision (``k3course train --dtype bfloat16``)
+    the recurrence, its products and its state stay float32, as fla's kernels keep them; o is returned in q's
+    dtype."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def validate(q, k, v, g=None, beta=None, *, gate: str = "channel", scale=None, initial_state=None,
              allow_neg_eigval: bool = False) -> float:
     """Check the inputs of a linear-attention op and return the scale to use (default ``K ** -0.5``).
@@ -79,9 +94,10 @@ def validate(q, k, v, g=None, beta=None, *, gate: str = "channel", scale=None, i
     if not q.is_floating_point():
         raise TypeError(f"q must be a floating tensor, got dtype {q.dtype}")
     for name, x in named.items():
-        if x.dtype != q.dtype and not (name == "initial_state" and x.dtype == torch.float32):
+        if x.dtype != q.dtype and not (name in FLOAT32_ALLOWED and x.dtype == torch.float32):
             raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}: pass one floating dtype for all "
-                            "(initial_state may also be float32, the dtype the state is kept in)")
+                            "(g, beta and initial_state may also be float32: autocast computes the gates in "
+                            "float32, and the state is kept in it)")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}: put all inputs on one device")
     _check_shapes(q, k, v, g, beta, gate, initial_state)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from k3course.ops.checks import check_lower_bound, validate
+from k3course.ops.checks import check_lower_bound, float32_recurrence, validate
 
 UT_BLOCK = 8  # the UT transform's smallest diagonal blocks, solved row by row
 SUB_CHUNK = 16  # most tokens per sub-chunk, whose decays are referenced to one token: the bounded-gate scores here,
@@ -324,22 +324,23 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chun
     ≥ L): g is clamped at L, and steps 2 and 6 take the fast form (:func:`decayed_scores`)."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    dtype, (batch, time, heads, key_dim), value_dim = q.dtype, q.shape, v.shape[-1]
-    wide = torch.promote_types(dtype, torch.float32)  # the precision of the computation and of the state
-    state = q.new_zeros(batch * heads, key_dim, value_dim, dtype=wide)
-    if initial_state is not None:
-        state = state + initial_state.to(wide).reshape(batch * heads, key_dim, value_dim)
-    tokens = chunk_size * max(1, CHUNKS_PER_GROUP // (batch * heads))  # tokens of each head per group
-    # padded tokens (k = 0, β = 0, g = 0) leave the state unchanged
-    cut = lambda x, start: None if x is None else (  # [B·H, n, C, ·]
-        _to_chunks(x[:, start:start + tokens], chunk_size).to(wide).unflatten(0, (batch * heads, -1)))
-    outputs = []
-    for start in range(0, time, tokens):
-        o, state = _chunk_group(*(cut(x, start) for x in (q, k, v, g, beta)), state, scale, lower_bound)
-        outputs.append(o.unflatten(0, (batch, heads)).movedim(1, 3).flatten(1, 2))  # [B, n·C, H, V], a view
-    o = torch.cat(outputs, dim=1)[:, :time] if time else q.new_zeros(batch, 0, heads, value_dim)
-    final = state.reshape(batch, heads, key_dim, value_dim) if output_final_state else None
-    return o.to(dtype), final
+    with float32_recurrence(q.device):  # under autocast too
+        dtype, (batch, time, heads, key_dim), value_dim = q.dtype, q.shape, v.shape[-1]
+        wide = torch.promote_types(dtype, torch.float32)  # the precision of the computation and of the state
+        state = q.new_zeros(batch * heads, key_dim, value_dim, dtype=wide)
+        if initial_state is not None:
+            state = state + initial_state.to(wide).reshape(batch * heads, key_dim, value_dim)
+        tokens = chunk_size * max(1, CHUNKS_PER_GROUP // (batch * heads))  # tokens of each head per group
+        # padded tokens (k = 0, β = 0, g = 0) leave the state unchanged
+        cut = lambda x, start: None if x is None else (  # [B·H, n, C, ·]
+            _to_chunks(x[:, start:start + tokens], chunk_size).to(wide).unflatten(0, (batch * heads, -1)))
+        outputs = []
+        for start in range(0, time, tokens):
+            o, state = _chunk_group(*(cut(x, start) for x in (q, k, v, g, beta)), state, scale, lower_bound)
+            outputs.append(o.unflatten(0, (batch, heads)).movedim(1, 3).flatten(1, 2))  # [B, n·C, H, V], a view
+        o = torch.cat(outputs, dim=1)[:, :time] if time else q.new_zeros(batch, 0, heads, value_dim)
+        final = state.reshape(batch, heads, key_dim, value_dim) if output_final_state else None
+        return o.to(dtype), final
 
 
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64, *,

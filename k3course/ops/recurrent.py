@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from k3course.ops.checks import validate
+from k3course.ops.checks import float32_recurrence, validate
 
 
 def _read(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -70,20 +70,21 @@ def kda_step(state, q, k, v, g, beta):
 def _run(step, q, k, v, gates: tuple, scale, initial_state, output_final_state):
     """Loop ``step`` over time in float32 (float64 stays float64); gates are the per-token tensors after v
     (g, beta, ...)."""
-    dtype, wide = q.dtype, torch.promote_types(q.dtype, torch.float32)
-    q, k, v = (x.to(wide) for x in (q, k, v))
-    gates = tuple(x.to(wide) for x in gates)
-    batch, time, heads, key_dim = q.shape
-    state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
-    if initial_state is not None:
-        state = state + initial_state.to(wide)
-    q = q * scale
-    outputs = []
-    for t in range(time):
-        o_t, state = step(state, q[:, t], k[:, t], v[:, t], *(x[:, t] for x in gates))
-        outputs.append(o_t)
-    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
-    return o.to(dtype), (state if output_final_state else None)
+    with float32_recurrence(q.device):  # under autocast too
+        dtype, wide = q.dtype, torch.promote_types(q.dtype, torch.float32)
+        q, k, v = (x.to(wide) for x in (q, k, v))
+        gates = tuple(x.to(wide) for x in gates)
+        batch, time, heads, key_dim = q.shape
+        state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
+        if initial_state is not None:
+            state = state + initial_state.to(wide)
+        q = q * scale
+        outputs = []
+        for t in range(time):
+            o_t, state = step(state, q[:, t], k[:, t], v[:, t], *(x[:, t] for x in gates))
+            outputs.append(o_t)
+        o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
+        return o.to(dtype), (state if output_final_state else None)
 
 
 def gla_recurrent(q, k, v, g, scale=None, initial_state=None, output_final_state=False):

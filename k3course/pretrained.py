@@ -54,6 +54,9 @@ import torch
 from k3course.config import K3Config
 
 MODEL_TYPES = ("kimi_linear", "deepseek_v3", "kimi_k2")
+# transformers' defaults for keys a config.json may leave out, where the two model types differ
+DEFAULTS = {"kimi_linear": dict(n_group=1, topk_group=1, rms_norm_eps=1e-5, routed_scaling_factor=2.446),
+            "deepseek_v3": dict(n_group=8, topk_group=4, rms_norm_eps=1e-6, routed_scaling_factor=2.5)}
 CONFIG_FILE, SINGLE_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 # What Kimi Linear's layers are, whatever the config: save_pretrained refuses a config that sets another value.
@@ -88,8 +91,10 @@ def config_from_hf(hf: dict, name: str = "pretrained") -> K3Config:
         found = hf.get("model_type") if isinstance(hf, dict) else type(hf).__name__
         raise UnsupportedCheckpoint(f"model_type: {found!r} is not one of {', '.join(MODEL_TYPES)}")
     _refuse_unsupported(hf)
-    specific = _kimi_linear_fields(hf) if hf["model_type"] == "kimi_linear" else _deepseek_fields(hf)
-    return K3Config(name=name, **_shared_fields(hf), **specific)
+    kimi_linear = hf["model_type"] == "kimi_linear"
+    specific = _kimi_linear_fields(hf) if kimi_linear else _deepseek_fields(hf)
+    return K3Config(name=name, **_shared_fields(hf, DEFAULTS["kimi_linear" if kimi_linear else "deepseek_v3"]),
+                    **specific)
 
 
 def _refuse_unsupported(hf: dict) -> None:
@@ -111,8 +116,8 @@ def _refuse_unsupported(hf: dict) -> None:
             raise UnsupportedCheckpoint(f"{key}: {value!r} is not supported (the course implements {supported[0]!r})")
 
 
-def _shared_fields(hf: dict) -> dict:
-    """The K3Config fields both model types spell alike (with their aliases)."""
+def _shared_fields(hf: dict, defaults: dict) -> dict:
+    """The K3Config fields both model types spell alike (with their aliases); ``defaults`` for absent keys."""
     return dict(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         mla_n_heads=hf["num_attention_heads"], q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
@@ -121,11 +126,11 @@ def _shared_fields(hf: dict) -> dict:
         n_routed_experts=_key(hf, "num_experts", "n_routed_experts", "num_local_experts"),
         top_k=_key(hf, "num_experts_per_token", "num_experts_per_tok"),
         n_shared_experts=_key(hf, "num_shared_experts", "n_shared_experts", default=0),
-        n_expert_groups=_key(hf, "num_expert_group", "n_group", default=1),
-        topk_groups=_key(hf, "topk_group", default=1),
+        n_expert_groups=_key(hf, "num_expert_group", "n_group", default=defaults["n_group"]),
+        topk_groups=_key(hf, "topk_group", default=defaults["topk_group"]),
         renormalize_top_k=_key(hf, "moe_renormalize", "norm_topk_prob", default=True),
-        route_scale=float(_key(hf, "routed_scaling_factor", default=1.0)),
-        norm_eps=float(_key(hf, "rms_norm_eps", default=1e-6)),
+        route_scale=float(_key(hf, "routed_scaling_factor", default=defaults["routed_scaling_factor"])),
+        norm_eps=float(_key(hf, "rms_norm_eps", default=defaults["rms_norm_eps"])),
         context_length=_key(hf, "model_max_length", "max_position_embeddings", default=4096),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pad_token_id=hf.get("pad_token_id"),
         latent_dim=None, mla_gated=False, ffn_activation="swiglu", residual="prenorm", router_score="sigmoid",

@@ -231,4 +231,4 @@ def test_kda_layer_matches_fla_kimi_delta_attention():
         same = {n: p for n, p in theirs.named_parameters() if n.split(".")[0] in kept}
         ours.load_state_dict(same | mapped)
     x = torch.randn(2, 100, 64, device="cuda")
-    assert relative_error(ours(x)[0], theirs(x)[0]) < TOLERANCE
+    assert relative_error(ours(x)[0], theirs(x)[0]) < 1e-3  # Triton on both sides: dots may run in TF32

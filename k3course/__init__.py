@@ -4,7 +4,8 @@ The package is a house of floors, each importing only the floors below it (the c
 
     0  config, data, device, debug, params,        K3Config and presets; corpora; parameter marks (init and
        reference/                                   weight decay); NumPy rung
-    1  ops/                                         linear-attention ops, RMSNorm, input checks
+    1  ops/, pretrained                             linear-attention ops, RMSNorm, input checks; transformers'
+                                                    checkpoint layout (names, configs), read by K3Model
     2  kernels/                                     Triton kernels (tested against the ops)
     3  layers/, moe/                                token mixers, residual schemes; routed experts
     4  model                                        K3Model

@@ -138,7 +138,8 @@ def kda_layer_params(cfg: K3Config) -> int:
 
     q, k, v projections 3·d·HK; depthwise short convs 3·HK·conv_size; β projection d·H;
     forget gate low-rank d·K + K·HK with A_log (H) and dt_bias (HK); output gate d·HK (full) or
-    d·K + K·HK + HK (low rank, the second map with a bias); per-head output RMSNorm K; output projection HK·d.
+    d·K + K·HK (low rank) + HK for its bias (kda_gate_bias: fla's layer, not Kimi Linear's checkpoints);
+    per-head output RMSNorm K; output projection HK·d.
     """
     _require_config(cfg)
     d, heads, width = cfg.d_model, cfg.kda_n_heads, cfg.kda_head_dim
@@ -150,7 +151,7 @@ def kda_layer_params(cfg: K3Config) -> int:
     if cfg.kda_output_gate == "full":
         output_gate = _linear(d, inner)
     else:
-        output_gate = _linear(d, width) + _linear(width, inner) + inner  # the second map has a bias (fla)
+        output_gate = _linear(d, width) + _linear(width, inner) + (inner if cfg.kda_gate_bias else 0)
     return projections + convs + beta + forget_gate + output_gate + width + _linear(inner, d)
 
 

@@ -105,8 +105,7 @@ def read_config(folder: Path) -> dict:
     folder = _require_complete(Path(folder))
     try:
         config = json.loads((folder / "config.json").read_text())
-        model_fields = {k: tuple(v) if isinstance(v, list) else v for k, v in config["model"].items()}
-        config["model"] = K3Config(**model_fields)
+        config["model"] = K3Config.from_dict(config["model"])  # fields added since it was saved: defaults
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"checkpoint: {folder}/config.json is unreadable or not a K3 config: {error}") from error
     return config

@@ -44,6 +44,17 @@ class K3Config:
     routed expert is a gated MLP ``expert_in → expert_dim → expert_in`` where ``expert_in`` is
     ``latent_dim`` (latent MoE: tokens are projected down to ℓ before dispatch) or ``d_model`` when
     ``latent_dim`` is None. The shared experts are one fused gated MLP ``d_model → n_shared·expert_dim``.
+    Group-limited routing (DeepSeek-V3): the experts form ``n_expert_groups`` equal groups, a group scores the
+    sum of its two best biased scores, and a token picks its ``top_k`` among the ``topk_groups`` best groups.
+
+    Settings the reference checkpoints need (:mod:`k3course.pretrained`) default to K3's choices, which are the
+    course's behaviour: RMSNorm ε 1e-6, NoPE, one expert group, renormalised top-k, a bias on a low-rank KDA
+    output gate. RoPE (``mla_rope``) rotates the ``qk_rope_head_dim`` dims of MLA by θ = ``rope_theta``, in
+    half-split pairs (i, i + r/2) or, ``rope_interleaved``, in pairs (2i, 2i + 1) as DeepSeek checkpoints store
+    them; ``rope_yarn_factor`` s > 1 turns on YaRN (DeepSeek-V3: s = 40 over a 4096-token original context):
+    frequencies blended between θ^(-2i/r) and θ^(-2i/r)/s by the ramp between ``rope_yarn_beta_fast`` and
+    ``rope_yarn_beta_slow`` rotations, cos and sin scaled by m(s, mscale)/m(s, mscale_all_dim) (m(s, 1) when
+    either is 0) and the softmax scale by m(s, mscale_all_dim)² (1 when it is 0), m(s, μ) = 1 + 0.1·μ·ln s.
     """
 
     name: str = "tiny"
@@ -58,8 +69,13 @@ class K3Config:
     kda_n_heads: int = 4
     kda_head_dim: int = 32
     kda_conv_size: int = 4  # depthwise causal short convolution on q, k, v
-    kda_output_gate: str = "full"  # K3: full-rank d → H·V; Kimi Linear: low rank d → K → H·V (with a bias)
+    kda_output_gate: str = "full"  # K3: full-rank d → H·V; Kimi Linear: low rank d → K → H·V
+    kda_gate_bias: bool = True  # the low-rank output gate's second map has a bias (fla's layer; Kimi Linear: none)
     kda_lower_bound: float | None = -5.0  # K3's bounded gate g ∈ (−5, 0); None: Kimi Linear's unbounded gate
+    # ε of the per-head output RMSNorm. K3's value is not published (assumption: 1e-6, the course's); Kimi Linear
+    # uses rms_norm_eps = 1e-5. A head's output RMS is ~5e-3 at course sizes (mean square ~2.5e-5), so 1e-5
+    # instead of 1e-6 shrinks outputs by tens of percent there; at full scale the choice matters far less.
+    kda_norm_eps: float = 1e-6
     # (gated) multi-head latent attention
     mla_n_heads: int = 4
     q_lora_rank: int | None = 64  # None: queries projected directly from d_model (Kimi Linear)
@@ -68,6 +84,15 @@ class K3Config:
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
     mla_gated: bool = True  # K3's output gate y = W_o[σ(W_g x) ⊙ attn]
+    mla_rope: bool = False  # rotate the rope dims (DeepSeek-V3, K2); False: NoPE (K3, Kimi Linear)
+    rope_theta: float = 10000.0
+    rope_interleaved: bool = False  # rotate pairs (2i, 2i + 1) (DeepSeek checkpoints) instead of (i, i + r/2)
+    rope_yarn_factor: float | None = None  # YaRN's s (None: plain RoPE); see the class docstring
+    rope_yarn_original_context: int = 4096
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 0.0  # 0: unset
+    rope_yarn_mscale_all_dim: float = 0.0  # 0: unset
     # mixture of experts
     n_routed_experts: int = 8
     top_k: int = 2
@@ -77,6 +102,9 @@ class K3Config:
     dense_ffn_dim: int = 256  # width of the FFN in the first first_k_dense layers
     router_score: str = "sigmoid"
     route_scale: float = 1.0  # multiplies the renormalised top-k weights
+    renormalize_top_k: bool = True  # weights s_j / Σ_top-k s (False: the raw scores s_j)
+    n_expert_groups: int = 1  # group-limited routing (DeepSeek-V3: 8 groups) ...
+    topk_groups: int = 1  # ... of which each token uses the best topk_groups (DeepSeek-V3: 4)
     balancing: str = "quantile"  # quantile (K3), sign (DeepSeek-V3 bias rule), aux_loss (Switch), none
     z_loss_weight: float = 0.0  # weight of the router z-loss in the training loss (0: off)
     # block structure
@@ -85,6 +113,8 @@ class K3Config:
     attnres_block_size: int = 4  # SUB-layers per Block AttnRes block, 2 per decoder layer (K3: 24 = 12 layers)
     context_length: int = 256  # longest context the model is meant for (tokens)
     tie_embeddings: bool = False
+    norm_eps: float = 1e-6  # ε of the RMSNorms before each sub-layer and before the head (rms_norm_eps)
+    pad_token_id: int | None = None  # the embedding row that gets no gradient (nn.Embedding's padding_idx)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -99,6 +129,17 @@ class K3Config:
         if name not in _PRESETS:
             raise ValueError(f"name: unknown preset {name!r}; valid presets are {', '.join(_PRESETS)}")
         return cls(**_PRESETS[name])
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> K3Config:
+        """The config of saved fields (``dataclasses.asdict``, read back from JSON): lists become tuples, fields
+        added since it was saved take their defaults (so old runs keep loading), unknown fields are an error."""
+        if not isinstance(fields, dict):
+            raise TypeError(f"fields must be a dict of K3Config fields, got {type(fields).__name__}")
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"fields: {', '.join(unknown)} are not K3Config fields")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
     def replace(self, **changes) -> K3Config:
         """A copy with some fields changed (validated like a new config)."""
@@ -159,7 +200,8 @@ def _is_int(value) -> bool:
 
 _POSITIVE = ("vocab_size", "d_model", "n_layers", "kda_n_heads", "kda_head_dim", "kda_conv_size", "mla_n_heads",
              "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "top_k", "expert_dim",
-             "dense_ffn_dim", "attnres_block_size", "context_length")
+             "dense_ffn_dim", "attnres_block_size", "context_length", "n_expert_groups", "topk_groups",
+             "rope_yarn_original_context")
 _NON_NEGATIVE = ("first_k_dense", "kda_per_mla", "qk_rope_head_dim", "n_shared_experts")
 _CHOICES = {"router_score": ROUTER_SCORES, "balancing": BALANCING, "ffn_activation": FFN_ACTIVATIONS,
             "residual": RESIDUALS, "kda_output_gate": KDA_OUTPUT_GATES}
@@ -183,22 +225,53 @@ def _check_fields(cfg: K3Config) -> None:
     for field_name, choices in _CHOICES.items():
         if getattr(cfg, field_name) not in choices:
             raise ValueError(f"{field_name} must be one of {', '.join(choices)}, got {getattr(cfg, field_name)!r}")
-    for field_name in ("mla_gated", "tie_embeddings"):
+    for field_name in ("mla_gated", "tie_embeddings", "kda_gate_bias", "mla_rope", "rope_interleaved",
+                       "renormalize_top_k"):
         if not isinstance(getattr(cfg, field_name), bool):
             raise TypeError(f"{field_name} must be a bool, got {getattr(cfg, field_name)!r}")
-    if isinstance(cfg.z_loss_weight, bool) or not isinstance(cfg.z_loss_weight, int | float) or cfg.z_loss_weight < 0:
-        raise ValueError(f"z_loss_weight must be a number ≥ 0, got {cfg.z_loss_weight!r}")
-    if isinstance(cfg.route_scale, bool) or not isinstance(cfg.route_scale, int | float) or cfg.route_scale <= 0:
-        raise ValueError(f"route_scale must be a number > 0, got {cfg.route_scale!r}")
+    for field_name in ("z_loss_weight", "rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
+        _check_number(cfg, field_name, "≥ 0")
+    for field_name in ("route_scale", "norm_eps", "kda_norm_eps", "rope_theta", "rope_yarn_beta_fast",
+                       "rope_yarn_beta_slow"):
+        _check_number(cfg, field_name, "> 0")
+    if cfg.rope_yarn_factor is not None:
+        _check_number(cfg, "rope_yarn_factor", "> 0")
+    if cfg.mla_rope and cfg.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim must be even with mla_rope (RoPE rotates pairs), got "
+                         f"{cfg.qk_rope_head_dim}")
+    if cfg.pad_token_id is not None and (not _is_int(cfg.pad_token_id) or not 0 <= cfg.pad_token_id < cfg.vocab_size):
+        raise ValueError(f"pad_token_id must be None or a token id in [0, vocab_size = {cfg.vocab_size}), "
+                         f"got {cfg.pad_token_id!r}")
     if cfg.first_k_dense > cfg.n_layers:
         raise ValueError(f"first_k_dense must be ≤ n_layers ({cfg.n_layers}), got {cfg.first_k_dense}")
     if cfg.top_k > cfg.n_routed_experts:
         raise ValueError(f"top_k must be ≤ n_routed_experts ({cfg.n_routed_experts}), got {cfg.top_k}")
+    _check_groups(cfg)
     if cfg.mla_layers is not None:
         _check_mla_layers(cfg.mla_layers, cfg.n_layers)
     bound = cfg.kda_lower_bound
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int | float) or not bound < 0):
         raise ValueError(f"kda_lower_bound must be None or a negative number, got {bound!r}")
+
+
+def _check_number(cfg: K3Config, field_name: str, bound: str) -> None:
+    """``field_name`` is a real number ``> 0`` or ``≥ 0`` (``bound``)."""
+    value = getattr(cfg, field_name)
+    in_range = isinstance(value, int | float) and (value > 0 or bound == "≥ 0" and value == 0)
+    if isinstance(value, bool) or not in_range:
+        raise ValueError(f"{field_name} must be a number {bound}, got {value!r}")
+
+
+def _check_groups(cfg: K3Config) -> None:
+    """Group-limited routing: equal groups, at most all of them kept, enough experts in the kept groups."""
+    groups, kept = cfg.n_expert_groups, cfg.topk_groups
+    if cfg.n_routed_experts % groups:
+        raise ValueError(f"n_expert_groups must divide n_routed_experts = {cfg.n_routed_experts}, got {groups}")
+    if kept > groups:
+        raise ValueError(f"topk_groups must be ≤ n_expert_groups = {groups}, got {kept}")
+    if cfg.top_k > kept * cfg.n_routed_experts // groups:
+        raise ValueError(f"top_k = {cfg.top_k} exceeds the experts in topk_groups = {kept} groups "
+                         f"({kept * cfg.n_routed_experts // groups})")
 
 
 def _check_mla_layers(mla_layers, n_layers: int) -> None:
@@ -214,28 +287,40 @@ def _check_mla_layers(mla_layers, n_layers: int) -> None:
 
 _REFERENCE_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 # All-MLA models have no KDA layer; their KDA fields are set as Kimi Linear sets them (as many KDA heads as MLA
-# heads, head dim 128, low-rank output gate), so a hybrid variant, e.g. preset("kimi-k2").replace(kda_per_mla=3),
-# is a meaningful what-if. They count nothing while every layer is MLA.
+# heads, head dim 128, low-rank output gate without a bias, output-norm ε 1e-5), so a hybrid variant, e.g.
+# preset("kimi-k2").replace(kda_per_mla=3), is a meaningful what-if. They count nothing while every layer is MLA.
 _ALL_MLA_PRENORM = dict(kda_per_mla=0, mla_gated=False, ffn_activation="swiglu", residual="prenorm",
-                        kda_head_dim=128, kda_output_gate="low_rank", kda_lower_bound=None)
+                        kda_head_dim=128, kda_output_gate="low_rank", kda_gate_bias=False, kda_lower_bound=None,
+                        kda_norm_eps=1e-5)
+# DeepSeek's RoPE: the rope rows interleaved, YaRN from a 4096-token pretraining context.
+_DEEPSEEK_ROPE = dict(mla_rope=True, rope_interleaved=True, rope_yarn_original_context=4096, rope_yarn_mscale=1.0,
+                      rope_yarn_mscale_all_dim=1.0)
 
+# The reference presets carry their released config.json values (DeepSeek-V3 and Kimi Linear as transformers 5.23
+# documents them; Kimi K2's RoPE (θ = 50000, YaRN ×32 with β 1 / 1) from its released config, recalled, not
+# re-read here: an assumption).
 _PRESETS: dict[str, dict] = {
     "deepseek-v3": dict(
         name="deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, first_k_dense=3, mla_n_heads=128,
         kda_n_heads=128,
         **_REFERENCE_MLA, **_ALL_MLA_PRENORM, n_routed_experts=256, top_k=8, n_shared_experts=1, expert_dim=2048,
-        latent_dim=None, dense_ffn_dim=18432, route_scale=2.5, balancing="sign", context_length=131072),
+        latent_dim=None, dense_ffn_dim=18432, route_scale=2.5, balancing="sign", context_length=131072,
+        **_DEEPSEEK_ROPE, rope_theta=10000.0, rope_yarn_factor=40.0, rope_yarn_beta_fast=32.0,
+        rope_yarn_beta_slow=1.0, n_expert_groups=8, topk_groups=4, norm_eps=1e-6),
     "kimi-k2": dict(
         name="kimi-k2", vocab_size=163840, d_model=7168, n_layers=61, first_k_dense=1, mla_n_heads=64, kda_n_heads=64,
         **_REFERENCE_MLA, **_ALL_MLA_PRENORM, n_routed_experts=384, top_k=8, n_shared_experts=1, expert_dim=2048,
-        latent_dim=None, dense_ffn_dim=18432, route_scale=2.827, balancing="sign", context_length=131072),
+        latent_dim=None, dense_ffn_dim=18432, route_scale=2.827, balancing="sign", context_length=131072,
+        **_DEEPSEEK_ROPE, rope_theta=50000.0, rope_yarn_factor=32.0, rope_yarn_beta_fast=1.0,
+        rope_yarn_beta_slow=1.0, norm_eps=1e-6),
     "kimi-linear-48b": dict(
         name="kimi-linear-48b", vocab_size=163840, d_model=2304, n_layers=27, first_k_dense=1, kda_per_mla=3,
-        kda_n_heads=32, kda_head_dim=128, kda_output_gate="low_rank", kda_lower_bound=None, mla_n_heads=32,
-        q_lora_rank=None,
+        kda_n_heads=32, kda_head_dim=128, kda_output_gate="low_rank", kda_gate_bias=False, kda_lower_bound=None,
+        kda_norm_eps=1e-5, mla_n_heads=32, q_lora_rank=None,
         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_gated=False,
         n_routed_experts=256, top_k=8, n_shared_experts=1, expert_dim=1024, latent_dim=None, dense_ffn_dim=9216,
-        route_scale=2.446, balancing="sign", ffn_activation="swiglu", residual="prenorm", context_length=1048576),
+        route_scale=2.446, balancing="sign", ffn_activation="swiglu", residual="prenorm", context_length=1048576,
+        norm_eps=1e-5, pad_token_id=163839),
     "kimi-k3": dict(
         name="kimi-k3", vocab_size=163840, d_model=7168, n_layers=93, first_k_dense=1, kda_per_mla=3,
         kda_n_heads=96, kda_head_dim=128, kda_output_gate="full", mla_n_heads=96, **_REFERENCE_MLA, mla_gated=True,

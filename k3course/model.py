@@ -16,6 +16,10 @@ the model's cache is one entry per layer, the KDA state + conv tails or the MLA 
 cached sequences; with targets the loss is the mean next-token cross-entropy (``IGNORE`` = −100 positions
 skipped) plus, in training, the MoE layers' auxiliary losses (Switch aux loss when balancing is "aux_loss",
 router z-loss weighted by ``cfg.z_loss_weight``).
+
+Checkpoints in the ecosystem's format: :meth:`K3Model.from_pretrained` runs transformers-layout Kimi Linear and
+DeepSeek-V3 checkpoints, :meth:`K3Model.save_pretrained` writes a Kimi Linear one (the names and configs live in
+:mod:`k3course.pretrained`, a floor below, which knows this module's parameter names as strings).
 """
 
 from __future__ import annotations
@@ -23,19 +27,20 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3course import pretrained
 from k3course.config import K3Config
 from k3course.layers.kda import KDACache, KimiDeltaAttention
 from k3course.layers.mla import GatedMLA, MLACache
 from k3course.layers.residual import block_attnres_read, make_residual
 from k3course.moe.experts import GLUFFN
 from k3course.moe.layers import MoE
-from k3course.ops.norm import NORM_EPS
-from k3course.params import is_decayed, is_residual_output, no_weight_decay
+from k3course.params import carry_marks, is_decayed, is_residual_output, no_weight_decay
 
 IGNORE = -100  # targets at positions without a label (torch's cross-entropy ignore_index)
 INIT_STD = 0.02  # N(0, 0.02²) for projections and the embedding; output projections get 0.02 / √(2L)
@@ -68,9 +73,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: K3Config, index: int):
         super().__init__()
         self.mixer_kind, self.ffn_kind = cfg.layer_types()[index], cfg.ffn_types()[index]
-        self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=NORM_EPS)
+        self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mixer = KimiDeltaAttention.from_config(cfg) if self.mixer_kind == "kda" else GatedMLA.from_config(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=NORM_EPS)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         for norm in (self.mixer_norm, self.ffn_norm):
             no_weight_decay(norm.weight)
         self.ffn = (GLUFFN(cfg.d_model, cfg.dense_ffn_dim, cfg.ffn_activation) if self.ffn_kind == "dense"
@@ -92,12 +97,12 @@ class K3Model(nn.Module):
         if not isinstance(cfg, K3Config):
             raise TypeError(f"cfg must be a K3Config (e.g. K3Config.preset('tiny')), got {type(cfg).__name__}")
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         kind = "block" if cfg.residual == "block_attnres" else "standard"
         block_size = cfg.attnres_block_size if kind == "block" else None
         self.residual = make_residual(kind, 2 * cfg.n_layers, cfg.d_model, block_size)
-        self.final_norm = nn.RMSNorm(cfg.d_model, eps=NORM_EPS)
+        self.final_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         no_weight_decay(self.final_norm.weight)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.init_weights()
@@ -107,6 +112,60 @@ class K3Model(nn.Module):
         """Build on ``device`` (``"meta"``: shapes only, no memory, seconds even for the full K3)."""
         with torch.device(device or "cpu"):
             return cls(cfg)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device | str | None = None,
+                        dtype: torch.dtype = torch.float32) -> K3Model:
+        """The model of a transformers-layout checkpoint folder (config.json + safetensors, sharded or not) of a
+        ``kimi_linear`` or ``deepseek_v3`` model (:mod:`k3course.pretrained` says what is read and refused).
+
+        Built on the meta device, then filled one layer at a time with tensors read from the memory-mapped files
+        and converted to this model's layout, so the weights are never held twice. Parameters in ``dtype`` on
+        ``device``; the MoE selection biases stay fp32. Returned in eval mode.
+        """
+        checkpoint = pretrained.Checkpoint(path)
+        model = cls.from_config(checkpoint.config, device="meta")
+        device = torch.device(device or "cpu")
+        for part in checkpoint.k3_tensors():
+            for name, tensor in part.items():
+                model._assign(name, tensor, device, dtype)
+        model._materialize(device)
+        return model.eval()
+
+    def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+        """Write this model as a Kimi Linear checkpoint folder that transformers' ``from_pretrained`` opens
+        (config.json + safetensors, sharded above ``max_shard_bytes``). Raises
+        :class:`~k3course.pretrained.UnsupportedCheckpoint` naming each setting Kimi Linear cannot express (Block
+        AttnRes, SiTU-GLU, K3's full-rank or biased gates, the bounded KDA gate, latent MoE, RoPE ...)."""
+        return pretrained.save_kimi_linear(self.cfg, self.state_dict(), path, max_shard_bytes)
+
+    @torch.no_grad()
+    def _assign(self, name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+        """Put a copy of ``tensor`` in place of parameter or buffer ``name`` (marks kept). Parameters take
+        ``dtype``; buffers keep their precision if wider (the fp32 MoE bias)."""
+        module_name, _, leaf = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        old = getattr(module, leaf)
+        if tuple(tensor.shape) != tuple(old.shape):
+            raise ValueError(f"{name}: the checkpoint holds shape {tuple(tensor.shape)}, the model {tuple(old.shape)}")
+        is_parameter = isinstance(old, nn.Parameter)
+        # a contiguous copy: never a view of the file, and converted tensors are often transposes
+        copy = tensor.to(device, dtype if is_parameter else torch.promote_types(old.dtype, dtype), copy=True,
+                         memory_format=torch.contiguous_format)
+        setattr(module, leaf, carry_marks(old, nn.Parameter(copy, old.requires_grad)) if is_parameter else copy)
+
+    def _materialize(self, device: torch.device) -> None:
+        """After assigning a checkpoint: fail naming any weight it did not fill, and make the state no checkpoint
+        holds (the MoE routing records and losses) zeros on ``device``."""
+        missing = [name for name, tensor in self.state_dict().items() if tensor.is_meta]
+        if missing:
+            raise ValueError(f"checkpoint: no tensor for {len(missing)} weights, e.g. {missing[:4]}")
+        for module in self.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer.is_meta:
+                    setattr(module, name, torch.zeros_like(buffer, device=device))
+        for moe in self.moe_layers():
+            moe.aux_loss, moe.z_loss = torch.zeros((), device=device), torch.zeros((), device=device)
 
     # --- initialisation and optimisation ------------------------------------------------------------------
 

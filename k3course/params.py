@@ -10,7 +10,8 @@
 
 Every unmarked parameter is a projection (a matrix mapping activations): initialised N(0, σ²), and decayed.
 A mark is an attribute of the ``nn.Parameter`` object: ``module.to(...)``, ``load_state_dict`` and pickling keep
-it; ``copy.deepcopy`` does not (torch's ``Parameter.__deepcopy__`` copies the data only).
+it; ``copy.deepcopy`` does not (torch's ``Parameter.__deepcopy__`` copies the data only), nor does replacing the
+parameter by a new one (loading onto a meta-built model): :func:`carry_marks` copies them over.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ def is_decayed(param: nn.Parameter) -> bool:
 def is_residual_output(param: nn.Parameter) -> bool:
     """True when ``param`` is marked :func:`residual_output`."""
     return getattr(param, "_residual_output", False)
+
+
+def carry_marks(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
+    """Give ``new`` the marks of ``old``, the parameter it replaces; returns ``new``."""
+    if getattr(old, "_no_weight_decay", False):
+        no_weight_decay(new)
+    if getattr(old, "_residual_output", False):
+        residual_output(new)
+    return new
 
 
 def _check_unmarked(param, other_mark: str) -> None:

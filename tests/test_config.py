@@ -39,6 +39,7 @@ def test_meta_device_count_of_the_real_model_equals_the_analytic_count(name):
 
 
 @pytest.mark.parametrize("changes", [dict(kda_output_gate="low_rank"), dict(q_lora_rank=None, mla_gated=False),
+                                     dict(kda_output_gate="low_rank", kda_gate_bias=False),
                                      dict(latent_dim=None, n_shared_experts=0), dict(tie_embeddings=True),
                                      dict(residual="prenorm"), dict(top_k=8), dict(first_k_dense=4)])
 def test_meta_count_equals_the_analytic_count_for_every_option(changes):
@@ -135,6 +136,12 @@ def test_unknown_preset_lists_the_valid_ones():
     (dict(mla_layers=(3, 1)), "mla_layers"),
     (dict(route_scale=0.0), "route_scale"), (dict(mla_gated=1), "mla_gated"), (dict(kda_per_mla=-1), "kda_per_mla"),
     (dict(kda_output_gate="none"), "kda_output_gate"), (dict(q_lora_rank=-3), "q_lora_rank"),
+    (dict(norm_eps=0.0), "norm_eps"), (dict(kda_norm_eps=-1e-6), "kda_norm_eps"), (dict(mla_rope=1), "mla_rope"),
+    (dict(rope_theta=0), "rope_theta"), (dict(rope_yarn_factor=-2.0), "rope_yarn_factor"),
+    (dict(rope_yarn_mscale=-1.0), "rope_yarn_mscale"), (dict(mla_rope=True, qk_rope_head_dim=15), "qk_rope_head_dim"),
+    (dict(n_expert_groups=3), "n_expert_groups"), (dict(topk_groups=2), "topk_groups"),
+    (dict(n_expert_groups=4, topk_groups=1, top_k=3), "top_k"), (dict(pad_token_id=256), "pad_token_id"),
+    (dict(renormalize_top_k=None), "renormalize_top_k"), (dict(kda_gate_bias="no"), "kda_gate_bias"),
 ])
 def test_bad_fields_are_named(changes, field):
     with pytest.raises((ValueError, TypeError), match=field):
@@ -211,3 +218,26 @@ def test_settings_are_validated_and_written_back_as_toml():
     assert config.with_settings(K3Config(), document["model"], "model", "back") == changed
     with pytest.raises(ValueError, match="not valid TOML"):
         config.toml_document("[model\n")
+
+
+def test_a_config_saved_before_fields_were_added_loads_with_their_defaults():
+    """Saved runs store dataclasses.asdict(config); fields added later take the defaults, which are K3's choices
+    and reproduce the course's behaviour (ε 1e-6, NoPE, no expert groups, a biased low-rank gate)."""
+    saved = dataclasses.asdict(K3Config.preset("small"))
+    for added in ("norm_eps", "kda_norm_eps", "kda_gate_bias", "mla_rope", "n_expert_groups", "pad_token_id"):
+        del saved[added]
+    saved["mla_layers"] = None
+    assert K3Config.from_dict(saved) == K3Config.preset("small")
+    assert K3Config.from_dict({"mla_layers": [1, 3], "n_layers": 4}).mla_layers == (1, 3)
+    with pytest.raises(TypeError, match="fields: widht are not K3Config fields"):
+        K3Config.from_dict({"widht": 3})
+
+
+def test_reference_presets_carry_their_released_settings():
+    linear, seek, k2 = (K3Config.preset(name) for name in ("kimi-linear-48b", "deepseek-v3", "kimi-k2"))
+    assert (linear.norm_eps, linear.kda_norm_eps, linear.kda_gate_bias, linear.mla_rope) == (1e-5, 1e-5, False, False)
+    assert (seek.n_expert_groups, seek.topk_groups, seek.rope_yarn_factor, seek.rope_interleaved) == (8, 4, 40.0, True)
+    assert k2.mla_rope and k2.n_expert_groups == 1 and k2.rope_theta == 50000.0
+    k3 = K3Config.preset("kimi-k3")
+    assert (k3.norm_eps, k3.kda_norm_eps, k3.mla_rope, k3.n_expert_groups, k3.renormalize_top_k) == (1e-6, 1e-6, False,
+                                                                                                    1, True)

@@ -14,7 +14,8 @@ from k3course.accounting import (
     mha_cache_numbers,
     mla_cache_numbers,
 )
-from k3course.layers.mla import GatedMLA
+from k3course.config import K3Config
+from k3course.layers.mla import GatedMLA, YaRN, rope_rotate
 from k3course.reference import mla as ref
 
 SMALL = dict(d_model=16, n_heads=3, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
@@ -262,3 +263,44 @@ def test_kda_state_count_agrees_with_k3config():
     assert k3.n_kda_layers * per_layer * 2 == accounting.recurrent_state_bytes(k3, dtype_bytes=2, state_bytes=2)
     per_token = mla_cache_numbers(k3.kv_lora_rank, k3.qk_rope_head_dim)
     assert k3.n_mla_layers * per_token * 2 == accounting.kv_cache_bytes_per_token(k3)
+
+
+# --- RoPE as DeepSeek's checkpoints use it: interleaved pairs, YaRN ----------------------------------------------
+
+DEEPSEEK_LIKE = dict(use_rope=True, qk_rope_head_dim=8, yarn=YaRN(4.0, original_context=16, mscale=1.0,
+                                                                  mscale_all_dim=0.8))
+
+
+def test_interleaved_rope_is_half_split_rope_on_reordered_rope_rows():
+    """Rotating pairs (2i, 2i + 1) equals rotating pairs (i, i + r/2) of weights whose rope rows (per head in W_UQ,
+    and in W_DKV) are reordered [0, 2, 4, ..., 1, 3, 5, ...]: the layout is a property of the weights. Decoding
+    from the cache gives the full forward's outputs."""
+    interleaved, half = make(rope_interleaved=True, **DEEPSEEK_LIKE), make(**DEEPSEEK_LIKE)
+    order = torch.cat([torch.arange(0, 8, 2), torch.arange(1, 8, 2)])
+    state = interleaved.state_dict()
+    q_up = state["q_up.weight"].view(3, 4 + 8, -1)
+    state["q_up.weight"] = torch.cat([q_up[:, :4], q_up[:, 4:][:, order]], 1).flatten(0, 1)
+    state["kv_down.weight"] = torch.cat([state["kv_down.weight"][:6], state["kv_down.weight"][6:][order]])
+    half.load_state_dict(state)
+    x = seeded_x(length=9)
+    full = interleaved(x)[0]
+    torch.testing.assert_close(half(x)[0], full, rtol=1e-12, atol=1e-12)
+    prefill, cache = interleaved(x[:, :5])
+    steps = [interleaved(x[:, t:t + 1], cache, absorbed=True)[0] for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat([prefill, *steps], 1), full, rtol=1e-12, atol=1e-12)
+
+
+def test_yarn_keeps_fast_pairs_interpolates_slow_ones_and_rescales():
+    yarn = YaRN(40.0, original_context=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+    base = 1.0 / 10000.0 ** (torch.arange(32, dtype=torch.float64) / 32)
+    freq = yarn.inv_freq(64, 10000.0, dtype=torch.float64)
+    torch.testing.assert_close(freq[:10], base[:10])          # turn > 32 times over 4096 tokens: kept
+    torch.testing.assert_close(freq[-8:], base[-8:] / 40)    # turn < once: interpolated by s
+    assert yarn.rope_gain == 1.0 and yarn.score_gain == pytest.approx((1 + 0.1 * np.log(40)) ** 2)
+    layer = GatedMLA.from_config(K3Config.preset("deepseek-v3"), device="meta")
+    assert layer.use_rope and layer.rope_interleaved and layer.scale == pytest.approx(192 ** -0.5 * yarn.score_gain)
+    x = torch.ones(1, 3, 2, 4)
+    rotated = rope_rotate(x, torch.arange(3), yarn=YaRN(2.0, 16, mscale=1.0))  # rope_gain m(2, 1) on cos and sin
+    assert torch.allclose(rotated[0, 0], x[0, 0] * (1 + 0.1 * np.log(2)))
+    with pytest.raises(ValueError, match="yarn scales RoPE"):
+        make(yarn=yarn)

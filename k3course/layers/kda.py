@@ -111,15 +111,17 @@ class ShortConv(nn.Module):
 class _GatedMixer(nn.Module):
     """Shared body of the three layers; subclasses define the forget gate and which ops mix the tokens.
 
-    d_model, n_heads, head_dim (K = V); conv_size (4); output_gate "full" (K3: d → H·V) or "low_rank" (Kimi
-    Linear: d → V → H·V, the second map with a bias, as in fla); norm_eps; mode "auto" | "chunk" | "recurrent";
-    chunk_size (a positive int; KDA: 16, 32 or 64); allow_neg_eigval (β ∈ (0, 2)).
+    d_model, n_heads, head_dim (K = V); conv_size (4); output_gate "full" (K3: d → H·V) or "low_rank" (d → V →
+    H·V); gate_bias: the low-rank gate's second map has a bias (fla's layer) or not (Kimi Linear's checkpoints);
+    norm_eps: ε of the per-head output RMSNorm; mode "auto" | "chunk" | "recurrent"; chunk_size (a positive int;
+    KDA: 16, 32 or 64); allow_neg_eigval (β ∈ (0, 2)).
     """
 
     uses_beta = True
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, conv_size: int = 4, output_gate: str = "full",
-                 norm_eps: float = NORM_EPS, mode: str = "auto", chunk_size: int = 64, allow_neg_eigval: bool = False):
+                 norm_eps: float = NORM_EPS, mode: str = "auto", chunk_size: int = 64, allow_neg_eigval: bool = False,
+                 gate_bias: bool = True):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim),
                             ("conv_size", conv_size), ("chunk_size", chunk_size)):
@@ -139,8 +141,10 @@ class _GatedMixer(nn.Module):
         if output_gate == "full":
             self.gate_proj = nn.Linear(d_model, width, bias=False)
         else:
-            self.gate_proj = nn.Sequential(nn.Linear(d_model, head_dim, bias=False), nn.Linear(head_dim, width))
-            no_weight_decay(self.gate_proj[1].bias)
+            self.gate_proj = nn.Sequential(nn.Linear(d_model, head_dim, bias=False),
+                                           nn.Linear(head_dim, width, bias=gate_bias))
+            if gate_bias:
+                no_weight_decay(self.gate_proj[1].bias)
         self.o_norm_weight = no_weight_decay(nn.Parameter(torch.ones(head_dim)))
         self.o_proj = nn.Linear(width, d_model, bias=False)
         residual_output(self.o_proj.weight)
@@ -149,7 +153,8 @@ class _GatedMixer(nn.Module):
     def from_config(cls, cfg, **overrides):
         """The layer a :class:`k3course.config.K3Config` describes (its kda_* fields); ``overrides`` win."""
         sizes = dict(d_model=cfg.d_model, n_heads=cfg.kda_n_heads, head_dim=cfg.kda_head_dim,
-                     conv_size=cfg.kda_conv_size, output_gate=cfg.kda_output_gate, **cls._config_fields(cfg))
+                     conv_size=cfg.kda_conv_size, output_gate=cfg.kda_output_gate, gate_bias=cfg.kda_gate_bias,
+                     norm_eps=cfg.kda_norm_eps, **cls._config_fields(cfg))
         return cls(**{**sizes, **overrides})
 
     @staticmethod
@@ -181,7 +186,7 @@ class _GatedMixer(nn.Module):
         raise NotImplementedError
 
     def output_gate(self, x):
-        """σ(gate(x)) [B, T, H·V]: the sigmoid output gate (full rank, or low rank with a bias)."""
+        """σ(gate(x)) [B, T, H·V]: the sigmoid output gate (full rank, or low rank with or without a bias)."""
         return torch.sigmoid(self.gate_proj(x))
 
     def uses_chunked_op(self, n_tokens: int) -> bool:

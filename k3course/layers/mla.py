@@ -10,7 +10,8 @@ Per token x ∈ R^d (lesson 09; shapes in the K3 sizes):
     y = W_O [σ(W_G x) ⊙ concat_h o_h]             full-rank sigmoid output gate (K3)
 
 NoPE by default (K3, Kimi Linear): the "rope" dims are a shared, unrotated key part. ``use_rope=True`` rotates
-them by absolute position.
+them by absolute position (DeepSeek-V3, Kimi K2), in half-split pairs (i, i + r/2) or, ``rope_interleaved``, in the
+pairs (2i, 2i + 1) DeepSeek checkpoints store; :class:`YaRN` stretches the frequencies for long contexts.
 
 Two ways to attend over the cache, equal in exact arithmetic:
 naive    up-project every cached latent to k_nope and v for every head, then attend (cost grows with T·H·r·d_h);
@@ -21,6 +22,9 @@ The module-level functions count cache sizes for the KV-cache comparison (MHA / 
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -116,18 +120,87 @@ def write_rows(buffer: torch.Tensor, length: int, rows: torch.Tensor) -> tuple[t
     return buffer, end
 
 
-def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Half-split RoPE: rotate pairs (x[i], x[i + r/2]) by positions·theta^(-2i/r).
+@dataclass(frozen=True)
+class YaRN:
+    """YaRN's context extension of RoPE (Peng et al. 2023), computed as DeepSeek-V3 and transformers compute it.
+
+    factor s, original_context L₀ (the pretraining length), beta_fast / beta_slow (rotation counts that bound
+    the ramp), mscale / mscale_all_dim (0: unset). For a rope width r and base θ, pair i has ω_i = θ^(-2i/r):
+
+        d(β) = r·ln(L₀ / (2πβ)) / (2 ln θ)                         the pair that turns β times over L₀
+        lo = max(⌊d(beta_fast)⌋, 0), hi = min(⌈d(beta_slow)⌉, r − 1), ramp_i = clamp((i − lo) / (hi − lo), 0, 1)
+        ω'_i = ramp_i · ω_i / s + (1 − ramp_i) · ω_i               fast pairs keep ω_i, slow ones are interpolated
+        rope_gain  = m(s, mscale) / m(s, mscale_all_dim) if both are set, else m(s, 1)   (multiplies cos and sin)
+        score_gain = m(s, mscale_all_dim)² if it is set, else 1                          (multiplies the softmax scale)
+
+    with m(s, μ) = 1 + 0.1·μ·ln s for s > 1, else 1. DeepSeek-V3: s = 40, L₀ = 4096, β 32 / 1, mscale 1 / 1.
+    """
+
+    factor: float
+    original_context: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg) -> YaRN | None:
+        """The YaRN of a :class:`k3course.config.K3Config` (its rope_yarn_* fields), None without one."""
+        if cfg.rope_yarn_factor is None:
+            return None
+        return cls(cfg.rope_yarn_factor, cfg.rope_yarn_original_context, cfg.rope_yarn_beta_fast,
+                   cfg.rope_yarn_beta_slow, cfg.rope_yarn_mscale, cfg.rope_yarn_mscale_all_dim)
+
+    def inv_freq(self, dim: int, theta: float, device=None, dtype=torch.float32) -> torch.Tensor:
+        """ω'_i for the r/2 pairs of a rope width ``dim`` [dim / 2]."""
+        def pair_turning(rotations: float) -> float:
+            return dim * math.log(self.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(pair_turning(self.beta_fast)), 0)
+        high = min(math.ceil(pair_turning(self.beta_slow)), dim - 1)
+        pairs = torch.arange(dim // 2, device=device, dtype=dtype)
+        ramp = ((pairs - low) / ((high - low) or 0.001)).clamp(0, 1)
+        base = 1.0 / theta ** (2 * pairs / dim)
+        return ramp * base / self.factor + (1 - ramp) * base
+
+    @property
+    def rope_gain(self) -> float:
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_m(self.factor, self.mscale) / _yarn_m(self.factor, self.mscale_all_dim)
+        return _yarn_m(self.factor, 1.0)
+
+    @property
+    def score_gain(self) -> float:
+        return _yarn_m(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+
+def _yarn_m(factor: float, mscale: float) -> float:
+    """m(s, μ) = 1 + 0.1·μ·ln s for s > 1, else 1."""
+    return 1.0 + 0.1 * mscale * math.log(factor) if factor > 1 else 1.0
+
+
+def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0, interleaved: bool = False,
+                yarn: YaRN | None = None) -> torch.Tensor:
+    """RoPE: rotate pairs of x by positions·ω_i, ω_i = theta^(-2i/r) (or YaRN's ω'_i, with cos and sin scaled
+    by its rope_gain). Pair i is (x[i], x[i + r/2]) (half-split) or (x[2i], x[2i + 1]) (``interleaved``); the
+    layout is kept, so q·k is the same either way for weights laid out to match.
 
     x: [B, T, ..., r]; positions: [T] (absolute). Shape kept.
     """
     half, wide = x.shape[-1] // 2, torch.promote_types(x.dtype, torch.float32)
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=wide) * 2.0 / x.shape[-1])
+    if yarn is None:
+        inv_freq, gain = theta ** (-torch.arange(half, device=x.device, dtype=wide) * 2.0 / x.shape[-1]), 1.0
+    else:
+        inv_freq, gain = yarn.inv_freq(x.shape[-1], theta, x.device, wide), yarn.rope_gain
     angle = positions.to(wide)[:, None] * inv_freq                          # [T, r/2]
     angle = angle.view(1, angle.shape[0], *([1] * (x.dim() - 3)), half)     # broadcast over B and heads
-    cos, sin = angle.cos(), angle.sin()
-    first, second = x[..., :half].to(wide), x[..., half:].to(wide)
-    rotated = torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+    cos, sin = angle.cos() * gain, angle.sin() * gain
+    if interleaved:
+        first, second = x[..., 0::2].to(wide), x[..., 1::2].to(wide)
+        rotated = torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1).flatten(-2)
+    else:
+        first, second = x[..., :half].to(wide), x[..., half:].to(wide)
+        rotated = torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
     return rotated.to(x.dtype)
 
 
@@ -178,13 +251,16 @@ class GatedMLA(nn.Module):
     is filled in place and returned). Causal: new token t sees every cached token and the new tokens up to t.
     ``absorbed`` picks how to attend: None (auto) uses the absorbed form at inference for at most
     ``DECODE_TOKENS`` new tokens (decoding) and the naive form otherwise; True / False force one (the same
-    numbers). ``max_cache_len`` (optional) bounds the cache length.
+    numbers). ``max_cache_len`` (optional) bounds the cache length. ``use_rope`` rotates the rope dims by
+    ``rope_theta`` (:func:`rope_rotate`: ``rope_interleaved`` pairs, ``yarn`` scaling, whose score gain also
+    multiplies the softmax scale); ``eps``: ε of the q and latent RMSNorms (1e-6 in K3, DeepSeek-V3 and Kimi Linear).
     """
 
     def __init__(self, d_model: int, n_heads: int, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, gated: bool = True, use_rope: bool = False,
                  rope_theta: float = 10000.0, max_cache_len: int | None = None, absorbed: bool | None = None,
-                 eps: float = NORM_EPS, device=None, dtype=None):
+                 eps: float = NORM_EPS, device=None, dtype=None, rope_interleaved: bool = False,
+                 yarn: YaRN | None = None):
         super().__init__()
         sizes = dict(d_model=d_model, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
                      v_head_dim=v_head_dim, q_lora_rank=1 if q_lora_rank is None else q_lora_rank)
@@ -195,6 +271,8 @@ class GatedMLA(nn.Module):
             raise ValueError(f"qk_rope_head_dim must be an int >= 0, got {qk_rope_head_dim!r}")
         if use_rope and qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even for RoPE (it rotates pairs), got {qk_rope_head_dim}")
+        if yarn is not None and not use_rope:
+            raise ValueError("yarn scales RoPE: it needs use_rope=True")
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
         if absorbed not in (None, True, False):
@@ -204,7 +282,8 @@ class GatedMLA(nn.Module):
         self.n_heads, self.kv_lora_rank = n_heads, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.gated, self.use_rope, self.rope_theta, self.max_cache_len = gated, use_rope, rope_theta, max_cache_len
-        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+        self.rope_interleaved, self.yarn = rope_interleaved, yarn
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * (1.0 if yarn is None else yarn.score_gain)
         self.d_model = d_model
         q_width = n_heads * (qk_nope_head_dim + qk_rope_head_dim)
         if q_lora_rank is None:                                          # full-rank query (no compression)
@@ -228,10 +307,12 @@ class GatedMLA(nn.Module):
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> GatedMLA:
-        """The MLA layer of a :class:`k3course.config.K3Config` (its mla_* and *_rank fields)."""
+        """The MLA layer of a :class:`k3course.config.K3Config` (its mla_*, *_rank and rope_* fields)."""
         sizes = dict(d_model=cfg.d_model, n_heads=cfg.mla_n_heads, q_lora_rank=cfg.q_lora_rank,
                      kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-                     qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, gated=cfg.mla_gated)
+                     qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, gated=cfg.mla_gated,
+                     use_rope=cfg.mla_rope, rope_theta=cfg.rope_theta, rope_interleaved=cfg.rope_interleaved,
+                     yarn=YaRN.from_config(cfg) if cfg.mla_rope else None)
         return cls(**{**sizes, **overrides})
 
     # --- the pieces ---------------------------------------------------------------------------------------
@@ -241,7 +322,7 @@ class GatedMLA(nn.Module):
         latent, rope_key = compress_kv(x, self.kv_down.weight, self.kv_norm.weight, self.kv_lora_rank,
                                        self.kv_norm.eps)
         if self.use_rope:
-            rope_key = rope_rotate(rope_key, positions, self.rope_theta)
+            rope_key = rope_rotate(rope_key, positions, self.rope_theta, self.rope_interleaved, self.yarn)
         return MLACache(latent, rope_key)
 
     def queries(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +331,7 @@ class GatedMLA(nn.Module):
         q = q.view(*x.shape[:2], self.n_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         if self.use_rope:
-            q_rope = rope_rotate(q_rope, positions, self.rope_theta)
+            q_rope = rope_rotate(q_rope, positions, self.rope_theta, self.rope_interleaved, self.yarn)
         return q_nope, q_rope
 
     def attend_naive(self, q_nope, q_rope, cache: MLACache, start: int) -> torch.Tensor:

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from k3course import accounting
+from k3course.config import K3Config
 from k3course.data import mqar
 from k3course.device import keep_freed_memory
 from k3course.lessons import claims
@@ -153,7 +154,7 @@ def reused_runs(cfg, label: str, experiment: str, their_label: str, seeds: tuple
     trained ``cfg`` with the same task, training settings and seeds (ValueError naming what differs)."""
     saved = load(experiment)
     plain = lambda value: json.loads(json.dumps(value))
-    checks = {"config": (saved["result"]["variants"][their_label]["config"], plain(dataclasses.asdict(cfg))),
+    checks = {"config": (K3Config.from_dict(saved["result"]["variants"][their_label]["config"]), cfg),
               "train": (saved["settings"]["train"], plain(train)), "seeds": (saved["settings"]["seeds"], list(seeds)),
               "task": (saved["settings"]["task"], task)}
     differ = [name for name, (theirs, ours) in checks.items() if theirs != ours]

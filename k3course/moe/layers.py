@@ -1,6 +1,6 @@
 """The MoE layers: ``MoE`` (experts at full width) and ``LatentMoE`` (K3's Stable LatentMoE).
 
-    scores s = score_fn(x W_r);  (idx, p) = topk_route(s, k, bias)          router reads full-width x
+    scores s = score_fn(x W_r);  (idx, p) = topk_route(s, k, bias)          router reads full-width x, in fp32
     u_t = route_scale · Σ_{j ∈ idx_t} p_tj E_j(z_t)
     MoE:        z = x,      y = shared(x) + u
     LatentMoE:  z = x W↓,   y = shared(x) + RMSNorm(u) W↑                   experts run at width ℓ
@@ -10,7 +10,10 @@ sorted by expert, each expert's GEMM runs on its contiguous block (:func:`k3cour
 and the outputs are unsorted and weighted. No loop over tokens. Expert parallelism
 (:func:`k3course.distributed.parallelize_experts`) swaps the dispatcher, not the layer.
 
-The selection bias is a buffer, moved by the balancing rule between optimizer steps (see :class:`MoE`).
+The selection bias is a buffer, moved by the balancing rule between optimizer steps (see :class:`MoE`). Routing
+(logits, scores, bias, selection) runs in fp32 whatever the activations' dtype, and the bias stays fp32 when the
+layer is cast (``.to(torch.bfloat16)``), as the reference implementations route: in bf16 a score near 0.5 has a
+resolution of 2e-3, so smaller biases would vanish and near-ties would pick other experts.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ class MoE(nn.Module):
     experts, fused into one GLU FFN of width n_shared · d_expert (K3: 2 shared); d_expert: inner width of each
     expert; d_latent: ℓ, the width the routed experts run at (None: full width, no projection);
     score_fn 'sigmoid' | 'softmax'; activation 'swiglu' | 'situ_glu'; route_scale multiplies the weights;
+    renormalize: weights over the chosen k sum to 1 (else the raw scores); n_groups, topk_groups: group-limited
+    routing (:func:`~k3course.moe.routing.group_limited`, 1 and 1: none);
     balancing 'quantile' | 'sign' | 'aux' | None (K3Config's 'aux_loss' and 'none' are accepted);
     gamma: the sign rule's step; aux_alpha: the aux loss weight; device: where the weights live
     (``"meta"``: shapes only, instant even at K3 size). x [..., d_model] -> y [..., d_model]; zero tokens give
@@ -102,7 +107,7 @@ class MoE(nn.Module):
                  route_scale: float = 1.0, balancing: str | None = "quantile", gamma: float = SIGN_RULE_STEP,
                  aux_alpha: float = AUX_LOSS_WEIGHT, renormalize: bool = True, eps: float = NORM_EPS,
                  generator: torch.Generator | None = None, backend: str = "auto",
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, n_groups: int = 1, topk_groups: int = 1):
         super().__init__()
         if not 1 <= top_k <= n_routed:
             raise ValueError(f"top_k must satisfy 1 <= top_k <= n_routed = {n_routed}, got {top_k}")
@@ -113,10 +118,13 @@ class MoE(nn.Module):
             raise ValueError(f"score_fn must be 'sigmoid' or 'softmax', got {score_fn!r}")
         if d_latent is not None and not 1 <= d_latent <= d_model:
             raise ValueError(f"d_latent must be None or in [1, d_model = {d_model}], got {d_latent}")
+        if n_routed % n_groups or not 1 <= topk_groups <= n_groups or top_k > topk_groups * (n_routed // n_groups):
+            raise ValueError(f"n_groups must divide n_routed = {n_routed}, topk_groups be in [1, n_groups] and their "
+                             f"experts hold top_k = {top_k}; got n_groups = {n_groups}, topk_groups = {topk_groups}")
         d_expert = d_expert or d_model
         self.d_model, self.n_routed, self.top_k, self.d_latent = d_model, n_routed, top_k, d_latent
         self.score_fn, self.route_scale, self.balancing = score_fn, route_scale, balancing
-        self.renormalize = renormalize
+        self.renormalize, self.n_groups, self.topk_groups = renormalize, n_groups, topk_groups
         self.gamma, self.aux_alpha, self.eps = gamma, aux_alpha, eps
         self.router = init_weight((d_model, n_routed), d_model, generator, device)
         self.register_buffer("bias", torch.zeros(n_routed, device=device))
@@ -141,15 +149,29 @@ class MoE(nn.Module):
         sizes = dict(d_model=cfg.d_model, n_routed=cfg.n_routed_experts, top_k=cfg.top_k,
                      n_shared=cfg.n_shared_experts, d_expert=cfg.expert_dim, d_latent=cfg.latent_dim,
                      score_fn=cfg.router_score, activation=cfg.ffn_activation, route_scale=cfg.route_scale,
-                     balancing=cfg.balancing)
+                     balancing=cfg.balancing, renormalize=cfg.renormalize_top_k, n_groups=cfg.n_expert_groups,
+                     topk_groups=cfg.topk_groups)
         return cls(**{**sizes, **overrides})
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router on full-width x [m, d]: (logits [m, n], scores [m, n], expert_idx [m, k], weights [m, k])."""
-        logits = x @ self.router
+        """Router on full-width x [m, d]: (logits [m, n], scores [m, n], expert_idx [m, k], weights [m, k]);
+        logits, scores and weights in fp32 (fp64 for fp64 x) whatever x's dtype. Without expert groups it calls
+        ``topk_route`` exactly as chapter 01 writes it, so a learner's version fits (:mod:`k3course.lessons.parts`)."""
+        wide = torch.promote_types(x.dtype, torch.float32)
+        logits = x.to(wide) @ self.router.to(wide)
         scores = router_scores(logits, self.score_fn)
-        expert_idx, weights = topk_route(scores, self.top_k, self.bias, self.renormalize)
+        groups = {} if self.n_groups == 1 else {"n_groups": self.n_groups, "topk_groups": self.topk_groups}
+        expert_idx, weights = topk_route(scores, self.top_k, self.bias, self.renormalize, **groups)
         return logits, scores, expert_idx, weights
+
+    def _apply(self, fn, recurse=True):
+        """``.to``, ``.cuda``, ``.bfloat16`` ... as for any module, except that the selection bias is never cast
+        below fp32 (``.bfloat16()`` leaves it fp32, ``.double()`` makes it fp64)."""
+        bias = self.bias
+        super()._apply(fn, recurse)
+        if self.bias.dtype != bias.dtype:
+            self.bias = bias.to(self.bias.device, torch.promote_types(self.bias.dtype, torch.float32))
+        return self
 
     def expert_outputs(self, z: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
         """E_{idx_ti}(z_t) for every token-slot, through the dispatcher. z [m, w] -> [m, k, w]."""
@@ -173,7 +195,7 @@ class MoE(nn.Module):
         with profiler_range("moe.dispatch"):
             out_slots = self.expert_outputs(z, expert_idx)  # [m, k, w]
         with profiler_range("moe.combine"):
-            weights = self.route_scale * weights
+            weights = (self.route_scale * weights).to(x.dtype)  # routing ran in fp32
             if self.d_latent is None:
                 y = torch.einsum("mk,mkd->md", weights, out_slots)
             else:

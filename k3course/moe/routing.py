@@ -66,11 +66,29 @@ def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(keys, k, dim=1).indices
 
 
-def topk_route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
-               renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def group_limited(biased: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: the n experts form ``n_groups`` equal groups, each token keeps the
+    ``topk_groups`` groups whose two best biased scores sum highest (ties: lower group first) and masks the
+    experts of the other groups to −inf.
+
+    biased [m, n] (scores + bias), n divisible by n_groups -> [m, n], the masked entries −inf.
+    """
+    m, n = biased.shape
+    if n % n_groups or not 1 <= topk_groups <= n_groups:
+        raise ValueError(f"n_groups must divide n experts = {n} and topk_groups be in [1, n_groups = {n_groups}], "
+                         f"got n_groups = {n_groups}, topk_groups = {topk_groups}")
+    grouped = biased.view(m, n_groups, n // n_groups)
+    group_scores = grouped.topk(min(2, n // n_groups), dim=-1).values.sum(-1)  # [m, n_groups]
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, topk_indices(group_scores, topk_groups), True)
+    return grouped.masked_fill(~kept[:, :, None], float("-inf")).view(m, n)
+
+
+def topk_route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None, renormalize: bool = True,
+               n_groups: int = 1, topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose k experts per token on s + b; weight them with the unbiased scores.
 
-    idx_t = TopK_j(s_tj + b_j)   (ties: lower index first)
+    idx_t = TopK_j(s_tj + b_j)   (ties: lower index first), among the experts of the best ``topk_groups`` of
+            ``n_groups`` groups when n_groups > 1 (:func:`group_limited`)
     p_tj = s_tj / Σ_{i ∈ idx_t} s_ti   (renormalize=True)   or   p_tj = s_tj   (renormalize=False)
 
     The bias never enters the weights, so it gets no gradient; the router learns through p only.
@@ -83,6 +101,10 @@ def topk_route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
     if bias is not None:
         _check_bias(bias, n)
         biased = biased + bias.detach().to(scores.dtype)
+    if n_groups > 1:
+        if k > topk_groups * (n // n_groups):
+            raise ValueError(f"k = {k} exceeds the {topk_groups * (n // n_groups)} experts of topk_groups groups")
+        biased = group_limited(biased, n_groups, topk_groups)
     expert_idx = topk_indices(biased, k)  # [m, k]
     weights = scores.gather(1, expert_idx)  # [m, k], from the UNBIASED scores
     if renormalize:

@@ -1,0 +1,461 @@
+"""Checkpoints in transformers' layout: Kimi Linear and DeepSeek-V3 (floor 1: configs, names and shapes).
+
+A checkpoint is a folder with ``config.json`` and safetensors weights: one ``model.safetensors``, or shards listed
+by ``model.safetensors.index.json``. Two model types are read, each in both spellings of its keys:
+
+    kimi_linear   Kimi-Linear-48B-A3B: KDA + NoPE MLA, sigmoid MoE with a shared expert
+    deepseek_v3   DeepSeek-V3, Kimi K2 (``model_type`` "kimi_k2"), Moonlight: MLA with (YaRN) RoPE, grouped routing
+
+released    the config.json keys and tensor names of the published checkpoints (Kimi Linear: ``linear_attn_config``
+            with 1-indexed ``full_attn_layers``, ``num_experts``, per-expert ``w1 / w2 / w3``, ``q_conv1d``;
+            DeepSeek: ``rope_scaling``, per-expert ``gate_proj / up_proj / down_proj``)
+transformers  the names its config classes and modules use (``layer_types``, ``rope_parameters``; fused
+            ``experts.gate_up_proj``, ``conv1d``, ``forget_gate.*``)
+
+Multi-token-prediction layers (index ≥ ``num_hidden_layers``) are skipped. What the course cannot express (FP8
+block scales or INT4 weights, another routing function or activation, attention biases, another RoPE type) is
+refused with :class:`UnsupportedCheckpoint` naming it. :func:`kimi_linear_config` and :func:`hf_layer_tensors`
+write the released Kimi Linear layout (which transformers reads) for a :class:`K3Config` Kimi Linear can express.
+
+This module knows :class:`~k3course.model.K3Model`'s parameter names as strings and never imports the model:
+``K3Model.from_pretrained`` builds it on the meta device and assigns what :meth:`Checkpoint.k3_tensors` yields,
+one layer at a time, read from memory-mapped files, so the weights are never in memory twice.
+
+Per layer (H heads; KDA head dim K = V; MLA nope n, v widths, latent r; ᵀ: transposed, since K3's FFNs compute x W):
+
+    input_layernorm / post_attention_layernorm      mixer_norm / ffn_norm
+    KDA  q|k|v|b|o_proj                             mixer.q|k|v|b|o_proj
+         q|k|v_conv1d [C, 1, W] (or conv1d [3C, 1, W])  mixer.q|k|v_conv [C, W]
+         f_a_proj, f_b_proj, A_log [1, 1, H, 1], dt_bias [H·K]   mixer.f_proj.0|1, A_log [H], dt_bias [H, K]
+         g_a_proj, g_b_proj, o_norm                 mixer.gate_proj.0|1, o_norm_weight
+    MLA  q_proj or q_a_proj, q_a_layernorm, q_b_proj    mixer.q_up or q_down, q_norm, q_up
+         kv_a_proj_with_mqa, kv_a_layernorm         mixer.kv_down, kv_norm
+         kv_b_proj [H·(n + v), r]                   mixer.k_up [H, n, r], v_up [H, v, r] (split per head)
+         o_proj                                     mixer.out
+    FFN  mlp.gate|up|down_proj                      ffn.gate|up|down ᵀ
+    MoE  gate.weight [E, d], gate.e_score_correction_bias     ffn.router [d, E] ᵀ, ffn.bias
+         experts.j.w1|w3|w2 (gate_proj|up_proj|down_proj),   ffn.experts.gate_up [E, d, 2f] = [w1ᵀ | w3ᵀ],
+         or experts.gate_up_proj [E, 2f, d], down_proj       ffn.experts.down [E, f, d] = w2ᵀ
+         shared_experts.gate|up|down_proj            ffn.shared.gate|up|down ᵀ
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+
+from k3course.config import K3Config
+
+MODEL_TYPES = ("kimi_linear", "deepseek_v3", "kimi_k2")
+# transformers' defaults for keys a config.json may leave out, where the two model types differ
+DEFAULTS = {"kimi_linear": dict(n_group=1, topk_group=1, rms_norm_eps=1e-5, routed_scaling_factor=2.446),
+            "deepseek_v3": dict(n_group=8, topk_group=4, rms_norm_eps=1e-6, routed_scaling_factor=2.5)}
+CONFIG_FILE, SINGLE_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+# What Kimi Linear's layers are, whatever the config: save_pretrained refuses a config that sets another value.
+KIMI_LINEAR_FIXED = dict(residual="prenorm", ffn_activation="swiglu", router_score="sigmoid", mla_gated=False,
+                         mla_rope=False, latent_dim=None, kda_output_gate="low_rank", kda_gate_bias=False,
+                         kda_lower_bound=None)
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint, or a config to write as one, holding something the course cannot express (named)."""
+
+
+# --- config.json -> K3Config ----------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _key(hf: dict, *names: str, default=_MISSING):
+    """The value of the first of ``names`` that ``hf`` holds (not None): released and transformers spellings."""
+    for name in names:
+        if hf.get(name) is not None:
+            return hf[name]
+    if default is _MISSING:
+        raise UnsupportedCheckpoint(f"config.json: no {' / '.join(names)}")
+    return default
+
+
+def config_from_hf(hf: dict, name: str = "pretrained") -> K3Config:
+    """The :class:`K3Config` of a checkpoint's config.json (released or transformers keys). Dense layers first,
+    PreNorm, SwiGLU, sigmoid routing with a bias trained by DeepSeek's sign rule, no output gate on MLA."""
+    if not isinstance(hf, dict) or hf.get("model_type") not in MODEL_TYPES:
+        found = hf.get("model_type") if isinstance(hf, dict) else type(hf).__name__
+        raise UnsupportedCheckpoint(f"model_type: {found!r} is not one of {', '.join(MODEL_TYPES)}")
+    _refuse_unsupported(hf)
+    kimi_linear = hf["model_type"] == "kimi_linear"
+    specific = _kimi_linear_fields(hf) if kimi_linear else _deepseek_fields(hf)
+    return K3Config(name=name, **_shared_fields(hf, DEFAULTS["kimi_linear" if kimi_linear else "deepseek_v3"]),
+                    **specific)
+
+
+def _refuse_unsupported(hf: dict) -> None:
+    """Raise UnsupportedCheckpoint naming the first setting the course's layers cannot reproduce."""
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise UnsupportedCheckpoint(f"quantization_config: {method!r} weights (FP8 block scales, INT4, ...) are not "
+                                    "supported; dequantize the checkpoint to bf16 / fp32 first")
+    checks = [("hidden_act", hf.get("hidden_act", "silu"), ("silu",)),
+              ("attention_bias", hf.get("attention_bias", False), (False,)),
+              ("moe_layer_freq", hf.get("moe_layer_freq", 1), (1,)),
+              ("scoring_func", hf.get("scoring_func", "sigmoid"), ("sigmoid",)),
+              ("moe_router_activation_func", hf.get("moe_router_activation_func", "sigmoid"), ("sigmoid",)),
+              ("topk_method", hf.get("topk_method", "noaux_tc"), ("noaux_tc",)),
+              ("mla_use_nope", hf.get("mla_use_nope", True), (True,))]
+    for key, value, supported in checks:
+        if value not in supported:
+            raise UnsupportedCheckpoint(f"{key}: {value!r} is not supported (the course implements {supported[0]!r})")
+
+
+def _shared_fields(hf: dict, defaults: dict) -> dict:
+    """The K3Config fields both model types spell alike (with their aliases); ``defaults`` for absent keys."""
+    return dict(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        mla_n_heads=hf["num_attention_heads"], q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"], dense_ffn_dim=hf["intermediate_size"], expert_dim=hf["moe_intermediate_size"],
+        n_routed_experts=_key(hf, "num_experts", "n_routed_experts", "num_local_experts"),
+        top_k=_key(hf, "num_experts_per_token", "num_experts_per_tok"),
+        n_shared_experts=_key(hf, "num_shared_experts", "n_shared_experts", default=0),
+        n_expert_groups=_key(hf, "num_expert_group", "n_group", default=defaults["n_group"]),
+        topk_groups=_key(hf, "topk_group", default=defaults["topk_group"]),
+        renormalize_top_k=_key(hf, "moe_renormalize", "norm_topk_prob", default=True),
+        route_scale=float(_key(hf, "routed_scaling_factor", default=defaults["routed_scaling_factor"])),
+        norm_eps=float(_key(hf, "rms_norm_eps", default=defaults["rms_norm_eps"])),
+        context_length=_key(hf, "model_max_length", "max_position_embeddings", default=4096),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pad_token_id=hf.get("pad_token_id"),
+        latent_dim=None, mla_gated=False, ffn_activation="swiglu", residual="prenorm", router_score="sigmoid",
+        balancing="sign", kda_output_gate="low_rank", kda_gate_bias=False, kda_lower_bound=None)
+
+
+def _kimi_linear_fields(hf: dict) -> dict:
+    """KDA sizes, the layer schedule (``layer_types``, or the released 1-indexed ``linear_attn_config``) and the
+    dense layers (``mlp_layer_types``, or ``first_k_dense_replace``)."""
+    linear = hf.get("linear_attn_config") or {}
+    n_layers = hf["num_hidden_layers"]
+    if hf.get("layer_types") is not None:
+        mla_layers = tuple(i for i, kind in enumerate(hf["layer_types"]) if kind == "full_attention")
+    elif "full_attn_layers" in linear:
+        mla_layers = tuple(sorted(i - 1 for i in linear["full_attn_layers"]))
+    else:  # transformers' default schedule
+        mla_layers = tuple(i for i in range(n_layers) if i and i % 4 == 0)
+    mlp_types = hf.get("mlp_layer_types")
+    first_k_dense = hf.get("first_k_dense_replace", 1) if mlp_types is None else mlp_types.count("dense")
+    if mlp_types is not None and list(mlp_types) != ["dense"] * first_k_dense + ["sparse"] * (n_layers - first_k_dense):
+        raise UnsupportedCheckpoint(f"mlp_layer_types: dense layers must come first, got {mlp_types}")
+    return dict(mla_layers=mla_layers, first_k_dense=first_k_dense,
+                kda_n_heads=_key(linear, "num_heads", default=None) or _key(hf, "linear_num_heads", default=32),
+                kda_head_dim=_key(linear, "head_dim", default=None) or _key(hf, "linear_head_dim", default=128),
+                kda_conv_size=(_key(linear, "short_conv_kernel_size", default=None)
+                               or _key(hf, "linear_conv_kernel_dim", default=4)),
+                kda_norm_eps=float(_key(hf, "rms_norm_eps", default=1e-5)))
+
+
+def _deepseek_fields(hf: dict) -> dict:
+    """All layers MLA with RoPE (interleaved unless ``rope_interleave`` is false), the first
+    ``first_k_dense_replace`` dense."""
+    return dict(kda_per_mla=0, first_k_dense=_key(hf, "first_k_dense_replace", default=3), mla_rope=True,
+                rope_interleaved=bool(hf.get("rope_interleave", True)), **_rope_fields(hf))
+
+
+def _rope_fields(hf: dict) -> dict:
+    """θ and YaRN from ``rope_parameters`` (transformers) or ``rope_theta`` + ``rope_scaling`` (released)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedCheckpoint(f"rope partial_rotary_factor: {rope['partial_rotary_factor']} is not supported")
+    if kind == "default":
+        return dict(rope_theta=theta)
+    if kind != "yarn":
+        raise UnsupportedCheckpoint(f"rope_type: {kind!r} is not supported (the course implements default and yarn)")
+    if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
+        raise UnsupportedCheckpoint("rope_parameters: an explicit attention_factor or truncate=false is not supported")
+    context = _key(hf, "max_position_embeddings", "model_max_length", default=4096)
+    original = int(rope.get("original_max_position_embeddings") or context)
+    return dict(rope_theta=theta, rope_yarn_factor=float(rope.get("factor") or context / original),
+                rope_yarn_original_context=original, rope_yarn_beta_fast=float(rope.get("beta_fast") or 32),
+                rope_yarn_beta_slow=float(rope.get("beta_slow") or 1), rope_yarn_mscale=float(rope.get("mscale") or 0),
+                rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0))
+
+
+# --- tensors: transformers' names -> K3Model's names -------------------------------------------------------------
+
+class _Reader:
+    """The tensors under one name prefix of a checkpoint; every name read is recorded in ``used``."""
+
+    def __init__(self, get: Callable[[str], torch.Tensor], keys: set[str], prefix: str, used: set[str]):
+        self.get, self.keys, self.prefix, self.used = get, keys, prefix, used
+
+    def has(self, name: str) -> bool:
+        return self.prefix + name in self.keys
+
+    def under(self, prefix: str) -> _Reader:
+        return _Reader(self.get, self.keys, self.prefix + prefix, self.used)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        key = self.prefix + name
+        if key not in self.keys:
+            raise UnsupportedCheckpoint(f"checkpoint: tensor {key} is missing")
+        self.used.add(key)
+        return self.get(key)
+
+
+def k3_tensors(get: Callable[[str], torch.Tensor], keys, cfg: K3Config) -> Iterator[dict[str, torch.Tensor]]:
+    """{K3Model name: tensor} of a checkpoint's tensors ``get(key)`` (names ``keys``), one part at a time: the
+    embedding, each decoder layer, the final norm and head. Raises UnsupportedCheckpoint naming a missing tensor,
+    or at the end the tensors nothing read (MTP layers, index ≥ n_layers, are skipped)."""
+    keys, used = set(keys), set()
+    read = _Reader(get, keys, "", used)
+    yield {"embed.weight": read("model.embed_tokens.weight")}
+    for i, (mixer, ffn) in enumerate(zip(cfg.layer_types(), cfg.ffn_types())):
+        yield _layer_tensors(read.under(f"model.layers.{i}."), cfg, mixer, ffn, i)
+    head = {"final_norm.weight": read("model.norm.weight")}
+    if cfg.tie_embeddings:
+        used.add("lm_head.weight")  # a tied head may be stored too; it is the embedding
+    else:
+        head["lm_head.weight"] = read("lm_head.weight")
+    yield head
+    unread = sorted(k for k in keys - used if not _is_mtp(k, cfg.n_layers))
+    if unread:
+        raise UnsupportedCheckpoint(f"checkpoint: {len(unread)} tensors the course cannot place, e.g. {unread[:4]}")
+
+
+def convert_state(tensors: dict[str, torch.Tensor], cfg: K3Config) -> dict[str, torch.Tensor]:
+    """:func:`k3_tensors` of tensors in memory ({transformers name: tensor}), all at once."""
+    return {name: t for part in k3_tensors(tensors.__getitem__, tensors.keys(), cfg) for name, t in part.items()}
+
+
+def _is_mtp(key: str, n_layers: int) -> bool:
+    match = LAYER_KEY.match(key)
+    return match is not None and int(match.group(1)) >= n_layers
+
+
+def _layer_tensors(read: _Reader, cfg: K3Config, mixer: str, ffn: str, i: int) -> dict[str, torch.Tensor]:
+    """Layer i's tensors; its FFN under ``block_sparse_moe.`` (Kimi Linear's released MoE layers, and every FFN
+    transformers writes for Kimi Linear) or ``mlp.``."""
+    attention = read.under("self_attn.")
+    mixer_tensors = _kda_tensors(attention, cfg) if mixer == "kda" else _mla_tensors(attention, cfg)
+    moe_prefix = read.prefix + "block_sparse_moe."
+    ffn_read = read.under("block_sparse_moe." if any(k.startswith(moe_prefix) for k in read.keys) else "mlp.")
+    ffn_tensors = _dense_tensors(ffn_read) if ffn == "dense" else _moe_tensors(ffn_read, cfg)
+    parts = {"mixer_norm.weight": read("input_layernorm.weight"),
+             "ffn_norm.weight": read("post_attention_layernorm.weight"),
+             **{f"mixer.{k}": t for k, t in mixer_tensors.items()}, **{f"ffn.{k}": t for k, t in ffn_tensors.items()}}
+    return {f"layers.{i}.{name}": tensor for name, tensor in parts.items()}
+
+
+def _kda_tensors(read: _Reader, cfg: K3Config) -> dict[str, torch.Tensor]:
+    heads, width = cfg.kda_n_heads, cfg.kda_head_dim
+    out = {f"{name}.weight": read(f"{name}.weight") for name in ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj")}
+    if read.has("conv1d.weight"):  # transformers: q, k, v convolutions stacked
+        convs = read("conv1d.weight").squeeze(1).chunk(3)
+    else:
+        convs = [read(f"{x}_conv1d.weight").squeeze(1) for x in "qkv"]
+    gate = read.under("forget_gate." if read.has("forget_gate.A_log") else "")
+    out |= {"q_conv.weight": convs[0], "k_conv.weight": convs[1], "v_conv.weight": convs[2],
+            "f_proj.0.weight": gate("f_a_proj.weight"), "f_proj.1.weight": gate("f_b_proj.weight"),
+            "A_log": gate("A_log").reshape(heads), "dt_bias": gate("dt_bias").reshape(heads, width),
+            "gate_proj.0.weight": read("g_a_proj.weight"), "gate_proj.1.weight": read("g_b_proj.weight"),
+            "o_norm_weight": read("o_norm.weight")}
+    if cfg.kda_gate_bias:
+        out["gate_proj.1.bias"] = read("g_b_proj.bias")
+    return out
+
+
+def _mla_tensors(read: _Reader, cfg: K3Config) -> dict[str, torch.Tensor]:
+    if cfg.q_lora_rank is None:
+        out = {"q_up.weight": read("q_proj.weight")}
+    else:
+        out = {"q_down.weight": read("q_a_proj.weight"), "q_norm.weight": read("q_a_layernorm.weight"),
+               "q_up.weight": read("q_b_proj.weight")}
+    kv_up = read("kv_b_proj.weight").view(cfg.mla_n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    return out | {"kv_down.weight": read("kv_a_proj_with_mqa.weight"), "kv_norm.weight": read("kv_a_layernorm.weight"),
+                  "k_up": kv_up[:, :cfg.qk_nope_head_dim], "v_up": kv_up[:, cfg.qk_nope_head_dim:],
+                  "out.weight": read("o_proj.weight")}
+
+
+def _dense_tensors(read: _Reader) -> dict[str, torch.Tensor]:
+    return {name: read(f"{name}_proj.weight").T for name in ("gate", "up", "down")}
+
+
+def _moe_tensors(read: _Reader, cfg: K3Config) -> dict[str, torch.Tensor]:
+    out = {"router": read("gate.weight").T, "bias": read("gate.e_score_correction_bias")}
+    if read.has("experts.gate_up_proj"):  # transformers: every expert in one tensor, gate rows before up rows
+        out |= {"experts.gate_up": read("experts.gate_up_proj").transpose(1, 2),
+                "experts.down": read("experts.down_proj").transpose(1, 2)}
+    else:
+        released_kimi = read.has("experts.0.w1.weight")
+        gate, up, down = ("w1", "w3", "w2") if released_kimi else ("gate_proj", "up_proj", "down_proj")
+        expert = lambda j, name: read(f"experts.{j}.{name}.weight").T
+        out |= {"experts.gate_up": torch.stack([torch.cat([expert(j, gate), expert(j, up)], dim=1)
+                                                for j in range(cfg.n_routed_experts)]),
+                "experts.down": torch.stack([expert(j, down) for j in range(cfg.n_routed_experts)])}
+    if cfg.n_shared_experts:
+        out |= {f"shared.{k}": t for k, t in _dense_tensors(read.under("shared_experts.")).items()}
+    return out
+
+
+class Checkpoint:
+    """A checkpoint folder: its :class:`K3Config` (``config``), the raw config.json (``hf_config``) and its tensors,
+    read one at a time from memory-mapped safetensors files (:meth:`k3_tensors`)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not (self.path / CONFIG_FILE).is_file():
+            raise FileNotFoundError(f"path: {self.path} has no {CONFIG_FILE} (a transformers checkpoint folder)")
+        self.hf_config = json.loads((self.path / CONFIG_FILE).read_text())
+        self.config = config_from_hf(self.hf_config, name=f"{self.hf_config.get('model_type')} {self.path.name}")
+        self.files = self._weight_files()
+
+    def _weight_files(self) -> dict[str, Path]:
+        """{tensor name: the file that holds it}, from the index or the single file."""
+        if (self.path / INDEX_FILE).is_file():
+            weight_map = json.loads((self.path / INDEX_FILE).read_text())["weight_map"]
+            return {key: self.path / file for key, file in weight_map.items()}
+        if (self.path / SINGLE_FILE).is_file():
+            with safetensors.safe_open(self.path / SINGLE_FILE, framework="pt") as handle:
+                return dict.fromkeys(handle.keys(), self.path / SINGLE_FILE)
+        raise FileNotFoundError(f"path: {self.path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+    def k3_tensors(self) -> Iterator[dict[str, torch.Tensor]]:
+        """:func:`k3_tensors` of this checkpoint, each file memory-mapped once while the parts are read."""
+        with ExitStack() as stack:
+            handles = {file: stack.enter_context(safetensors.safe_open(file, framework="pt"))
+                       for file in sorted(set(self.files.values()))}
+            yield from k3_tensors(lambda key: handles[self.files[key]].get_tensor(key), self.files, self.config)
+
+
+# --- K3 -> Kimi Linear (save_pretrained) -----------------------------------------------------------------------
+
+def kimi_linear_config(cfg: K3Config, dtype: torch.dtype = torch.float32) -> dict:
+    """The config.json (transformers' keys) of a Kimi Linear model equal to ``cfg``; UnsupportedCheckpoint naming
+    every field Kimi Linear cannot express (its layers are fixed: :data:`KIMI_LINEAR_FIXED`; one ε for the
+    decoder norms and the KDA output norm; at least one shared expert)."""
+    differ = [f"{key}={getattr(cfg, key)!r} (Kimi Linear: {value!r})" for key, value in KIMI_LINEAR_FIXED.items()
+              if getattr(cfg, key) != value]
+    if cfg.kda_norm_eps != cfg.norm_eps:
+        differ.append(f"kda_norm_eps={cfg.kda_norm_eps} (Kimi Linear: norm_eps = {cfg.norm_eps}, both rms_norm_eps)")
+    if cfg.n_shared_experts < 1:
+        differ.append("n_shared_experts=0 (Kimi Linear: at least 1)")
+    if differ:
+        raise UnsupportedCheckpoint(f"cfg: Kimi Linear cannot express {'; '.join(differ)}")
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+        "dtype": str(dtype).removeprefix("torch."), "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers, "intermediate_size": cfg.dense_ffn_dim,
+        "moe_intermediate_size": cfg.expert_dim, "num_attention_heads": cfg.mla_n_heads,
+        "num_key_value_heads": cfg.mla_n_heads, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "linear_num_heads": cfg.kda_n_heads, "linear_head_dim": cfg.kda_head_dim,
+        "linear_conv_kernel_dim": cfg.kda_conv_size, "num_experts": cfg.n_routed_experts,
+        "num_experts_per_token": cfg.top_k, "num_shared_experts": cfg.n_shared_experts,
+        "num_expert_group": cfg.n_expert_groups, "topk_group": cfg.topk_groups,
+        "moe_renormalize": cfg.renormalize_top_k, "routed_scaling_factor": cfg.route_scale,
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "pad_token_id": cfg.pad_token_id,
+        "bos_token_id": None, "eos_token_id": None, "hidden_act": "silu", "model_max_length": cfg.context_length,
+        "layer_types": ["full_attention" if kind == "mla" else "linear_attention" for kind in cfg.layer_types()],
+        "mlp_layer_types": ["dense" if kind == "dense" else "sparse" for kind in cfg.ffn_types()],
+    }
+
+
+def hf_layer_tensors(state: dict[str, torch.Tensor], cfg: K3Config, i: int) -> dict[str, torch.Tensor]:
+    """Layer i of a K3Model state dict under Kimi Linear's released names (the inverse of :func:`k3_tensors`)."""
+    get = lambda name: state[f"layers.{i}.{name}"]
+    out = {"input_layernorm.weight": get("mixer_norm.weight"),
+           "post_attention_layernorm.weight": get("ffn_norm.weight")}
+    mixer = _kda_to_hf(get, cfg) if cfg.layer_types()[i] == "kda" else _mla_to_hf(get, cfg)
+    out |= {f"self_attn.{name}": t for name, t in mixer.items()}
+    if cfg.ffn_types()[i] == "dense":
+        out |= {f"mlp.{name}_proj.weight": get(f"ffn.{name}").T for name in ("gate", "up", "down")}
+    else:
+        out |= {f"block_sparse_moe.{name}": t for name, t in _moe_to_hf(get, cfg).items()}
+    return {f"model.layers.{i}.{name}": t.contiguous() for name, t in out.items()}
+
+
+def hf_outer_tensors(state: dict[str, torch.Tensor], cfg: K3Config) -> dict[str, torch.Tensor]:
+    """The embedding, final norm and (untied) head under transformers' names."""
+    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["final_norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    return out
+
+
+def _kda_to_hf(get, cfg: K3Config) -> dict[str, torch.Tensor]:
+    out = {f"{name}.weight": get(f"mixer.{name}.weight") for name in ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj")}
+    return out | {f"{x}_conv1d.weight": get(f"mixer.{x}_conv.weight").unsqueeze(1) for x in "qkv"} | {
+        "f_a_proj.weight": get("mixer.f_proj.0.weight"), "f_b_proj.weight": get("mixer.f_proj.1.weight"),
+        "A_log": get("mixer.A_log").view(1, 1, cfg.kda_n_heads, 1), "dt_bias": get("mixer.dt_bias").flatten(),
+        "g_a_proj.weight": get("mixer.gate_proj.0.weight"), "g_b_proj.weight": get("mixer.gate_proj.1.weight"),
+        "o_norm.weight": get("mixer.o_norm_weight")}
+
+
+def _mla_to_hf(get, cfg: K3Config) -> dict[str, torch.Tensor]:
+    if cfg.q_lora_rank is None:
+        out = {"q_proj.weight": get("mixer.q_up.weight")}
+    else:
+        out = {"q_a_proj.weight": get("mixer.q_down.weight"), "q_a_layernorm.weight": get("mixer.q_norm.weight"),
+               "q_b_proj.weight": get("mixer.q_up.weight")}
+    kv_up = torch.cat([get("mixer.k_up"), get("mixer.v_up")], dim=1).flatten(0, 1)  # [H·(n + v), r]
+    return out | {"kv_a_proj_with_mqa.weight": get("mixer.kv_down.weight"),
+                  "kv_a_layernorm.weight": get("mixer.kv_norm.weight"), "kv_b_proj.weight": kv_up,
+                  "o_proj.weight": get("mixer.out.weight")}
+
+
+def _moe_to_hf(get, cfg: K3Config) -> dict[str, torch.Tensor]:
+    gate_up, down, hidden = get("ffn.experts.gate_up"), get("ffn.experts.down"), cfg.expert_dim
+    out = {"gate.weight": get("ffn.router").T, "gate.e_score_correction_bias": get("ffn.bias").float()}
+    for j in range(cfg.n_routed_experts):
+        out |= {f"experts.{j}.w1.weight": gate_up[j, :, :hidden].T, f"experts.{j}.w3.weight": gate_up[j, :, hidden:].T,
+                f"experts.{j}.w2.weight": down[j].T}
+    return out | {f"shared_experts.{name}_proj.weight": get(f"ffn.shared.{name}").T for name in ("gate", "up", "down")}
+
+
+def save_kimi_linear(cfg: K3Config, state: dict[str, torch.Tensor], path: str | Path,
+                     max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``state`` (a K3Model state dict) as a Kimi Linear checkpoint folder: config.json and safetensors,
+    sharded at layer boundaries (at most ``max_shard_bytes`` a shard unless one layer is larger) with an index
+    when there is more than one shard. Converts one layer at a time. Returns the folder."""
+    config = kimi_linear_config(cfg, state["embed.weight"].dtype)
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    parts = [lambda: hf_outer_tensors(state, cfg)] + [lambda i=i: hf_layer_tensors(state, cfg, i)
+                                                       for i in range(cfg.n_layers)]
+    sizes = [sum(t.numel() * t.element_size() for name, t in state.items() if not name.startswith("layers."))]
+    sizes += [sum(t.numel() * t.element_size() for name, t in state.items() if name.startswith(f"layers.{i}."))
+              for i in range(cfg.n_layers)]
+    shards = _shard_plan(sizes, max_shard_bytes)
+    weight_map = {}
+    for number, members in enumerate(shards, 1):
+        file = SINGLE_FILE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: t.detach().cpu() for index in members for name, t in parts[index]().items()}
+        safetensors.torch.save_file(tensors, path / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, file)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=1))
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    return path
+
+
+def _shard_plan(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:
+    """Consecutive parts grouped greedily into shards of at most max_shard_bytes (a larger part alone)."""
+    shards, used = [[]], 0
+    for index, size in enumerate(sizes):
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(index)
+        used += size
+    return shards

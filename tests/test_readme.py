@@ -85,14 +85,6 @@ def _your_data(folder) -> None:
     (folder / "run.toml").write_text(toml)
 
 
-@pytest.fixture
-def same_threads():
-    """Commands with --threads N set torch's thread count for the whole process: put it back afterwards."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_every_k3course_command_in_the_readme_runs(tmp_path, monkeypatch, capsys, same_threads):
     stdlib = data.stdlib_corpus()  # the real cache, linked into a temporary one that also takes the README's data
     cache = tmp_path / "cache"

@@ -264,14 +264,6 @@ def test_bad_config_files_and_flags_are_named(tmp_path):
         train.resolve_config(flags=[("--steps", "train.steps", 0)])
 
 
-@pytest.fixture
-def same_threads():
-    """Commands with --threads N set torch's thread count for the whole process: put it back afterwards."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_a_run_on_a_folder_of_text_trains_evaluates_and_generates(tmp_path, monkeypatch, capsys, same_threads):
     monkeypatch.setenv("K3COURSE_CACHE", str(tmp_path / "cache"))
     texts, other = _texts(tmp_path / "texts"), _texts(tmp_path / "other", 3)

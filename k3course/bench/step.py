@@ -12,7 +12,8 @@ optimizer and the bias update. Every microsecond of the step is given to exactly
     neither    "other": Python between the parts, autograd's engine between nodes, zeroing the gradients
 
 so the rows add up to the profiled step exactly and none is negative. The profiler's own cost is reported: the
-profiled step beside the same step timed without it (best of ``--repeats``).
+profiled step beside the same step timed without it (best of ``--repeats`` steps in each of ``--rounds`` rounds in
+which K3 and the dense model take turns, which also gives their ratio).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from k3course.bench import add_options, apply_options, best_seconds, profile_calls
+from k3course.bench import add_options, apply_options, interleaved_best_seconds, profile_calls
 from k3course.config import K3Config
 from k3course.lessons.claims import dense_transformer
 from k3course.model import K3Model
@@ -42,7 +43,7 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--no-dense", action="store_true", help="leave out the dense Transformer of equal active size")
     parser.add_argument("--plot", default=None, help="save a stacked bar of the breakdown to this PNG")
-    add_options(parser, threads=0, repeats=3)
+    add_options(parser, threads=0, repeats=3, rounds=3)
     args = parser.parse_args(options)
     for name in ("batch", "seq"):
         if getattr(args, name) < 1:
@@ -176,25 +177,33 @@ def training_step(model: K3Model, tokens: torch.Tensor) -> Callable[[], None]:
 
 
 def profile_step(step: Callable[[], None], labels: dict[nn.Module, str], repeats: int) -> dict:
-    """{"step": seconds of the fastest of ``repeats`` steps unprofiled, "profiled": seconds of the fastest of
-    ``repeats`` profiled steps, "rows": {row: seconds} of that profiled step (they add up to it)}, after two
-    warm-up steps. The fastest step of each kind: the one least disturbed by other processes."""
-    step()
-    step()
-    seconds = best_seconds(step, repeats=repeats)
+    """{"profiled": seconds of the fastest of ``repeats`` profiled steps, "rows": {row: seconds} of that step
+    (they add up to it)}: the fastest, the one least disturbed by other processes."""
     with named_parts(labels):
         events, _ = profile_calls(step, repeats)
     per_step = attribute(events, set(labels.values()) | {"optimizer", "MoE bias update"})
     rows = min(per_step, key=lambda rows: sum(rows.values()))
-    return {"step": seconds, "profiled": sum(rows.values()), "rows": rows}
+    return {"profiled": sum(rows.values()), "rows": rows}
 
 
-def breakdown(cfg: K3Config, batch: int, seq: int, repeats: int) -> dict:
-    """:func:`profile_step` of K3Model(cfg) on seeded random tokens [batch, seq + 1]."""
-    torch.manual_seed(0)
-    model = K3Model.from_config(cfg).train()
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    return profile_step(training_step(model, tokens), model_labels(model), repeats)
+def breakdown(configs: dict[str, K3Config], batch: int, seq: int, repeats: int, rounds: int = 1) -> dict:
+    """{name: {"step": seconds unprofiled, "profiled": ..., "rows": ...}} for a K3Model of each config on the
+    same seeded random tokens [batch, seq + 1]. The unprofiled steps are timed in ``rounds`` rounds in which the
+    models take turns (a busy spell of a shared machine slows all of them alike), the best of ``repeats`` steps
+    per round; then each model's steps are profiled (:func:`profile_step`, the fastest of ``rounds`` tries). Two
+    warm-up steps each first."""
+    steps = {}
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        model = K3Model.from_config(cfg).train()
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        steps[name] = (training_step(model, tokens), model_labels(model))
+        for _ in range(2):
+            steps[name][0]()
+    best = interleaved_best_seconds({name: (step, repeats) for name, (step, _) in steps.items()}, rounds)
+    profiled = {name: min((profile_step(step, labels, repeats) for _ in range(rounds)), key=lambda r: r["profiled"])
+                for name, (step, labels) in steps.items()}
+    return {name: {"step": best[name], **profiled[name]} for name in steps}
 
 
 # --- report --------------------------------------------------------------------------------------------------
@@ -237,15 +246,15 @@ def main(options: list[str]) -> int:
     results = {}
     for preset in args.presets:
         cfg = K3Config.preset(preset)
-        models = {preset: cfg} if args.no_dense else {preset: cfg, f"dense ({preset})": dense_transformer(cfg)}
-        for name, model_cfg in models.items():
-            start = time.perf_counter()
-            results[name] = breakdown(model_cfg, args.batch, args.seq, args.repeats)
-            took = time.perf_counter() - start
-            print(report(name, results[name], args.batch * args.seq) + f"\n  (took {took:.0f} s)")
+        configs = {preset: cfg} if args.no_dense else {preset: cfg, f"dense ({preset})": dense_transformer(cfg)}
+        start = time.perf_counter()
+        results |= breakdown(configs, args.batch, args.seq, args.repeats, args.rounds)
+        for name in configs:
+            print(report(name, results[name], args.batch * args.seq))
         if not args.no_dense:
             ratio = results[preset]["step"] / results[f"dense ({preset})"]["step"]
-            print(f"{preset} / dense of equal active parameters: {ratio:.2f}x per training step (unprofiled)")
+            print(f"{preset} / dense of equal active parameters: {ratio:.2f}x per training step (unprofiled, "
+                  f"{args.rounds} interleaved rounds; took {time.perf_counter() - start:.0f} s)")
     if args.plot:
         _plot(results, args.plot)
         print(f"plot saved to {args.plot}")

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from k3course import checkpoint, data, distributed
 from k3course.config import K3Config
+from k3course.debug import progress_bar
 
 LN2 = math.log(2)
 
@@ -301,7 +301,7 @@ def run(model_config: K3Config, train: TrainConfig, out: Path | str, resume: boo
     metrics = _Metrics(out, keep_until=step)
     windows = data.eval_windows(corpus.val, train.seq_len, train.eval_bytes)
     config = {"model": dataclasses.asdict(model_config), "train": dataclasses.asdict(train)}
-    bar = tqdm(total=train.steps, initial=step, disable=not progress, desc="train", unit="step")
+    bar = progress_bar(total=train.steps, initial=step, disable=not progress, desc="train", unit="step")
     while step < train.steps:
         began = time.perf_counter()
         record = train_step(model, optimizer, scheduler, _micro_batches(corpus.train, step, train, device),

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from k3course.data import IGNORE
+from k3course.debug import progress_bar
 from k3course.layers.kda import GatedDeltaNet, initial_dt_bias
 from k3course.lessons.recall import RecallModel, fit_cross_entropy, train_recall
 from k3course.ops.parallel import decay_attention_parallel
@@ -285,6 +285,6 @@ def recall_seeds(mixers, seeds, progress: bool = True, **setting) -> dict:
         raise ValueError(f"mixers and seeds must be non-empty, got {mixers!r} and {seeds!r}")
     results = {mixer: [] for mixer in mixers}
     runs = [(mixer, seed) for seed in seeds for mixer in mixers]
-    for mixer, seed in tqdm(runs, desc="training", unit="model", disable=not progress):
+    for mixer, seed in progress_bar(runs, desc="training", unit="model", disable=not progress):
         results[mixer].append(train_recall(mixer, seed=seed, **setting))
     return results

@@ -364,6 +364,21 @@ def mla_step_flops_per_byte() -> float:
     return flops / accounting.mla_step_bytes(1, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 2)
 
 
+@quoted
+def mla_over_kda_step_bytes(context: int = MILLION) -> float:
+    """Bytes one K3 MLA layer's decode step reads at ``context`` over one KDA layer's (bf16 cache, fp32 state)."""
+    cfg = _k3()
+    kda = accounting.kda_step_bytes(cfg.kda_n_heads, cfg.kda_head_dim, cfg.kda_head_dim, cfg.kda_conv_size, 2)
+    return accounting.mla_step_bytes(context, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 2) / kda
+
+
+@quoted
+def a2a_bytes_per_token(name: str = "kimi-k3") -> int:
+    """The bytes one token sends and gets back per MoE layer in bf16: 2 · top_k · width · 2 (width ℓ, or d)."""
+    cfg = K3Config.preset(name)
+    return 2 * cfg.top_k * (cfg.latent_dim or cfg.d_model) * 2
+
+
 # --- chapter 09: one MLA layer ------------------------------------------------------------------------------
 
 @quoted
@@ -468,6 +483,30 @@ def sampling_floor(batches: int = 1, m: int = 4096, n: int = 64, k: int = 4) -> 
 def histogram_kib(n: int = 64, bins: int = 256, count_bytes: int = 8) -> float:
     """The per-expert margin histograms one all-reduce sums (int64 counters, as ``torch.bincount`` returns), KiB."""
     return n * bins * count_bytes / 2**10
+
+
+# --- chapter 05: recall without training ---------------------------------------------------------------------
+
+PAIR_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)  # lesson 05's table
+
+
+@quoted
+def pair_recall(rule: str, n_pairs: int, beta: float = 1.0) -> float:
+    """Lesson 05's recall error after writing ``n_pairs`` pairs (``decay_tasks.pair_recall_error``)."""
+    from k3course.lessons.decay_tasks import pair_recall_error
+
+    return pair_recall_error(rule, n_pairs, beta=beta)
+
+
+@quoted
+def pair_recall_best_from(beta: float = 0.5) -> int:
+    """The pair count of lesson 05's table from which the delta rule with step ``beta`` has the lowest error of the
+    three rules at every larger count."""
+    def best(n: int) -> bool:
+        mine = pair_recall("delta rule", n, beta)
+        return mine < min(pair_recall("linear attention", n), pair_recall("delta rule", n))
+
+    return next(n for i, n in enumerate(PAIR_COUNTS) if all(best(m) for m in PAIR_COUNTS[i:]))
 
 
 # --- chapter 11 -------------------------------------------------------------------------------------------
@@ -637,6 +676,12 @@ def claim_fact(name: str, variant: str, fact: str) -> float:
 
 
 @quoted
+def claim_fact_gap(name: str, variant: str, other: str, fact: str) -> float:
+    """``variant``'s saved fact minus ``other``'s."""
+    return claim_fact(name, variant, fact) - claim_fact(name, other, fact)
+
+
+@quoted
 def claim_fact_ratio(name: str, variant: str, other: str, fact: str) -> float:
     """``variant``'s saved fact over ``other``'s."""
     return claim_fact(name, variant, fact) / claim_fact(name, other, fact)
@@ -646,6 +691,19 @@ def claim_fact_ratio(name: str, variant: str, other: str, fact: str) -> float:
 def claim_seconds(name: str, variant: str) -> float:
     """Mean seconds one run of a variant took, as saved (one thread; the saved ``machine``)."""
     return sum(_values(name, variant, "seconds")) / len(_values(name, variant, "seconds"))
+
+
+@quoted
+def claim_minutes(name: str) -> Span:
+    """The shortest and the longest saved run of a claim, in minutes (one thread each)."""
+    seconds = [run["seconds"] for run in _saved(name)["result"]["runs"]]
+    return Span(min(seconds) / 60, max(seconds) / 60)
+
+
+@quoted
+def claim_seconds_ratio(name: str, slower: str, faster: str) -> float:
+    """How many times longer a run of ``slower`` took than one of ``faster``, as saved (mean over seeds)."""
+    return claim_seconds(name, slower) / claim_seconds(name, faster)
 
 
 @quoted

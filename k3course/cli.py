@@ -40,19 +40,27 @@ def _progress(args) -> int:
     if not paths or not paths[0].exists():
         print(f"folder: no exercise notebooks at {folder}", file=sys.stderr)
         return 2
-    rows = []
+    rows, reasons = [], []
     for path in tqdm(paths, desc="running notebooks", unit="nb"):
         _, results = execute(path)
         rows += [(path.name, exercise_id, cell.status) for cell in results for exercise_id in cell.exercise_ids]
+        reasons += [(path.name, ", ".join(cell.exercise_ids), number, cell) for number, cell in enumerate(results, 1)
+                    if cell.status == "failing" and cell.exercise_ids]
     width = max([len("exercise"), *(len(r[1]) for r in rows)])
     print(f"{'notebook':<28} {'exercise':<{width}}  status")
     for name, exercise_id, status in rows:
         print(f"{name:<28} {exercise_id:<{width}}  {status}")
     done = sum(status == "done" for *_, status in rows)
     print(f"{done} of {len(rows)} exercises done")
-    failing = sorted({name for name, _, status in rows if status == "failing"})
-    if failing:
-        print(f"why one fails: pytest --nbval --nbval-current-env --nbval-cell-timeout=120 {folder / failing[0]}")
+    if reasons:
+        print("\nwhy each failing one fails ([n]: the code cell's number in JupyterLab after Restart and Run All):")
+        for name, exercise_ids, number, cell in reasons:
+            lines = (cell.error_value or "").strip().splitlines() or [""]
+            print(f"  {name} {exercise_ids} [{number}]: {cell.error_name}: {lines[0]}")
+            for line in lines[1:3]:
+                print(f"      {line}")
+        print(f"the full report of one: pytest --nbval --nbval-current-env --nbval-cell-timeout=120 "
+              f"{folder / reasons[0][0] if folder.is_dir() else folder}")
     return 0
 
 

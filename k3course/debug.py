@@ -10,12 +10,14 @@ call, so the layers never run them in the hot path. Turn them on to find where a
 or for a whole process with the environment variable ``K3COURSE_DEBUG=1``.
 
 The layers also name their stages for ``torch.profiler`` with :func:`profiler_range`, a no-op unless a profiler
-runs; the benchmarks read those ranges to say where a layer's time goes.
+runs; the benchmarks read those ranges to say where a layer's time goes. Long loops show a text
+:func:`progress_bar`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
@@ -50,3 +52,17 @@ def profiler_range(name: str) -> AbstractContextManager:
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(name)
     return nullcontext()
+
+
+def progress_bar(iterable=None, **options):
+    """A tqdm progress bar drawn as text: on stdout inside a notebook, on stderr in a terminal.
+
+    In a notebook tqdm would draw a widget, and a saved notebook shows a widget's first state ("0/20") to anyone
+    who opens it before running the cell; text is saved as it ended ("20/20 [00:08]"). ``options`` go to tqdm.
+    """
+    from tqdm import tqdm
+
+    in_notebook = "ipykernel" in sys.modules
+    options.setdefault("file", sys.stdout if in_notebook else sys.stderr)
+    options.setdefault("mininterval", 1.0 if in_notebook else 0.1)
+    return tqdm(iterable, **options)

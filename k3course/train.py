@@ -50,7 +50,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from k3course import checkpoint, data, distributed
 from k3course.config import (
@@ -62,6 +61,7 @@ from k3course.config import (
     value_from_text,
     with_settings,
 )
+from k3course.debug import progress_bar
 
 LN2 = math.log(2)
 
@@ -607,7 +607,7 @@ def _train_loop(model, optimizer, scheduler, corpus, config: RunConfig, out: Pat
     train, autocast = config.train, DTYPES[config.run.dtype]
     metrics = _Metrics(out, keep_until=step)
     windows = data.eval_windows(corpus.val, train.seq_len, train.eval_bytes)
-    bar = tqdm(total=train.steps, initial=step, disable=not progress, desc="train", unit="step")
+    bar = progress_bar(total=train.steps, initial=step, disable=not progress, desc="train", unit="step")
     with _StopOnSignal() as stop:
         while step < train.steps:
             began = time.perf_counter()

@@ -70,5 +70,6 @@ def test_progress_tabulates_done_not_done_and_failing(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["notebook", "exercise", "status"]
     assert [line.split()[-2:] for line in lines[1:4]] == [["not", "done"], ["99.b", "done"], ["99.c", "failing"]]
-    assert lines[-2] == "1 of 3 exercises done"
-    assert lines[-1].startswith("why one fails: pytest --nbval") and lines[-1].endswith("99_toy.ipynb")
+    assert lines[4] == "1 of 3 exercises done"
+    assert lines[7] == "  99_toy.ipynb 99.c [4]: ZeroDivisionError: division by zero"  # the reason, JupyterLab's [n]
+    assert lines[-1].startswith("the full report of one: pytest --nbval") and lines[-1].endswith("99_toy.ipynb")

@@ -54,3 +54,21 @@ def test_notebooks_store_the_kernelspec_jupyterlab_writes(path):
     from k3course.grading.build import KERNELSPEC
 
     assert dict(nbformat.read(path, 4).metadata.get("kernelspec", {})) == KERNELSPEC
+
+
+@pytest.mark.parametrize("path", notebooks("notebooks"), ids=lambda p: p.name)
+def test_stored_widgets_and_progress_bars_read_well_before_they_run(path):
+    """Opened before its cells run (or on a code host), a lesson shows no widget repr ("interactive(children=…")
+    and no progress bar frozen short of its end ("0/20"): widgets come from ``lessons.notebook.sliders``, whose
+    plain-text form names the controls, and progress bars are text saved as they ended."""
+    import json
+    import re
+
+    for index, cell in enumerate(nbformat.read(path, 4).cells):
+        if cell.cell_type != "code":
+            continue
+        assert not re.search(r"\binteract\(|@interact\b", cell.source), f"cell {index}: use sliders(), not interact"
+        stored = json.dumps(cell.outputs, ensure_ascii=False)
+        assert "interactive(children" not in stored, f"cell {index} stores a widget's repr"
+        for done, total in re.findall(r"\|\s*(\d+)/(\d+) \[", stored):
+            assert done == total, f"cell {index} stores a progress bar at {done}/{total}"

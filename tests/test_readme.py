@@ -116,3 +116,16 @@ def test_every_k3course_command_in_the_readme_runs(tmp_path, monkeypatch, capsys
 ])
 def test_the_shortening_rule(argv, expected):
     assert shortened(argv) == expected
+
+
+def test_course_map_runtimes_are_the_lessons_own():
+    """The course map's runtime column says what each lesson's first cell says ("~1.5 min" ↔ "about 1.5 min")."""
+    import nbformat
+    from helpers import notebooks
+
+    rows = re.findall(r"^\| (\d\d) \|.*\| ~([\d.]+ (?:s|min)) \|$", README, flags=re.M)
+    assert [number for number, _ in rows] == [f"{n:02d}" for n in range(15)], rows
+    for (_, runtime), path in zip(rows, notebooks("notebooks")):
+        header = nbformat.read(path, 4).cells[0].source
+        stated = re.search(r"Runtime on a 2-core CPU: about ([\d.]+ (?:s|min))\b", header)
+        assert stated and stated.group(1) == runtime, f"{path.name}: {stated and stated.group(1)!r}, README ~{runtime}"

@@ -194,9 +194,9 @@ def plot(results: dict, path: Path) -> None:
     ax_t.set(xlabel="context L (tokens)", ylabel="TPOT, median (ms)", title="time per output token")
     ax_m.set(xlabel="context L (tokens)", ylabel="cache (MiB)", yscale="log",
              title="cache held (markers) vs accounting (lines)")
-    ax_t.legend(fontsize=7)
-    ax_m.legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = ax_t.get_legend_handles_labels()  # line and marker: both panels draw them so
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7, frameon=False)  # below: hides no line
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

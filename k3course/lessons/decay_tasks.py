@@ -4,6 +4,8 @@
   value from the first token for the whole sequence *and* track a fast running average of a noisy stream.
   That needs two forgetting rates in one head: a channel gate (GLA) can, a scalar gate (one rate per head)
   cannot.
+- :func:`pair_recall_error` (lesson 05): write n random key-value pairs with linear attention or the delta rule,
+  read every value back; no training.
 - :func:`segment_recall` + :class:`DeltaNet` (lesson 05): key-value recall in several independent segments
   of one sequence; a key asked about but not stored in the current segment must be answered "none". The
   state has to drop the previous segment's pairs at each separator, all of them at once: a forget gate can,
@@ -21,9 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from k3course.data import IGNORE
+from k3course.debug import progress_bar
 from k3course.layers.kda import GatedDeltaNet, initial_dt_bias
 from k3course.lessons.recall import RecallModel, fit_cross_entropy, train_recall
 from k3course.ops.parallel import decay_attention_parallel
@@ -207,6 +209,26 @@ class DeltaNet(GatedDeltaNet):
         return x.new_zeros(*x.shape[:-1], self.n_heads)  # [B, T, H]
 
 
+def pair_recall_error(rule: str, n_pairs: int, dim: int = 16, beta: float = 1.0, trials: int = 20,
+                      seed: int = 0) -> float:
+    """Mean relative error ‖Sᵀk_i − v_i‖² / ‖v_i‖² after writing ``n_pairs`` random pairs (unit keys in ``dim``
+    dimensions) with ``rule`` ("linear attention" or "delta rule", step ``beta``), over ``trials`` seeded trials."""
+    from k3course.reference import linear_attention as ref
+
+    if rule not in ("linear attention", "delta rule"):
+        raise ValueError(f"rule must be 'linear attention' or 'delta rule', got {rule!r}")
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((trials, n_pairs, 1, dim))
+    keys /= np.linalg.norm(keys, axis=-1, keepdims=True)
+    values = rng.standard_normal((trials, n_pairs, 1, dim))
+    if rule == "linear attention":
+        _, state = ref.linear_attention(keys, keys, values)
+    else:
+        _, state = ref.delta_rule(keys, keys, values, np.full((trials, n_pairs, 1), beta))
+    read = np.einsum("bhkv,bthk->bthv", state, keys)
+    return float((np.square(read - values).sum(-1) / np.square(values).sum(-1)).mean())
+
+
 FORGET_MIXERS = ("DeltaNet", "GDN")
 
 
@@ -285,6 +307,6 @@ def recall_seeds(mixers, seeds, progress: bool = True, **setting) -> dict:
         raise ValueError(f"mixers and seeds must be non-empty, got {mixers!r} and {seeds!r}")
     results = {mixer: [] for mixer in mixers}
     runs = [(mixer, seed) for seed in seeds for mixer in mixers]
-    for mixer, seed in tqdm(runs, desc="training", unit="model", disable=not progress):
+    for mixer, seed in progress_bar(runs, desc="training", unit="model", disable=not progress):
         results[mixer].append(train_recall(mixer, seed=seed, **setting))
     return results

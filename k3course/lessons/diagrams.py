@@ -53,25 +53,30 @@ def _arrow(ax, start: tuple, end: tuple, bend: float = 0.0):
 
 
 def decoder_layer():
-    """One K3 decoder layer: AttnRes read → RMSNorm → KDA or gated MLA → write; read → RMSNorm → latent MoE → write."""
-    fig, ax = _canvas(8.6, 6.4, "One K3 decoder layer (3 of every 4 mix tokens with KDA, 1 with gated MLA)")
-    stream = _box(ax, 4.3, 0.5, "earlier sources: embedding, completed block sums, partial sum", width=4.6)
-    read1 = _box(ax, 1.6, 1.6, "AttnRes read\n(query w_attn)", "route")
-    norm1 = _box(ax, 1.6, 2.5, "RMSNorm", "norm")
-    kda = _box(ax, 0.9, 3.6, "KDA\n(state K×V)", "mix", width=1.2)
-    mla = _box(ax, 2.3, 3.6, "gated MLA\n(latent cache)", "mix", width=1.2)
-    write1 = _box(ax, 1.6, 4.7, "write: add to the\ncurrent block sum", "route", width=1.9)
-    read2 = _box(ax, 5.6, 1.6, "AttnRes read (query w_mlp)\nalso sees the attention write", "route", width=2.6)
-    norm2 = _box(ax, 5.6, 2.5, "RMSNorm", "norm")
-    router = _box(ax, 4.1, 3.6, "router σ(W_r x)\n+ bias → top-k", "route", width=1.4)
-    down = _box(ax, 5.7, 3.3, "W↓: d → ℓ", "ffn", width=1.2)
-    experts = _box(ax, 5.7, 4.1, "k routed experts\n(SiTU-GLU, width ℓ)", "ffn", width=1.7)
-    up = _box(ax, 5.7, 4.9, "RMSNorm, W↑: ℓ → d", "ffn", width=1.7)
-    shared = _box(ax, 7.6, 3.6, "shared experts\n(full width d)", "ffn", width=1.4)
-    write2 = _box(ax, 5.7, 5.8, "write: routed + shared", "route", width=2.2)
-    for start, end in ((stream, read1), (read1, norm1), (norm1, kda), (norm1, mla), (kda, write1), (mla, write1),
-                       (stream, read2), (read2, norm2), (norm2, router), (norm2, down), (down, experts),
-                       (router, experts), (experts, up), (up, write2), (norm2, shared), (shared, write2)):
+    """One K3 decoder layer: AttnRes read → RMSNorm → KDA or gated MLA → write; read → RMSNorm → latent MoE → write.
+
+    The mixer is one box: a layer runs KDA or gated MLA, never both (three layers in four KDA, the fourth MLA).
+    """
+    fig, ax = _canvas(8.6, 6.6, "One K3 decoder layer")
+    stream = _box(ax, 4.3, 0.55, "the residual sources so far:\nembedding, completed block sums, partial sum",
+                  width=4.4, height=0.62)
+    read1 = _box(ax, 1.6, 1.75, "AttnRes read\n(query w_attn)", "route")
+    norm1 = _box(ax, 1.6, 2.65, "RMSNorm", "norm")
+    mixer = _box(ax, 1.6, 3.85, "token mixer, one of:\nKDA (3 layers in 4; state K×V)\nor gated MLA (1 in 4;\n"
+                 "latent cache)", "mix", width=2.3, height=1.0)
+    write1 = _box(ax, 1.6, 5.1, "write: add to the\ncurrent block sum", "route", width=1.9)
+    read2 = _box(ax, 5.5, 1.75, "AttnRes read (query w_mlp),\nwhich also sees the mixer's write", "route",
+                 width=2.7)
+    norm2 = _box(ax, 5.5, 2.65, "RMSNorm", "norm")
+    router = _box(ax, 3.95, 3.55, "router σ(W_r x)\n+ bias → top-k", "route", width=1.35)
+    down = _box(ax, 5.5, 3.55, "W↓: d → ℓ", "ffn", width=1.2)
+    experts = _box(ax, 5.5, 4.45, "k routed experts\n(SiTU-GLU, width ℓ)", "ffn", width=1.75)
+    up = _box(ax, 5.5, 5.3, "RMSNorm, W↑: ℓ → d", "ffn", width=1.75)
+    shared = _box(ax, 7.65, 4.45, "shared experts\n(full width d)", "ffn", width=1.4)
+    write2 = _box(ax, 6.5, 6.15, "write: routed + shared", "route", width=2.2)
+    for start, end in ((stream, read1), (read1, norm1), (norm1, mixer), (mixer, write1), (stream, read2),
+                       (read2, norm2), (norm2, router), (norm2, down), (down, experts), (router, experts),
+                       (experts, up), (up, write2), (norm2, shared), (shared, write2)):
         _arrow(ax, start, end)
     return fig
 

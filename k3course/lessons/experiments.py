@@ -198,11 +198,16 @@ def spread_table(result: dict, metric: str, columns: tuple[str, ...] = (), key: 
 
 
 def plot_spread(axes, result: dict, metric: str, key: str = "variant") -> None:
-    """Each variant's seeds as dots and their mean ± std as a bar with error bars, on matplotlib ``axes``."""
+    """Each variant's seeds as dots, their mean as a bar and their range (min to max) as whiskers, on matplotlib
+    ``axes``. The whiskers span the seeds themselves, so they never leave the metric's range (an accuracy's
+    mean + std can pass 1; its best seed cannot); the tables print mean ± std."""
     table = spread(result, metric, key)
     labels = list(table)
-    axes.bar(range(len(labels)), [table[v]["mean"] for v in labels], yerr=[table[v]["std"] for v in labels],
-             color="lightsteelblue", capsize=4, label="mean ± std")
+    means = [table[v]["mean"] for v in labels]
+    whiskers = [[m - table[v]["min"] for v, m in zip(labels, means)],
+                [table[v]["max"] - m for v, m in zip(labels, means)]]
+    axes.bar(range(len(labels)), means, yerr=whiskers, color="lightsteelblue", capsize=4,
+             label="mean; whiskers: min to max")
     for i, label in enumerate(labels):
         seeds = [run[metric] for run in result["runs"] if run[key] == label]
         axes.plot([i] * len(seeds), seeds, "k.", ms=5, label="one seed" if i == 0 else None)

@@ -1,0 +1,88 @@
+"""A number in a lesson's text that comes from a computation is that computation's value.
+
+Lessons, solutions, exercises and the README mark each such number with ``<!--q:NAME(ARGS)|FMT-->`` (invisible
+when rendered); :mod:`k3course.lessons.quoted` computes it. These tests evaluate every marker, show that a wrong
+number fails, and hold the numbers the course once got wrong to their computation.
+"""
+
+from __future__ import annotations
+
+import re
+
+import nbformat
+import pytest
+from helpers import ROOT, notebooks
+
+from k3course.lessons import quoted
+
+
+def markdown_of(path) -> str:
+    """The text a learner reads: a notebook's markdown cells, or a markdown file."""
+    if path.suffix == ".ipynb":
+        return "\n\n".join(cell.source for cell in nbformat.read(path, 4).cells if cell.cell_type == "markdown")
+    return path.read_text(encoding="utf-8")
+
+
+FILES = [*notebooks("notebooks"), *notebooks("solutions"), *notebooks("exercises"), ROOT / "README.md"]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_marked_number_is_its_computation(path):
+    _, mismatches = quoted.check_text(markdown_of(path))
+    assert not mismatches, "\n".join(map(str, mismatches))
+
+
+def test_a_number_that_disagrees_with_its_computation_fails():
+    """The deliberate mismatch: K3's active parameters count to 105B; a text that says 104B is caught, and so are
+    a truncated number, an unknown name and a malformed marker."""
+    assert quoted.evaluate("active_params_b|.0f") == "105"
+    count, mismatches = quoted.check_text("about <!--q:active_params_b|.0f-->105 billion per token")
+    assert count == 1 and not mismatches
+    for wrong in ("about <!--q:active_params_b|.0f-->104 billion",      # the number the course used to print
+                  "<!--q:total_params_t|.1f-->2.78T",                   # "2.8" continued by another digit
+                  "<!--q:claim('residuals', 'PreNorm')|.2f-->4.31 ± 0.07",
+                  "<!--q:no_such_number-->1", "<!--q:active_params_b(|.0f-->105"):
+        count, mismatches = quoted.check_text(wrong)
+        assert count == 1 and len(mismatches) == 1, wrong
+
+
+def test_quoted_values_format_both_ends():
+    assert f"{quoted.PlusMinus(3.9361, 0.0617):.2f}" == "3.94 ± 0.06"
+    assert f"{quoted.Span(3.865, 3.977):.2f}" == "3.87–3.98"
+    assert quoted.normalise("−74%") == "-74%"
+
+
+def markers_in(path) -> set[str]:
+    return {match["body"].strip() for match in quoted.MARKER.finditer(markdown_of(path))}
+
+
+# The numbers the course once printed wrong, and where: each must now be quoted under its computation.
+ONCE_WRONG = {
+    "README.md": ["active_params_b|.0f"],
+    "notebooks/00_tour.ipynb": ["active_params_b|.0f", 'cache_gib("kimi-k3", 1048576)|.1f',
+                                'cache_gib("kimi-k3", 1048576, "all-mla")|.1f', "crossover|,d"],
+    "notebooks/09_gated_mla.ipynb": ["state_mib|.0f", "crossover|,d", 'cache_gib("kimi-k3", 1048576)|.1f'],
+    "notebooks/11_model.ipynb": ['component_share("kimi-k3", "routed_experts")|.0%',
+                                 'component_share("kimi-k3", "routed_experts", "active")|.0%',
+                                 "active_params_b|.0f"],
+    "solutions/11_model.ipynb": ['component_share("kimi-k3", "routed_experts", "active")|.0%', "active_params_b|.0f"],
+    "exercises/11_model.ipynb": ['component_share("kimi-k3", "routed_experts", "active")|.0%'],
+    "notebooks/14_decoding.ipynb": ["crossover|,d", "active_params_b|.0f"],
+}
+
+
+@pytest.mark.parametrize("name", ONCE_WRONG)
+def test_the_numbers_once_wrong_are_quoted_under_their_computation(name):
+    missing = set(ONCE_WRONG[name]) - markers_in(ROOT / name)
+    assert not missing, f"{name} no longer quotes {sorted(missing)} under a marker"
+
+
+@pytest.mark.parametrize("path", [*notebooks("notebooks"), *notebooks("solutions"), ROOT / "README.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_memory_is_in_binary_units(path):
+    """One convention: memory in KiB / MiB / GiB (2¹⁰, 2²⁰, 2³⁰ bytes); only rates are decimal (GB/s, TB/s)."""
+    text = markdown_of(path)
+    if path.suffix == ".ipynb":
+        text += "\n".join(cell.source for cell in nbformat.read(path, 4).cells if cell.cell_type == "code")
+    decimal = re.findall(r"\d\s?(?:kB|MB|GB|TB)\b(?!/s)|\b(?:kB|MB|GB|TB)\b(?!/s)(?=[,)\s]*\(?bf16)", text)
+    assert not decimal, f"decimal memory units {decimal}: write KiB, MiB, GiB"

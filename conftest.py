@@ -1,5 +1,5 @@
-"""pytest, run from the repository (``pytest --nbval exercises/01_sparse_moe.ipynb``): say which cell failed the
-way JupyterLab numbers it.
+"""pytest, run from the repository (``pytest --nbval exercises/01_sparse_moe_exercises.ipynb``): say which cell
+failed the way JupyterLab numbers it.
 
 nbval names a notebook's items "Cell 0", "Cell 1", ... counting code cells from 0; JupyterLab shows no such
 number, only the execution count ``[n]`` beside each code cell, which after *Restart Kernel and Run All Cells*

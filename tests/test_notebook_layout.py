@@ -16,9 +16,27 @@ def test_first_cell_is_a_title_with_the_measured_runtime(path):
 
 
 def test_each_lesson_has_an_exercise_pair():
-    lessons = {p.name for p in notebooks("notebooks")}
+    """NN_name.ipynb in notebooks/, NN_name_exercises.ipynb in solutions/ and exercises/: a lesson and its exercises
+    open in JupyterLab tabs with different names."""
+    lessons = {p.stem for p in notebooks("notebooks")}
     assert lessons, "no lessons found"
-    assert lessons == {p.name for p in notebooks("solutions")} == {p.name for p in notebooks("exercises")}
+    for folder in ("solutions", "exercises"):
+        assert {p.stem for p in notebooks(folder)} == {f"{stem}_exercises" for stem in lessons}, folder
+
+
+def test_every_notebook_a_learner_is_pointed_to_exists():
+    """A path to a notebook in the lessons, solutions, exercises or the README names a file that is there."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*root.glob("notebooks/*.ipynb"), *root.glob("solutions/*.ipynb"), *root.glob("exercises/*.ipynb"),
+             root / "README.md", root / "notebooks" / "references.md"]
+    named = {match for path in files for match in
+             re.findall(r"\b(?:notebooks|exercises|solutions)/[0-9][0-9]_\w+\.ipynb", path.read_text(encoding="utf-8"))}
+    assert named, "no notebook paths found"
+    missing = sorted(name for name in named if not (root / name).is_file())
+    assert not missing, missing
 
 
 def test_nothing_a_learner_reads_cites_a_file_outside_the_repository():

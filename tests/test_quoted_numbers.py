@@ -65,8 +65,9 @@ ONCE_WRONG = {
     "notebooks/11_model.ipynb": ['component_share("kimi-k3", "routed_experts")|.0%',
                                  'component_share("kimi-k3", "routed_experts", "active")|.0%',
                                  "active_params_b|.0f"],
-    "solutions/11_model.ipynb": ['component_share("kimi-k3", "routed_experts", "active")|.0%', "active_params_b|.0f"],
-    "exercises/11_model.ipynb": ['component_share("kimi-k3", "routed_experts", "active")|.0%'],
+    "solutions/11_model_exercises.ipynb": ['component_share("kimi-k3", "routed_experts", "active")|.0%',
+                                           "active_params_b|.0f"],
+    "exercises/11_model_exercises.ipynb": ['component_share("kimi-k3", "routed_experts", "active")|.0%'],
     "notebooks/14_decoding.ipynb": ["crossover|,d", "active_params_b|.0f"],
 }
 

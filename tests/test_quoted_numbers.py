@@ -47,8 +47,8 @@ def test_a_number_that_disagrees_with_its_computation_fails():
 
 
 def test_quoted_values_format_both_ends():
-    assert f"{quoted.PlusMinus(3.9361, 0.0617):.2f}" == "3.94 ± 0.06"
-    assert f"{quoted.Span(3.865, 3.977):.2f}" == "3.87–3.98"
+    assert f"{quoted.plus_minus(3.9361, 0.0617):.2f}" == "3.94 ± 0.06"
+    assert f"{quoted.span(3.865, 3.977):.2f}" == "3.87–3.98"
     assert quoted.normalise("−74%") == "-74%"
 
 

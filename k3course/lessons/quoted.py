@@ -6,7 +6,7 @@ marker (an HTML comment: JupyterLab and GitHub do not show it) that names the co
     at 1M tokens the hybrid holds <!--q:k3_cache_gib(1048576)|.1f-->27.4 GiB per sequence
 
 ``NAME(ARGS)`` calls the function registered here as ``NAME`` with literal arguments (no arguments: ``NAME``
-alone); ``|FMT`` formats the value with Python's format spec (a :class:`PlusMinus` or :class:`Span` formats both
+alone); ``|FMT`` formats the value with Python's format spec (a :class:`Pair` formats both
 of its numbers). :func:`check_text` finds every marker in a text and reports each one whose text does not begin
 with the formatted value; ``tests/test_quoted_numbers.py`` runs it over every lesson, solution and exercise
 notebook and the README. Change a formula, a preset or a saved result and the sentence that quotes it fails.
@@ -48,25 +48,26 @@ def quoted(function: Callable) -> Callable:
 
 
 @dataclass(frozen=True)
-class PlusMinus:
-    """A mean and a standard deviation, written ``mean ± std`` in the format given."""
+class Pair:
+    """Two numbers written in one format with a separator between them: ``mean ± std`` (:func:`plus_minus`) or
+    ``low–high`` (:func:`span`)."""
 
-    mean: float
-    std: float
-
-    def __format__(self, spec: str) -> str:
-        return f"{self.mean:{spec}} ± {self.std:{spec}}"
-
-
-@dataclass(frozen=True)
-class Span:
-    """A range, written ``low–high`` in the format given."""
-
-    low: float
-    high: float
+    first: float
+    second: float
+    separator: str
 
     def __format__(self, spec: str) -> str:
-        return f"{self.low:{spec}}–{self.high:{spec}}"
+        return f"{self.first:{spec}}{self.separator}{self.second:{spec}}"
+
+
+def plus_minus(mean: float, std: float) -> Pair:
+    """``mean ± std``."""
+    return Pair(mean, std, " ± ")
+
+
+def span(low: float, high: float) -> Pair:
+    """``low–high``."""
+    return Pair(low, high, "–")
 
 
 # --- markers: parse, evaluate, compare ----------------------------------------------------------------------
@@ -623,10 +624,10 @@ def _values(name: str, variant: str, metric: str) -> list[float]:
 
 
 @quoted
-def claim(name: str, variant: str, metric: str = "val_bpb") -> PlusMinus:
+def claim(name: str, variant: str, metric: str = "val_bpb") -> Pair:
     """mean ± sample std over the seeds of a saved claim's variant (``experiments.spread``)."""
     row = experiments.spread(_saved(name)["result"], metric, _key(name))[variant]
-    return PlusMinus(row["mean"], row["std"])
+    return plus_minus(row["mean"], row["std"])
 
 
 @quoted
@@ -636,10 +637,10 @@ def claim_stat(name: str, variant: str, metric: str, stat: str) -> float:
 
 
 @quoted
-def claim_range(name: str, variant: str, metric: str = "val_bpb") -> Span:
+def claim_range(name: str, variant: str, metric: str = "val_bpb") -> Pair:
     """min–max over the seeds of a saved claim's variant."""
     values = _values(name, variant, metric)
-    return Span(min(values), max(values))
+    return span(min(values), max(values))
 
 
 @quoted
@@ -694,10 +695,10 @@ def claim_seconds(name: str, variant: str) -> float:
 
 
 @quoted
-def claim_minutes(name: str) -> Span:
+def claim_minutes(name: str) -> Pair:
     """The shortest and the longest saved run of a claim, in minutes (one thread each)."""
     seconds = [run["seconds"] for run in _saved(name)["result"]["runs"]]
-    return Span(min(seconds) / 60, max(seconds) / 60)
+    return span(min(seconds) / 60, max(seconds) / 60)
 
 
 @quoted
@@ -714,20 +715,20 @@ def solved_seeds(name: str, variant: str, threshold: float = 0.9) -> str:
 
 
 @quoted
-def violation_window(variant: str, window: str) -> PlusMinus:
+def violation_window(variant: str, window: str) -> Pair:
     """Max-violation of a saved balancing variant averaged over "first10" or "last20" steps: mean ± std over seeds."""
     runs = [run for run in _saved("balancing")["result"]["runs"] if run["variant"] == variant]
     picked = [run["max_violation"][:10] if window == "first10" else run["max_violation"][-20:] for run in runs]
     means = [sum(v) / len(v) for v in picked]
     mean = sum(means) / len(means)
-    return PlusMinus(mean, (sum((m - mean) ** 2 for m in means) / (len(means) - 1)) ** 0.5)
+    return plus_minus(mean, (sum((m - mean) ** 2 for m in means) / (len(means) - 1)) ** 0.5)
 
 
 @quoted
-def violation_first_step() -> Span:
+def violation_first_step() -> Pair:
     """Max-violation at step 1 across every saved balancing run."""
     firsts = [run["max_violation"][0] for run in _saved("balancing")["result"]["runs"]]
-    return Span(min(firsts), max(firsts))
+    return span(min(firsts), max(firsts))
 
 
 @quoted

@@ -26,13 +26,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from k3course.bench import add_options, apply_options, interleaved_best_seconds, profile_calls
+from k3course.bench import BACKWARD_EVENT, add_options, apply_options, interleaved_best_seconds, profile_calls
 from k3course.config import K3Config
 from k3course.lessons.claims import dense_transformer
 from k3course.model import K3Model
 
 STEP, OTHER = "step", "other"
-BACKWARD_EVENT = "autograd::engine::evaluate_function: "  # the profiler's name of an autograd node's backward
 MOE_STAGE = "moe."  # prefix of the ranges MoE.forward opens
 
 

@@ -103,7 +103,8 @@ def _train(args) -> int:
             return 0
         if args.ep > 1:
             return _train_expert_parallel(args, options)
-        summary = train_command(args.preset, args.out, device=args.device, notice=print, **options)
+        summary = train_command(args.preset, args.out, device=args.device, notice=print, compile=args.compile,
+                                **options)
     except TrainingInterrupted as stopped:
         print(stopped, file=sys.stderr)
         return 128 + stopped.signum
@@ -123,9 +124,9 @@ def _train(args) -> int:
 def _train_expert_parallel(args, options: dict) -> int:
     from k3course.train import configure, train_expert_parallel
 
-    if args.resume or args.extend_to is not None or args.device != "cpu":
-        print("--ep runs P local gloo processes on the CPU from scratch (no --resume, --extend-to or --device; on "
-              "GPUs use torchrun --standalone -m k3course.train)", file=sys.stderr)
+    if args.resume or args.extend_to is not None or args.device != "cpu" or args.compile:
+        print("--ep runs P local gloo processes on the CPU from scratch, eager (no --resume, --extend-to, --device "
+              "or --compile; on GPUs use torchrun --standalone -m k3course.train)", file=sys.stderr)
         return 2
     out = args.out or f"runs/{args.preset or 'tiny'}-ep{args.ep}"
     summary = train_expert_parallel(configure(args.preset, out, **options)[0], args.ep, out)
@@ -247,6 +248,8 @@ def _add_train(sub) -> None:
     option("--print-config", action="store_true", help="print the resolved config as TOML and stop (default: off)")
     option("--device", default="cpu", help="torch device: cpu, cuda (default: cpu)")
     option("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    option("--compile", action="store_true", help="torch.compile the model: the first step compiles (minutes on a "
+                                                  "CPU), later steps run the compiled graphs (default: off)")
     option("--ep", type=int, default=1, help="expert-parallel ranks: spawn P local gloo processes (default: 1)")
     train.set_defaults(run=_train)
 

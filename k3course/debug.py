@@ -29,8 +29,9 @@ _VALUE_CHECKS: ContextVar[bool] = ContextVar("k3course_value_checks",
 
 
 def enabled() -> bool:
-    """Whether value checks run now (inside :func:`value_checks`, or with ``K3COURSE_DEBUG=1``)."""
-    return _VALUE_CHECKS.get()
+    """Whether value checks run now (inside :func:`value_checks`, or with ``K3COURSE_DEBUG=1``); never inside a
+    graph that ``torch.compile`` traces: a host read there would break the graph."""
+    return not torch.compiler.is_compiling() and _VALUE_CHECKS.get()
 
 
 @contextmanager

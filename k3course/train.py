@@ -422,6 +422,19 @@ def _check_resume(folder: Path, config: RunConfig, extend: bool) -> None:
                          f"{', '.join(differ)}{hint}")
 
 
+def compile_for_training(model: torch.nn.Module, train: TrainConfig, **compile_options) -> torch.nn.Module:
+    """``torch.compile`` the model in place (``nn.Module.compile``: the same parameters and state_dict keys) for
+    training with ``train``'s micro-batches: each MoE layer's routing record is first sized for one optimizer
+    step's tokens (:meth:`~k3course.moe.MoE.reserve_statistics`), so the compiled forward has fixed shapes. The
+    first step compiles (each of its micro-batches at most once: the record's write position is part of the
+    graph); later steps reuse those graphs, with no graph break anywhere (tests/test_train.py reads dynamo's
+    counters). ``compile_options`` go to ``torch.compile`` (e.g. ``backend="aot_eager"``). Returns the model."""
+    for moe in model.moe_layers():
+        moe.reserve_statistics(train.tokens_per_step)
+    model.compile(**compile_options)
+    return model
+
+
 def build_model(model_config: K3Config, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
     """A freshly initialised K3Model, seeded (same seed, same weights)."""
     from k3course.model import K3Model
@@ -562,7 +575,7 @@ def _extension(saved: dict, step: int, train: TrainConfig) -> list[dict]:
 def run(model_config: K3Config, train: TrainConfig, out: Path | str, resume: bool = False,
         corpus: data.ByteCorpus | None = None, device: torch.device | str = "cpu", progress: bool = True,
         model_factory: Callable[[K3Config, int, object], torch.nn.Module] = build_model,
-        options: RunOptions = RunOptions(), extend: bool = False) -> torch.nn.Module:
+        options: RunOptions = RunOptions(), extend: bool = False, compile: bool = False) -> torch.nn.Module:
     """Train (or resume) a run in ``out``: config.toml, metrics.jsonl, loss.png and step-NNNNNN/ checkpoints.
     Returns the model.
 
@@ -573,7 +586,8 @@ def run(model_config: K3Config, train: TrainConfig, out: Path | str, resume: boo
     many steps (its first steps followed the old, shorter cosine). ``resume=extend=False`` refuses an ``out``
     that already holds checkpoints. ``options``: the data and the precision (:class:`RunOptions`); ``corpus``
     overrides the data. SIGINT / SIGTERM stop the run at the next step boundary with a checkpoint
-    (:class:`TrainingInterrupted`).
+    (:class:`TrainingInterrupted`). ``compile``: train the model compiled (:func:`compile_for_training`); the same
+    steps to fp32 rounding, so a run may be resumed with or without it.
     """
     out = Path(out)
     config = RunConfig(model_config, train, options)
@@ -592,6 +606,8 @@ def run(model_config: K3Config, train: TrainConfig, out: Path | str, resume: boo
     extensions = _extension(saved, step, train) if extend else saved.get("extensions", [])
     if extend:
         scheduler = make_scheduler(optimizer, train, step)
+    if compile:
+        compile_for_training(model, train)
     whole = {**config.as_dict(), "corpus": {"key": corpus.meta["key"], "splits": corpus.meta["splits"]},
              "extensions": extensions}
     (out / "config.toml").write_text(config.toml())
@@ -703,12 +719,13 @@ def configure(preset_name: str | None = None, out: Path | str | None = None, con
 def train_command(preset_name: str | None = None, out: Path | str | None = None, *,
                   config_file: Path | str | None = None, flags: Sequence[tuple[str, str, object]] = (),
                   sets: Sequence[str] = (), resume: bool = False, extend_to: int | None = None, device: str = "cpu",
-                  progress: bool = True, notice: Callable[[str], None] | None = None) -> dict:
+                  progress: bool = True, notice: Callable[[str], None] | None = None, compile: bool = False) -> dict:
     """``k3course train``: the run :func:`configure` describes, in its folder; returns a summary dict (out, step,
     val_bpb, seconds, baselines of the run's data, started_at: the step it began from, config).
 
     ``resume`` continues an interrupted run exactly; ``extend_to`` N trains a run on to step N on a new schedule
-    tail (see :func:`run`), and ``notice`` (e.g. print) is told so before training starts.
+    tail (see :func:`run`), and ``notice`` (e.g. print) is told so before training starts. ``compile``: train
+    the model compiled (``--compile``, :func:`compile_for_training`).
     """
     config, out = configure(preset_name, out, config_file, flags, sets, resume, extend_to)
     latest = checkpoint.latest_checkpoint(out) if resume or extend_to is not None else None
@@ -720,7 +737,7 @@ def train_command(preset_name: str | None = None, out: Path | str | None = None,
     began = time.perf_counter()
     corpus = run_corpus(config.run)
     run(config.model, config.train, out, resume, corpus, device, progress, options=config.run,
-        extend=extend_to is not None)
+        extend=extend_to is not None, compile=compile)
     final = _Metrics.read(out)[-1]
     return {"out": str(out), "step": final["step"], "val_bpb": final.get("val_bpb"), "started_at": started_at,
             "seconds": time.perf_counter() - began, "baselines": data.baselines(corpus), "config": config}

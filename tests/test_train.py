@@ -424,3 +424,71 @@ def test_train_help_lists_every_option_with_its_default_and_every_field(capsys):
     assert all(a.option_strings[0] in text for a in options)
     for cls in (K3Config, train.TrainConfig, train.RunOptions):
         assert all(f"\n{f.name} = " in text for f in dataclasses.fields(cls)), cls
+
+
+# --- torch.compile ---------------------------------------------------------------------------------------
+
+def _compiled_steps(corpus, steps: int, **compile_options):
+    """Losses of ``steps`` steps (grad_accum 2) of a compiled SMALL model, and dynamo's counters after the first
+    step and after the last: (losses, graphs after step 1, graphs at the end, graph breaks)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = train.build_model(SMALL, seed=0)
+    optimizer, scheduler = train.make_optimizer(model, FAST)
+    train.compile_for_training(model, FAST, **compile_options)
+    losses, graphs = [], []
+    for step in range(steps):
+        batches = train._micro_batches(corpus.train, step, FAST, "cpu")
+        losses.append(train.train_step(model, optimizer, scheduler, batches, FAST.grad_clip)["loss"])
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    return losses, graphs, sum(counters["graph_break"].values())
+
+
+def test_the_compiled_step_has_no_graph_break_and_no_recompile_after_step_one(corpus):
+    """5 steps of 2 micro-batches: the first step compiles its graphs, later steps add none; no graph break; the
+    losses are the eager run's (aot_eager traces forward and backward as inductor does, without codegen)."""
+    losses, graphs, breaks = _compiled_steps(corpus, 5, backend="aot_eager")
+    assert breaks == 0
+    assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 4, graphs
+    model = train.build_model(SMALL, seed=0)
+    optimizer, scheduler = train.make_optimizer(model, FAST)
+    eager = [train.train_step(model, optimizer, scheduler, train._micro_batches(corpus.train, step, FAST, "cpu"),
+                              FAST.grad_clip)["loss"] for step in range(5)]
+    assert losses == pytest.approx(eager, rel=1e-5)
+
+
+def test_the_routing_record_has_a_fixed_shape_and_grows_only_when_a_step_brings_more_tokens():
+    from k3course.moe import MoE
+
+    layer = MoE(8, 4, 2, balancing="quantile").train()
+    layer.reserve_statistics(12)
+    buffer = layer.recorded_scores
+    for _ in range(3):
+        layer(torch.randn(4, 8))
+    assert layer.recorded_scores is buffer and buffer.shape == (12, 4)
+    layer(torch.randn(5, 8))  # 17 tokens > 12: doubles
+    assert layer.recorded_scores.shape == (24, 4) and layer.balancing_statistics()["scores"].shape == (17, 4)
+    with pytest.raises(ValueError, match="tokens"):
+        layer.reserve_statistics(-1)
+    assert layer.bfloat16().recorded_scores.dtype == torch.float32  # routing statistics stay fp32
+
+
+def test_a_compiled_run_trains_as_the_eager_run_and_the_cli_refuses_it_with_expert_parallel(tmp_path, corpus,
+                                                                                              capsys):
+    """Inductor (the default backend, code generated for this CPU): a 2-step run's losses are the eager run's to
+    fp32 rounding, and its checkpoint loads into an uncompiled model (same state_dict keys)."""
+    short = FAST.replace(steps=2, eval_every=0, checkpoint_every=0, eval_bytes=256)
+    torch._dynamo.reset()
+    compiled = train.run(SMALL, short, tmp_path / "compiled", corpus=corpus, progress=False, compile=True)
+    torch._dynamo.reset()
+    train.run(SMALL, short, tmp_path / "eager", corpus=corpus, progress=False)
+    losses = lambda out: [r["loss"] for r in train._Metrics.read(out)]
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
+    assert "_orig_mod" not in "".join(compiled.state_dict())
+    train.load_model(tmp_path / "compiled")
+    args = ["train", "--preset", "tiny", "--out", str(tmp_path / "ep"), "--ep", "2", "--compile"]
+    assert main(args) == 2 and "--compile" in capsys.readouterr().err
+    assert parser().parse_args(["train", "--compile"]).compile

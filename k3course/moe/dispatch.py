@@ -66,9 +66,12 @@ def expert_blocks(rows_sorted: torch.Tensor, group_offsets: torch.Tensor) -> lis
     return [(expert, rows) for expert, rows in enumerate(rows_sorted.split(sizes)) if rows.shape[0]]
 
 
+@torch.library.custom_op("k3course::grouped_mm_loop", mutates_args=())
 def _grouped_mm_loop(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
     """The fallback: one GEMM per expert on its contiguous block of rows, concatenated in block order.
 
+    An operator of its own (``torch.library``) with its backward below: ``torch.compile`` sees one opaque op of
+    known output shape [M, d_out] where the loop's host read of the block sizes would break the graph.
     ``unbind`` hands out the experts' weights for the same reason as :func:`expert_blocks` splits the rows.
     """
     weights = weight.unbind(0)  # E views [d_in, d_out]
@@ -76,14 +79,51 @@ def _grouped_mm_loop(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets
     return torch.cat(blocks) if blocks else x_sorted.new_zeros(0, weight.shape[2])
 
 
+@_grouped_mm_loop.register_fake
+def _(x_sorted, weight, group_offsets):
+    return x_sorted.new_empty(x_sorted.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("k3course::grouped_mm_weight_grad", mutates_args=())
+def _grouped_weight_grad(x_sorted: torch.Tensor, grad_out: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+    """∂L/∂W_e = X_eᵀ G_e for every expert e (zero for an expert without rows). x_sorted [M, d_in], grad_out
+    [M, d_out], group_offsets [E] -> [E, d_in, d_out]."""
+    grad = x_sorted.new_zeros(group_offsets.shape[0], x_sorted.shape[1], grad_out.shape[1])
+    grad_blocks = dict(expert_blocks(grad_out, group_offsets))
+    for expert, rows in expert_blocks(x_sorted, group_offsets):
+        torch.mm(rows.mT, grad_blocks[expert], out=grad[expert])
+    return grad
+
+
+@_grouped_weight_grad.register_fake
+def _(x_sorted, grad_out, group_offsets):
+    return x_sorted.new_empty(group_offsets.shape[0], x_sorted.shape[1], grad_out.shape[1])
+
+
+def _loop_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _loop_backward(ctx, grad_out):
+    """out_e = X_e W_e, so ∂L/∂X_e = G_e W_eᵀ (the same grouped product) and ∂L/∂W_e = X_eᵀ G_e."""
+    x_sorted, weight, group_offsets = ctx.saved_tensors
+    grad_x = _grouped_mm_loop(grad_out, weight.mT, group_offsets) if ctx.needs_input_grad[0] else None
+    grad_w = _grouped_weight_grad(x_sorted, grad_out, group_offsets) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup_context)
+
+
 def grouped_mm_backend(x_sorted: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> str:
     """Which implementation :func:`grouped_mm` runs: 'triton', 'torch' (``torch._grouped_mm``) or 'loop'.
 
     backend "loop" or "torch" is taken as asked; "auto" is chapter 08's one-launch Triton kernel where
     ``k3course.kernels.use_triton`` says so (on CUDA; the environment variable K3COURSE_KERNELS=triton|torch
-    forces either way), else torch's grouped GEMM where it has its fast path (CUDA sm90+, bf16), else the loop.
-    On CPU (torch 2.13) ``torch._grouped_mm`` runs in fp32 (not bf16), but no faster than the loop, and its
-    backward rejects a non-contiguous output gradient, so the loop is the CPU path.
+    forces either way), else torch's grouped GEMM where it has its fast path (CUDA sm90+, bf16), else the loop
+    (an operator of its own, so ``torch.compile`` traces it without a graph break). On CPU (torch 2.13)
+    ``torch._grouped_mm`` runs in fp32 (not bf16), but no faster than the loop, its backward rejects a
+    non-contiguous output gradient, and the compiler's shape rule for it accepts bf16 only: the loop is the CPU path.
     """
     if backend not in ("auto", "loop", "torch"):
         raise ValueError(f"backend must be 'auto', 'loop' or 'torch', got {backend!r}")

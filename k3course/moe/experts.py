@@ -101,7 +101,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         with profiler_range("moe.experts"):  # the expert bank's stage, for k3course bench moe
-            if grouped_mm_backend(x_sorted, self.gate_up, self.backend) == "loop":
+            # eager on a CPU: expert by expert; compiled (or another backend): two grouped products
+            if grouped_mm_backend(x_sorted, self.gate_up, self.backend) == "loop" and not torch.compiler.is_compiling():
                 return self._expert_by_expert(x_sorted, group_offsets)
             gate_up = grouped_mm(x_sorted, self.gate_up, group_offsets, self.backend)  # [M, 2h]
             gate, up = gate_up.split(self.hidden, dim=-1)

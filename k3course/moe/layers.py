@@ -96,8 +96,11 @@ class MoE(nn.Module):
 
     Each training forward adds its routing to a record: per-expert token-slot counts (the sign rule and the
     statistics) and, for quantile balancing, the detached router scores [m_j, n] (the quantile step needs the
-    order statistics of all M = Σ_j m_j tokens). ``aux_loss`` (Switch loss, balancing="aux", else 0) and
-    ``z_loss`` (router z-loss) are replaced at every training forward. Eval mode records nothing and the bias
+    order statistics of all M = Σ_j m_j tokens), written into a preallocated [capacity, n] buffer: fixed shapes,
+    so a compiled forward neither recompiles nor grows a list with the micro-batches
+    (:meth:`reserve_statistics` sizes it for a step's tokens; it doubles when a step brings more).
+    ``aux_loss`` (Switch loss, balancing="aux", else 0) and ``z_loss`` (router z-loss) are replaced at every
+    training forward. Eval mode records nothing and the bias
     stays frozen. Expert parallelism reads :meth:`balancing_statistics`, pools it over ranks, sets the bias
     and calls :meth:`reset_statistics`.
     """
@@ -140,7 +143,9 @@ class MoE(nn.Module):
         self.register_buffer("recorded_load", torch.zeros(n_routed, dtype=torch.int64, device=device),
                              persistent=False)  # token-slots per expert since the last update
         self.recorded_tokens = 0  # tokens since the last update
-        self.recorded_scores: list[torch.Tensor] = []  # quantile balancing: detached scores [m_j, n] per forward
+        # quantile balancing: the detached scores of the recorded tokens in rows [0, recorded_tokens), a buffer
+        # that grows only when a step brings more tokens than it holds (reserve_statistics sizes it up front)
+        self.register_buffer("recorded_scores", torch.zeros(0, n_routed, device=device), persistent=False)
         self.dispatcher = LocalDispatch()  # how tokens reach the experts (and how records are pooled)
 
     @classmethod
@@ -165,12 +170,14 @@ class MoE(nn.Module):
         return logits, scores, expert_idx, weights
 
     def _apply(self, fn, recurse=True):
-        """``.to``, ``.cuda``, ``.bfloat16`` ... as for any module, except that the selection bias is never cast
-        below fp32 (``.bfloat16()`` leaves it fp32, ``.double()`` makes it fp64)."""
-        bias = self.bias
+        """``.to``, ``.cuda``, ``.bfloat16`` ... as for any module, except that the selection bias and the recorded
+        router scores are never cast below fp32 (``.bfloat16()`` leaves them fp32, ``.double()`` makes them fp64)."""
+        kept = {name: getattr(self, name) for name in ("bias", "recorded_scores")}
         super()._apply(fn, recurse)
-        if self.bias.dtype != bias.dtype:
-            self.bias = bias.to(self.bias.device, torch.promote_types(self.bias.dtype, torch.float32))
+        for name, before in kept.items():
+            after = getattr(self, name)
+            if after.dtype != before.dtype:
+                setattr(self, name, before.to(after.device, torch.promote_types(after.dtype, torch.float32)))
         return self
 
     def expert_outputs(self, z: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
@@ -229,9 +236,23 @@ class MoE(nn.Module):
             self.aux_loss = switch_aux_loss(scores / scores.sum(-1, keepdim=True), expert_idx, self.aux_alpha)
         flat = expert_idx.reshape(-1)
         self.recorded_load.scatter_add_(0, flat, torch.ones_like(flat))
-        self.recorded_tokens += m
+        start, end = self.recorded_tokens, self.recorded_tokens + m
         if self.balancing == "quantile":
-            self.recorded_scores.append(scores.detach())
+            if end > self.recorded_scores.shape[0]:
+                self.reserve_statistics(max(end, 2 * self.recorded_scores.shape[0]))
+            self.recorded_scores[start:end] = scores.detach()
+        self.recorded_tokens = end
+
+    def reserve_statistics(self, tokens: int) -> None:
+        """Make the quantile record hold ``tokens`` tokens (e.g. one optimizer step's) without growing: call it
+        before compiling the model. Recorded rows are kept; a smaller ``tokens`` leaves the buffer as it is."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens must be an int ≥ 0, got {tokens!r}")
+        if self.balancing != "quantile" or tokens <= self.recorded_scores.shape[0]:
+            return
+        grown = self.recorded_scores.new_zeros(tokens, self.n_routed)
+        grown[:self.recorded_tokens] = self.recorded_scores[:self.recorded_tokens]
+        self.recorded_scores = grown
 
     def balancing_statistics(self) -> dict:
         """What the balancing rule reads, over the training forwards since the last update (or reset).
@@ -239,17 +260,13 @@ class MoE(nn.Module):
         {"tokens": M (int), "load": [n] int64 token-slots per expert (Σ = M·k), "scores": [M, n] detached
         router scores for balancing="quantile", else None}: this process's record (the dispatcher pools it).
         """
-        scores = None
-        if self.balancing == "quantile":
-            scores = (torch.cat(self.recorded_scores) if self.recorded_scores
-                      else self.bias.new_zeros(0, self.n_routed))
+        scores = self.recorded_scores[:self.recorded_tokens].clone() if self.balancing == "quantile" else None
         return {"tokens": self.recorded_tokens, "load": self.recorded_load.clone(), "scores": scores}
 
     def reset_statistics(self) -> None:
         """Clear the record (the training loop's :meth:`update_bias` does this after using it)."""
         self.recorded_load.zero_()
         self.recorded_tokens = 0
-        self.recorded_scores = []
 
     @torch.no_grad()
     def update_bias(self) -> bool:

@@ -217,12 +217,31 @@ def _unit_lower_inverse(A) -> torch.Tensor:
     return torch.cat(rows, dim=-2)
 
 
+class _UnitLowerInverse(torch.autograd.Function):
+    """X = (I + A)^{-1} for strictly lower A ``[..., c, c]``: forward by substitution (:func:`_unit_lower_inverse`),
+    backward in closed form. From dX = −X dA X: ∂L/∂A = −Xᵀ (∂L/∂X) Xᵀ, kept on the strictly lower entries (the
+    only ones the forward reads): two batched products, where autograd through the substitution would replay
+    its many small ops in reverse."""
+
+    @staticmethod
+    def forward(ctx, A):
+        X = _unit_lower_inverse(A)
+        ctx.save_for_backward(X)
+        return X
+
+    @staticmethod
+    def backward(ctx, grad_X):
+        (X,) = ctx.saved_tensors
+        return -(X.mT @ grad_X @ X.mT) * _causal_mask(X.shape[-1], True, X)
+
+
 def ut_transform(A_kk, beta) -> torch.Tensor:
     """M = (I + A_kk)^{-1} Diag(β) by forward substitution. A_kk ``[..., C, C]`` strictly lower, beta ``[..., C]``.
 
     Blockwise, to keep the loop short (see :func:`_unit_lower_inverse`): halves, quarters, … down to
-    ``UT_BLOCK`` × ``UT_BLOCK`` diagonal blocks, all blocks of one size at once, each solved row by row."""
-    return _unit_lower_inverse(A_kk) * beta.unsqueeze(-2)
+    ``UT_BLOCK`` × ``UT_BLOCK`` diagonal blocks, all blocks of one size at once, each solved row by row. Its
+    gradient is the closed form of :class:`_UnitLowerInverse`."""
+    return _UnitLowerInverse.apply(A_kk) * beta.unsqueeze(-2)
 
 
 def kda_chunk_step(q, k, v, g, beta, state):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from k3course.bench import gpu, kernels
+from k3course.train import TrainConfig
 
 SMOKE = kernels.Workload(seq_lens=(64,), heads=1, head_dim=16, decode_batches=(2,), gemm_tokens=16,
                          gemm_dims=(32, 16), gemm_experts=((4, 2),), breakdown_len=64, accuracy_len=64,
@@ -35,7 +36,8 @@ def test_out_must_be_a_file(tmp_path, capsys):
 
 @needs_cpu
 def test_every_row_runs_under_the_interpreter_and_round_trips(tmp_path, capsys):
-    results = gpu.collect(SMOKE, "cpu (Triton interpreter)", run_tests=False)
+    results = gpu.collect(SMOKE, "cpu (Triton interpreter)", run_tests=False,
+                          train_step=TrainConfig(batch_size=1, seq_len=16), train_modes=("eager", "torch ops"))
     rows = results["rows"]
     cases = {row["case"] for row in rows}
     assert cases >= {"KDA forward T=64", "KDA fwd+bwd T=64", "KDA decode batch=2", "grouped GEMM E=4 top-2"}
@@ -54,6 +56,10 @@ def test_every_row_runs_under_the_interpreter_and_round_trips(tmp_path, capsys):
     assert gpu.show_results(saved) == json.loads(saved.read_text())
     shown = capsys.readouterr().out
     assert "cpu (Triton interpreter)" in shown and "KDA decode batch=2" in shown and "peer ms / our ms" in shown
+    steps = {(row["model"], row["mode"]) for row in results["train_step"]["rows"]}
+    assert steps == {(model, mode) for model in ("tiny", "dense (tiny)", "small", "dense (small)")
+                     for mode in ("eager", "torch ops")}
+    assert "small: K3 / dense, eager" in shown and "tiny torch ops / eager" in shown
 
 
 def test_show_results_without_a_file_says_how_to_make_one(tmp_path, capsys):

@@ -8,7 +8,9 @@
    decode step at batch 1, 16 and 64 (vs fla's ``fused_recurrent_kda``), the MoE grouped GEMMs (vs
    ``torch._grouped_mm``); each with ms, TFLOP/s, % of the roofline and peer/ours (``--full``: all of
    ``bench kernels``' lengths).
-4. Everything saved to ``k3course/results/gpu.json`` (``--out`` elsewhere), written to a temporary name and
+4. The training step (``k3course bench train``): tiny and small K3 beside their dense baselines, eager (Triton
+   kernels), eager with the torch ops instead, and compiled; ms per step, tokens/s and the ratios.
+5. Everything saved to ``k3course/results/gpu.json`` (``--out`` elsewhere), written to a temporary name and
    renamed; lesson 08 shows the file with :func:`show_results`.
 
 Without a CUDA GPU it says what it would run and exits 0, writing nothing.
@@ -28,12 +30,16 @@ from pathlib import Path
 import torch
 
 from k3course.bench import add_options, apply_options, kernels
+from k3course.bench import train as bench_train
+from k3course.train import TrainConfig
 
 RESULTS_FILE = Path(__file__).resolve().parents[1] / "results" / "gpu.json"
 KERNEL_TESTS = ("test_kernels.py", "test_kernels_basics.py", "test_kernels_compile.py", "test_kernels_layers.py")
 TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"  # present in a source checkout, not in a wheel
 QUICK = kernels.Workload(seq_lens=(8192,))
 BUDGET_S = 300
+TRAIN_PRESETS = ("tiny", "small")  # the training-step rows: K3 presets beside their dense baselines
+TRAIN_STEP = TrainConfig(batch_size=32, seq_len=512)  # the small preset's micro-batch (k3course train --preset small)
 
 
 def run_kernel_tests(tests_dir: Path = TESTS_DIR, files: tuple[str, ...] = KERNEL_TESTS, timeout_s: float = 180,
@@ -71,9 +77,11 @@ def _versions() -> dict:
     return found
 
 
-def collect(work: kernels.Workload, gpu: str, run_tests: bool = True, tests: dict | None = None) -> dict:
+def collect(work: kernels.Workload, gpu: str, run_tests: bool = True, tests: dict | None = None,
+            train_step: TrainConfig = TRAIN_STEP, train_modes: tuple[str, ...] = bench_train.MODES) -> dict:
     """Run the check and return the results: {"gpu", "versions", "workload", "tests", "accuracy", "rows",
-    "seconds"}. ``tests`` given (already run) skips running them here."""
+    "train_step", "seconds"}. ``tests`` given (already run) skips running them here; ``train_step`` and
+    ``train_modes``: the micro-batch and modes of the training-step rows (on ``work.device``)."""
     began = time.perf_counter()
     if tests is None:
         tests = run_kernel_tests() if run_tests else {"command": None, "returncode": None, "seconds": 0.0,
@@ -82,12 +90,15 @@ def collect(work: kernels.Workload, gpu: str, run_tests: bool = True, tests: dic
     ratio = kernels.check_bf16_accuracy(work)
     rows = kernels.benchmark_rows(work, gpu)
     kernels.print_rows(rows)
+    training = bench_train.measure(list(TRAIN_PRESETS), train_step, list(train_modes), work.device, repeats=3,
+                                   rounds=2)
+    print(bench_train.report(training))
     workload = {field.name: getattr(work, field.name) for field in dataclasses.fields(work)}
     workload["dtype"] = str(work.dtype).removeprefix("torch.")
     return {"command": "k3course bench gpu", "gpu": gpu, "versions": _versions(), "workload": workload,
             "tests": tests, "accuracy": {"error_ratio": ratio, "tolerance": kernels.FLA_BF16_TOLERANCE,
                                          "seq_len": work.accuracy_len},
-            "rows": rows, "seconds": time.perf_counter() - began}
+            "rows": rows, "train_step": training, "seconds": time.perf_counter() - began}
 
 
 def save(results: dict, path: Path = RESULTS_FILE) -> Path:
@@ -119,6 +130,8 @@ def show_results(path: Path = RESULTS_FILE) -> dict | None:
     print(f"KDA chunk kernel at T={accuracy['seq_len']}: error ratio {accuracy['error_ratio']:.2e} "
           f"(fla accepts ≤ {accuracy['tolerance']})")
     kernels.print_rows(results["rows"])
+    if "train_step" in results:
+        print(bench_train.report(results["train_step"]))
     return results
 
 

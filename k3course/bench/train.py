@@ -1,0 +1,149 @@
+"""bench train: training throughput of a K3 preset beside the dense Transformer of equal active parameters, eager
+and compiled, in one run.
+
+Each variant runs :func:`k3course.train.train_step` itself — forward with targets, backward, clipping, AdamW, the
+MoE bias update — on the stdlib bytes that ``k3course train`` reads (its batches, so the router sees text),
+``--grad-accum`` micro-batches of ``--batch × --seq`` bytes per step. A compiled variant is
+:func:`k3course.train.compile_for_training`'s model; its first step compiles, and that time is reported apart.
+Then the variants take turns over ``--rounds`` rounds (a busy spell of a shared machine slows all of them alike),
+each timed by the best of ``--repeats`` steps per round. Printed: ms per step, tokens/s, K3 / dense in each mode
+and compiled / eager for each model. ``--out`` saves them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+from k3course.bench import add_options, apply_options, interleaved_best_seconds
+from k3course.config import K3Config
+from k3course.lessons.claims import dense_transformer
+from k3course.train import (
+    RunOptions,
+    TrainConfig,
+    _micro_batches,
+    build_model,
+    compile_for_training,
+    make_optimizer,
+    run_corpus,
+    train_step,
+)
+
+MODES = ("eager", "compiled", "torch ops")  # "torch ops": eager with chapter 08's Triton kernels switched off
+
+
+def _options(options: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="k3course bench train", description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["tiny"], help="K3Config presets to time (default: tiny)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per micro-batch (default 16)")
+    parser.add_argument("--seq", type=int, default=128, help="bytes per sequence (default 128)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=["eager", "compiled"],
+                        help="eager, compiled, and on a GPU 'torch ops' (eager without the Triton kernels) "
+                             "(default: eager compiled)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda (default: cpu)")
+    parser.add_argument("--out", type=Path, default=None, help="save the results as JSON here (default: don't)")
+    add_options(parser, threads=0, repeats=3, rounds=3)
+    args = parser.parse_args(options)
+    for name in ("batch", "seq", "grad_accum"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    return args
+
+
+def variants(cfg: K3Config) -> dict[str, K3Config]:
+    """The two models compared: the K3 preset and the dense Transformer of its active parameters."""
+    return {cfg.name: cfg, f"dense ({cfg.name})": dense_transformer(cfg)}
+
+
+@contextmanager
+def kernels_switched_off(off: bool):
+    """While open (and ``off``), the layers take the torch path instead of the Triton kernels
+    (``K3COURSE_KERNELS=torch``, :func:`k3course.kernels.use_triton`); the setting is restored after."""
+    before = os.environ.get("K3COURSE_KERNELS")
+    if off:
+        os.environ["K3COURSE_KERNELS"] = "torch"
+    try:
+        yield
+    finally:
+        if off and before is None:
+            del os.environ["K3COURSE_KERNELS"]
+        elif off:
+            os.environ["K3COURSE_KERNELS"] = before
+
+
+def step_function(cfg: K3Config, train: TrainConfig, mode: str, device: str) -> tuple[Callable[[], dict], float]:
+    """(one training step of a seeded model of ``cfg``, seconds its first step took: the compile time when
+    ``mode`` is "compiled"). Each call trains on the next batches of the stdlib bytes."""
+    corpus = run_corpus(RunOptions())
+    model = build_model(cfg, train.seed, device)
+    optimizer, scheduler = make_optimizer(model, train)
+    if mode == "compiled":
+        compile_for_training(model, train)
+    step_index = itertools.count()
+    def step() -> dict:
+        with kernels_switched_off(mode == "torch ops"):
+            return train_step(model, optimizer, scheduler,
+                              _micro_batches(corpus.train, next(step_index), train, device), train.grad_clip)
+
+    began = time.perf_counter()
+    step()
+    first = time.perf_counter() - began
+    step()  # warm
+    return step, first
+
+
+def measure(presets: list[str], train: TrainConfig, modes: list[str], device: str = "cpu", repeats: int = 3,
+            rounds: int = 3) -> dict:
+    """{"tokens_per_step", "rows": [{"model", "mode", "step_s", "tokens_per_s", "first_step_s"}], "ratios":
+    {preset: {"eager": K3 / dense, "compiled": ..., "K3 compiled / eager": ..., "dense compiled / eager": ...}}}."""
+    calls, first = {}, {}
+    for preset in presets:
+        for name, cfg in variants(K3Config.preset(preset)).items():
+            for mode in modes:
+                calls[(name, mode)], first[(name, mode)] = step_function(cfg, train, mode, device)
+    best = interleaved_best_seconds({key: (fn, repeats) for key, fn in calls.items()}, rounds, device)
+    rows = [{"model": name, "mode": mode, "step_s": seconds, "tokens_per_s": train.tokens_per_step / seconds,
+             "first_step_s": first[(name, mode)]} for (name, mode), seconds in best.items()]
+    ratios = {}
+    for preset in presets:
+        dense = f"dense ({preset})"
+        ratios[preset] = {f"K3 / dense, {mode}": best[(preset, mode)] / best[(dense, mode)] for mode in modes}
+        for other in ("compiled", "torch ops"):
+            if other in modes and "eager" in modes:
+                ratios[preset] |= {f"{name} {other} / eager": best[(name, other)] / best[(name, "eager")]
+                                   for name in (preset, dense)}
+    return {"tokens_per_step": train.tokens_per_step, "rows": rows, "ratios": ratios}
+
+
+def report(results: dict) -> str:
+    """The table (ms per step, tokens/s, first step) and the ratios, as text."""
+    lines = [f"{'model':<14} {'mode':<9} {'ms/step':>9} {'tokens/s':>10} {'first step':>11}"]
+    for row in results["rows"]:
+        lines.append(f"{row['model']:<14} {row['mode']:<9} {row['step_s'] * 1e3:9.1f} {row['tokens_per_s']:10,.0f} "
+                     f"{row['first_step_s']:10.1f}s")
+    for preset, ratios in results["ratios"].items():
+        lines.append(f"{preset}: " + "; ".join(f"{name} {value:.2f}x" for name, value in ratios.items()))
+    return "\n".join(lines)
+
+
+def main(options: list[str]) -> int:
+    args = _options(options)
+    settings = apply_options(args.threads, args.return_freed_memory)
+    train = TrainConfig(batch_size=args.batch, seq_len=args.seq, grad_accum=args.grad_accum)
+    print(f"settings: {settings}; {args.grad_accum} × {args.batch} × {args.seq} bytes per step on {args.device}")
+    began = time.perf_counter()
+    results = measure(args.presets, train, args.modes, args.device, args.repeats, args.rounds)
+    results |= {"settings": settings, "device": args.device, "seconds": time.perf_counter() - began}
+    print(report(results))
+    print(f"({args.rounds} interleaved rounds, best of {args.repeats} steps each; took {results['seconds']:.0f} s)")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+        print(f"saved {args.out}")
+    return 0

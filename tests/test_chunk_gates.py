@@ -227,7 +227,7 @@ def test_groups_of_chunks_pass_the_state_on(monkeypatch, lower_bound):
     tensors = inputs("layer", scalar_gate=False, T=150)
     runs = []
     for per_group in (1, 1000):
-        monkeypatch.setattr(chunk, "CHUNKS_PER_GROUP", per_group)
+        monkeypatch.setattr(chunk, "GROUP_SCORES", per_group * 16 * 16)
         runs.append(outputs_and_gradients(kda_chunk, tensors, chunk_size=16, lower_bound=lower_bound))
     assert_all_close(runs[0], runs[1], f"groups of 1 vs 1000 chunks, lower_bound={lower_bound}")
     assert_all_close(runs[0], outputs_and_gradients(kda_recurrent, tensors), "groups of 1 chunk vs recurrent")

@@ -11,7 +11,7 @@ Per chunk of C tokens with state S entering it (one head; G is the in-chunk incl
 7. O = (Γ ⊙ Q) S + A_qk Ṽ.
 8. S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
 
-Everything but the state passing (5 and 8) is batched over the chunks of a group (64 chunks of all heads, see
+Everything but the state passing (5 and 8) is batched over the chunks of a group (chunks of all heads, see
 :func:`_chunk_core`). Every exponent is a
 difference of cumulative log-decays, ≤ 0 (or G ≤ 0 itself), so nothing overflows, forward or backward, for any
 g ≤ 0: e^{−G} alone is never formed, and no factor is ever divided by another. Exponents are clamped below at
@@ -34,7 +34,8 @@ from k3course.ops.checks import check_lower_bound, float32_recurrence, validate
 UT_BLOCK = 8  # the UT transform's smallest diagonal blocks, solved row by row
 SUB_CHUNK = 16  # most tokens per sub-chunk, whose decays are referenced to one token: the bounded-gate scores here,
 # the intra-chunk tiles of the Triton kernel (fla's 16)
-CHUNKS_PER_GROUP = 64  # chunks processed together: [64, 64, 64] float32 temporaries of 1 MB stay in the caches
+GROUP_SCORES = 64 * 64 * 64  # score entries of the chunks processed together (64 chunks of 64 × 64, or 256 of
+# 32 × 32): float32 temporaries of ~1 MB stay in the caches
 FACTOR_RANGE = 75.0  # largest exponent of a bounded-gate factor: e^75 ≈ 4e32, so even the masked (discarded) entries,
 # sums of 128 such products, stay below float32's largest number, e^88.7
 DECAY_FLOOR = -30.0  # decay exponents are raised to this: e^-30 ≈ 9e-14 of the largest weight (1), far below fp32's
@@ -335,7 +336,7 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chun
     """Chunkwise KDA (beta given) or GLA (beta None) on validated inputs, g ``[B, T, H, K]`` (channel gate) or
     ``[B, T, H, 1]`` (one gate per head, broadcast over the K channels: GDN and scalar-decay attention).
 
-    The tokens are taken in groups of consecutive chunks (``CHUNKS_PER_GROUP`` chunks of all heads together),
+    The tokens are taken in groups of consecutive chunks (``GROUP_SCORES`` / C² chunks of all heads together),
     the state passed from group to group as from chunk to chunk: a group is cut into chunks ``[B·H, n, C, ·]``
     when its turn comes, every step but the state passing (5, 8) is batched over its chunks
     (:func:`_chunk_group`), and its output is written back in the token layout, so that a group's temporaries
@@ -349,7 +350,8 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, chun
         state = q.new_zeros(batch * heads, key_dim, value_dim, dtype=wide)
         if initial_state is not None:
             state = state + initial_state.to(wide).reshape(batch * heads, key_dim, value_dim)
-        tokens = chunk_size * max(1, CHUNKS_PER_GROUP // (batch * heads))  # tokens of each head per group
+        chunks_per_group = max(1, GROUP_SCORES // chunk_size**2)
+        tokens = chunk_size * max(1, chunks_per_group // (batch * heads))  # tokens of each head per group
         # padded tokens (k = 0, β = 0, g = 0) leave the state unchanged
         cut = lambda x, start: None if x is None else (  # [B·H, n, C, ·]
             _to_chunks(x[:, start:start + tokens], chunk_size).to(wide).unflatten(0, (batch * heads, -1)))

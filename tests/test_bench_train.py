@@ -35,3 +35,21 @@ def test_bad_options_are_named(options, message, capsys):
     with pytest.raises(SystemExit):
         bench_train.main(options)
     assert message in capsys.readouterr().err
+
+
+def test_a_saved_result_round_trips_and_is_drawn(tmp_path, capsys):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = tmp_path / "train_bench.json"
+    options = ["--modes", "eager", "--batch", "2", "--seq", "16", "--repeats", "1", "--rounds", "1", "--out", str(out)]
+    assert bench_train.main(options) == 0
+    printed = capsys.readouterr().out
+    fig, axes = plt.subplots()
+    saved = bench_train.show_results(out, axes)
+    shown = capsys.readouterr().out
+    assert saved["command"] == "k3course bench train " + " ".join(options) and "K3 / dense, eager" in shown
+    assert bench_train.report(saved) in printed and len(axes.patches) == 2  # one bar per model
+    plt.close(fig)

@@ -7,7 +7,8 @@ MoE bias update — on the stdlib bytes that ``k3course train`` reads (its batch
 :func:`k3course.train.compile_for_training`'s model; its first step compiles, and that time is reported apart.
 Then the variants take turns over ``--rounds`` rounds (a busy spell of a shared machine slows all of them alike),
 each timed by the best of ``--repeats`` steps per round. Printed: ms per step, tokens/s, K3 / dense in each mode
-and compiled / eager for each model. ``--out`` saves them as JSON.
+and compiled / eager for each model. ``--save`` writes them to ``k3course/results/train_bench.json``, which
+lesson 12 shows (:func:`show_results`); ``--out`` saves them elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from k3course.bench import add_options, apply_options, interleaved_best_seconds
 from k3course.config import K3Config
 from k3course.lessons.claims import dense_transformer
+from k3course.lessons.experiments import machine
 from k3course.train import (
     RunOptions,
     TrainConfig,
@@ -35,6 +37,7 @@ from k3course.train import (
     train_step,
 )
 
+RESULTS_FILE = Path(__file__).resolve().parents[1] / "results" / "train_bench.json"
 MODES = ("eager", "compiled", "torch ops")  # "torch ops": eager with chapter 08's Triton kernels switched off
 
 
@@ -48,6 +51,7 @@ def _options(options: list[str]) -> argparse.Namespace:
                         help="eager, compiled, and on a GPU 'torch ops' (eager without the Triton kernels) "
                              "(default: eager compiled)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda (default: cpu)")
+    parser.add_argument("--save", action="store_true", help=f"write the results to {RESULTS_FILE}")
     parser.add_argument("--out", type=Path, default=None, help="save the results as JSON here (default: don't)")
     add_options(parser, threads=0, repeats=3, rounds=3)
     args = parser.parse_args(options)
@@ -133,6 +137,27 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
+def show_results(path: Path = RESULTS_FILE, axes=None) -> dict:
+    """Print a saved ``bench train`` result (its settings, the table and the ratios) and, given matplotlib
+    ``axes``, draw tokens/s per model, eager beside compiled. Returns the result."""
+    results = json.loads(path.read_text())
+    print(f"{results['command']} on {results['machine']}: {results['settings']}")
+    print(report(results))
+    if axes is not None:
+        models = list(dict.fromkeys(row["model"] for row in results["rows"]))
+        modes = list(dict.fromkeys(row["mode"] for row in results["rows"]))
+        width = 0.8 / len(modes)
+        for i, mode in enumerate(modes):
+            rate = {row["model"]: row["tokens_per_s"] for row in results["rows"] if row["mode"] == mode}
+            axes.bar([m + i * width for m in range(len(models))], [rate.get(model, 0) for model in models], width,
+                     label=mode)
+        axes.set_xticks([m + width * (len(modes) - 1) / 2 for m in range(len(models))], models)
+        axes.set_ylabel("training tokens / s")
+        axes.set_title(f"one training step, {results['tokens_per_step']} bytes ({results['device']})")
+        axes.legend()
+    return results
+
+
 def main(options: list[str]) -> int:
     args = _options(options)
     settings = apply_options(args.threads, args.return_freed_memory)
@@ -140,10 +165,12 @@ def main(options: list[str]) -> int:
     print(f"settings: {settings}; {args.grad_accum} × {args.batch} × {args.seq} bytes per step on {args.device}")
     began = time.perf_counter()
     results = measure(args.presets, train, args.modes, args.device, args.repeats, args.rounds)
-    results |= {"settings": settings, "device": args.device, "seconds": time.perf_counter() - began}
+    results |= {"command": "k3course bench train " + " ".join(options), "machine": machine(),
+                "settings": f"{settings}; {args.rounds} interleaved rounds, best of {args.repeats} steps each",
+                "device": args.device, "seconds": time.perf_counter() - began}
     print(report(results))
-    print(f"({args.rounds} interleaved rounds, best of {args.repeats} steps each; took {results['seconds']:.0f} s)")
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
-        print(f"saved {args.out}")
+    print(f"(took {results['seconds']:.0f} s)")
+    for path in [RESULTS_FILE] * args.save + [args.out] * (args.out is not None):
+        path.write_text(json.dumps(results, indent=1))
+        print(f"saved {path}")
     return 0

@@ -303,3 +303,19 @@ def test_chunked_ops_on_zero_tokens_return_an_empty_output_and_the_initial_state
     for name, (o, final) in outputs.items():
         assert o.shape == (B, 0, H, V), name
         assert torch.equal(final, state), f"{name}: no token, so the state must pass through unchanged"
+
+
+@pytest.mark.parametrize("layer_class", ["KimiDeltaAttention", "GatedDeltaNet", "DecayedLinearAttention"])
+def test_a_layer_runs_under_bf16_autocast_close_to_fp32(layer_class):
+    """k3course train --dtype bfloat16: the fused projection and short convolution keep one dtype (the conv weight
+    is cast like conv1d would), so the op gets bf16 q, k, v and the output is near the fp32 layer's."""
+    from k3course.layers import kda as kda_layers
+
+    torch.manual_seed(0)
+    layer = getattr(kda_layers, layer_class)(32, 2, 16).train()
+    x = torch.randn(2, 40, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, cache = layer(x)
+    want, _ = layer(x)
+    assert y.dtype == torch.bfloat16 and cache.state.dtype == torch.float32
+    assert (y.float() - want).norm() / want.norm() < 2e-2

@@ -68,6 +68,7 @@ def short_conv(x, weight, cache=None):
     Returns ``(y [B, T, C], new_cache [B, W − 1, C])``. No activation.
     """
     width, time = weight.shape[-1], x.shape[1]
+    weight = weight.to(x.dtype)  # under autocast x is bf16 while the weight stays fp32 (conv1d would cast it too)
     if cache is None:
         cache = x.new_zeros(x.shape[0], width - 1, x.shape[-1])
     padded = torch.cat([cache, x], dim=1)  # [B, W − 1 + T, C]: x_{t − (W−1) + j} is padded[:, t + j]

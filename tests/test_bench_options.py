@@ -25,7 +25,7 @@ def help_text(name: str, capsys) -> str:
 
 
 def test_the_benchmarks_are_the_known_ones():
-    assert BENCHES == ["decode", "ep", "gpu", "kda", "kernels", "moe", "step"]
+    assert BENCHES == ["decode", "ep", "gpu", "kda", "kernels", "moe", "step", "train"]
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -34,7 +34,8 @@ def test_every_benchmark_takes_the_shared_options(name, capsys):
     assert "--threads" in text and HELP in text and "--return-freed-memory" in text, name
 
 
-@pytest.mark.parametrize("name, repeats, rounds", [("kda", 5, 3), ("moe", 3, 5), ("step", 3, 3), ("ep", 5, None)])
+@pytest.mark.parametrize("name, repeats, rounds", [("kda", 5, 3), ("moe", 3, 5), ("step", 3, 3), ("train", 3, 3),
+                                                   ("ep", 5, None)])
 def test_timed_benchmarks_give_their_own_repeats_and_rounds(name, repeats, rounds, capsys):
     text = " ".join(help_text(name, capsys).split())
     assert f"the best reported (default {repeats})" in text

@@ -67,10 +67,15 @@ def _learner_call(fn, case: Case, forbidden: Forbidden | None):
 
 
 def _same(before: Any, after: Any) -> bool:
-    """Exact equality of an input before and after a call (tensors: same dtype, shape and bits)."""
+    """Exact equality of an input before and after a call (tensors: same dtype, shape and bits; generators: same
+    state; modules, optimizers, schedulers: same ``state_dict()``)."""
     if isinstance(before, torch.Tensor):
         return (isinstance(after, torch.Tensor) and before.dtype == after.dtype and before.shape == after.shape
                 and torch.equal(before, after))
+    if isinstance(before, torch.Generator):
+        return isinstance(after, torch.Generator) and torch.equal(before.get_state(), after.get_state())
+    if callable(getattr(before, "state_dict", None)):  # a module, an optimizer, a scheduler: its state
+        return type(after) is type(before) and _same(before.state_dict(), after.state_dict())
     if isinstance(before, list | tuple):
         return (isinstance(after, list | tuple) and len(before) == len(after)
                 and all(_same(b, a) for b, a in zip(before, after)))

@@ -104,7 +104,8 @@ def describe(x: Any) -> str:
 def explain_difference(got: Any, want: Any, tolerance: dict | None = None, where: str = "output") -> str | None:
     """None when ``got`` matches ``want`` within tolerance, else a short reason (≤ 2 lines).
 
-    Handles tensors, arrays, Python numbers and (nested) tuples / lists / dicts of them.
+    Handles tensors, arrays, Python numbers and (nested) tuples / lists / dicts of them; random generators by their
+    state; modules, optimizers and schedulers by their ``state_dict()``.
     """
     tolerance = tolerance or {}
     if _is_array(want):
@@ -128,6 +129,16 @@ def explain_difference(got: Any, want: Any, tolerance: dict | None = None, where
             if reason:
                 return reason
         return None
+    if isinstance(want, torch.Generator):
+        if not isinstance(got, torch.Generator):
+            return f"{where}: expected a Generator, got {describe(got)}"
+        if torch.equal(got.get_state(), want.get_state()):
+            return None
+        return f"{where}: the random generator is in another state (drawn from a different number of times?)"
+    if callable(getattr(want, "state_dict", None)):  # a module, an optimizer, a learning-rate scheduler
+        if type(got) is not type(want):
+            return f"{where}: expected {describe(want)}, got {describe(got)}"
+        return explain_difference(got.state_dict(), want.state_dict(), tolerance, f"{where}.state_dict()")
     if want is None:
         return None if got is None else f"{where}: expected None, got {describe(got)}"
     if isinstance(want, bool | int | str):

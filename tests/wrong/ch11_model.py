@@ -3,7 +3,7 @@
 import torch
 
 from k3course.layers.residual import block_attnres_read
-from k3course.model import K3Model
+from k3course.model import K3Model, sample_next
 
 
 def schedule_mla_first(n_layers, kda_per_mla, first_k_dense):
@@ -112,6 +112,74 @@ def count_with_the_ratios_layer_plan(cfg):
     return sum(total for total, _ in breakdown.values()), sum(active for _, active in breakdown.values())
 
 
+def sample_top_k_over_the_batch(logits, temperature, top_k, generator):
+    """torch.topk(..., dim=0): the k-th largest of each column (over the rows), not of each row's vocabulary."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=0).values[-1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+
+
+def sample_from_the_logits(logits, temperature, top_k, generator):
+    """torch.multinomial wants non-negative weights: the logits clipped at 0 are used as weights, not softmax."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.clamp_min(0), 1, generator=generator)
+
+
+def sample_temperature_multiplies(logits, temperature, top_k, generator):
+    """logits · temperature: a hot temperature sharpens the distribution instead of flattening it."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() * temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+
+
+def generate_without_the_cache(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """Runs the whole sequence so far through the model every step: right tokens, quadratic cost."""
+    generator = None if seed is None else torch.Generator(tokens.device).manual_seed(seed)
+    sequence = tokens
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits, _, _ = model(sequence)
+            sequence = torch.cat([sequence, sample_next(logits[:, -1], temperature, top_k, generator)], dim=1)
+    return sequence
+
+
+def generate_prompt_again_into_the_cache(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """Keeps one cache but feeds it the prompt and every token so far each step: the cache holds them again and
+    again."""
+    generator = None if seed is None else torch.Generator(tokens.device).manual_seed(seed)
+    cache, sequence = model.new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens), tokens
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits, _, cache = model(sequence, cache)
+            sequence = torch.cat([sequence, sample_next(logits[:, -1], temperature, top_k, generator)], dim=1)
+    return sequence
+
+
+def generate_reseeds_every_step(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """A fresh generator from the seed at every step: each step draws the same random number."""
+    cache, step_input, out = model.new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens), tokens, [tokens]
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            generator = None if seed is None else torch.Generator(tokens.device).manual_seed(seed)
+            logits, _, cache = model(step_input, cache)
+            step_input = sample_next(logits[:, -1], temperature, top_k, generator)
+            out.append(step_input)
+    return torch.cat(out, dim=1)
+
+
 WRONG = {
     "11.layer_schedule": [schedule_mla_first, schedule_last_layer_not_forced, schedule_one_dense_too_many],
     "11.decoder_layer": [layer_ffn_reads_before_the_mixer_writes, layer_queries_swapped,
@@ -119,4 +187,6 @@ WRONG = {
     "11.cache_write": [cache_concatenates, cache_grows_to_exactly_what_fits, cache_never_grows,
                     cache_doubles_the_length_not_the_capacity, cache_grows_in_the_default_dtype],
     "11.param_count": [count_every_expert_as_active, count_buffers_too, count_with_the_ratios_layer_plan],
+    "11.sample_next": [sample_top_k_over_the_batch, sample_from_the_logits, sample_temperature_multiplies],
+    "11.generate": [generate_without_the_cache, generate_prompt_again_into_the_cache, generate_reseeds_every_step],
 }

@@ -3,6 +3,10 @@
 import math
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+
+from k3course.train import balance_experts
 
 
 def schedule_warmup_from_zero(step, warmup_steps, total_steps, min_lr_ratio):
@@ -71,8 +75,68 @@ def schedule_divides_by_the_decay_length(step, warmup_steps, total_steps, min_lr
     progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
+def _step(model, optimizer, scheduler, micro_batches, grad_clip, divide=True, clip_first=True,
+          balance_each_micro_batch=False):
+    model.train()
+    total, balance = 0.0, None
+    for inputs, targets in micro_batches:
+        _, loss, _ = model(inputs, targets=targets)
+        (loss / len(micro_batches) if divide else loss).backward()
+        total += loss.item()
+        if balance_each_micro_batch:
+            balance = balance_experts(model)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)) if clip_first else None
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    if not clip_first:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": total / len(micro_batches), "lr": lr, "grad_norm": grad_norm, **(balance or balance_experts(model))}
+
+
+def step_without_dividing(model, optimizer, scheduler, micro_batches, grad_clip):
+    """backward(loss_j) per micro-batch: the gradient of the sum of A losses, A times the mean's."""
+    return _step(model, optimizer, scheduler, micro_batches, grad_clip, divide=False)
+
+
+def step_clips_after_the_step(model, optimizer, scheduler, micro_batches, grad_clip):
+    """clip_grad_norm_ after optimizer.step(): AdamW already took the unclipped gradient."""
+    return _step(model, optimizer, scheduler, micro_batches, grad_clip, clip_first=False)
+
+
+def step_updates_the_bias_before_the_step(model, optimizer, scheduler, micro_batches, grad_clip):
+    """The bias update inside the accumulation loop, before optimizer.step(): the later micro-batches route
+    with a bias moved by part of the batch, and the rule sees each micro-batch alone."""
+    return _step(model, optimizer, scheduler, micro_batches, grad_clip, balance_each_micro_batch=True)
+
+
+def _windows_losses(model, windows, batch_size):
+    model.eval()
+    with torch.no_grad():
+        for chunk in windows.split(batch_size):
+            logits, _, _ = model(chunk[:, :-1])
+            yield F.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten()).item()
+    model.train()
+
+
+def bits_per_byte_in_nats(model, windows, batch_size):
+    """The mean cross-entropy as it comes from F.cross_entropy: nats per byte, not bits."""
+    losses = [loss * len(chunk) for loss, chunk in zip(_windows_losses(model, windows, batch_size),
+                                                        windows.split(batch_size))]
+    return sum(losses) / len(windows)
+
+
+def bits_per_byte_per_batch(model, windows, batch_size):
+    """The mean of the batches' means: a short last batch weighs as much as a full one."""
+    losses = list(_windows_losses(model, windows, batch_size))
+    return sum(losses) / len(losses) / math.log(2)
+
+
 WRONG = {
     "12.lr_factor": [schedule_warmup_from_zero, schedule_cosine_to_zero, schedule_linear_decay,
                   schedule_cosine_past_the_end, schedule_divides_by_the_decay_length],
     "12.ngram_bits_per_byte": [ngram_in_nats, ngram_unnormalised, ngram_ignores_history],
+    "12.train_step": [step_without_dividing, step_clips_after_the_step, step_updates_the_bias_before_the_step],
+    "12.evaluate": [bits_per_byte_in_nats, bits_per_byte_per_batch],
 }

@@ -1,5 +1,6 @@
 """Chapter 11 (the assembled K3): the layer schedule, one decoder layer in Block AttnRes order, the decode
-step's cache write, and the parameter count of the real module tree."""
+step's cache write, the parameter count of the real module tree, and generation: one sampled token (temperature,
+top-k) and the loop that feeds each token back through the cache."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from k3course.accounting import meta_param_count
 from k3course.config import K3Config, layer_schedule
 from k3course.grading.registry import Case, Exercise, register
 from k3course.layers.mla import write_rows
-from k3course.model import attnres_decoder_layer
+from k3course.model import K3Model, attnres_decoder_layer, sample_next
 
 
 def _schedule_cases() -> list[Case]:
@@ -86,7 +87,82 @@ def _count_cases() -> list[Case]:
             Case("Kimi K3", (K3Config.preset("kimi-k3"),))]
 
 
+def _sample_cases() -> list[Case]:
+    """Logits [B, V] with B ≠ V (a top-k over the wrong axis changes the answer) and a seeded generator."""
+    g = torch.Generator().manual_seed(1102)
+    cases = [Case("greedy (temperature 0)", (3 * torch.randn(5, 40, generator=g), 0.0, None, None))]
+    for name, (rows, vocab, temperature, top_k, dtype) in {
+            "temperature 1, no top-k": (64, 40, 1.0, None, torch.float32),
+            "temperature 0.7, top-k 5": (64, 40, 0.7, 5, torch.float32),
+            "hot (temperature 3), top-k 8": (48, 30, 3.0, 8, torch.float32),
+            "top-k 1 is greedy": (16, 30, 1.5, 1, torch.float32),
+            "top-k = vocabulary": (32, 12, 0.5, 12, torch.float32),
+            "bf16 logits (sampled in fp32)": (64, 40, 0.9, 6, torch.bfloat16)}.items():
+        logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
+        cases.append(Case(name, (logits, temperature, top_k, torch.Generator().manual_seed(len(cases)))))
+    return cases
+
+
+class MeteredModel:
+    """A K3Model behind a meter: it counts the positions it runs on and refuses to run on more than ``budget``
+    (prompt + new tokens: each position once, which a cached loop never exceeds). Compared by its weights."""
+
+    def __init__(self, model: K3Model, budget: int):
+        self.model, self.budget, self.positions = model, budget, 0
+
+    def __call__(self, tokens, cache=None, targets=None):
+        self.positions += tokens.shape[1]
+        if self.positions > self.budget:
+            raise RuntimeError(f"the model ran on {self.positions} positions per sequence, more than prompt + new "
+                               f"tokens = {self.budget}: is the prompt run again each step instead of the cache used?")
+        return self.model(tokens, cache, targets)
+
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None):
+        return self.model.new_cache(batch, max_len, device, dtype)
+
+    def generate(self, tokens, max_new_tokens, temperature=1.0, top_k=None, seed=None):
+        return self.model.generate(tokens, max_new_tokens, temperature, top_k, seed)
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+
+def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+             seed: int | None) -> torch.Tensor:
+    """The package's :meth:`K3Model.generate` (prefill once, then one cached step per new token; the tokens drawn
+    by sample_next with ``torch.Generator(tokens.device).manual_seed(seed)``) -> [B, T + max_new_tokens]."""
+    return model.generate(tokens, max_new_tokens, temperature, top_k, seed)
+
+
+def _grading_model() -> K3Model:
+    """A seeded 2-layer K3 (one KDA, one MLA layer; one MoE FFN) in eval mode, its head scaled so the logits
+    spread over several nats: far from ties, sampled tokens do not hinge on rounding."""
+    torch.manual_seed(1103)
+    cfg = K3Config.preset("tiny").replace(n_layers=2, d_model=64, kda_per_mla=1)
+    model = K3Model.from_config(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100)
+    return model
+
+
+def _generate_cases() -> list[Case]:
+    model, g = _grading_model(), torch.Generator().manual_seed(1104)
+    cases = []
+    for name, (batch, prompt, new, temperature, top_k, seed) in {
+            "greedy": (2, 5, 6, 0.0, None, None),
+            "sampled, temperature 0.8, top-k 20": (2, 5, 8, 0.8, 20, 3),
+            "sampled, temperature 1, no top-k": (3, 4, 8, 1.0, None, 0),
+            "one new token": (2, 6, 1, 1.0, 5, 7),
+            "no new tokens": (1, 4, 0, 1.0, None, 1),
+            "a prompt longer than a KDA chunk": (1, 70, 4, 0.7, 10, 2)}.items():
+        tokens = torch.randint(0, model.cfg.vocab_size, (batch, prompt), generator=g)
+        cases.append(Case(name, (MeteredModel(model, prompt + new), tokens, new, temperature, top_k, seed)))
+    return cases
+
+
 register(Exercise("11.layer_schedule", layer_schedule, _schedule_cases))
 register(Exercise("11.decoder_layer", attnres_decoder_layer, _layer_cases))
 register(Exercise("11.cache_write", write_rows, _cache_cases, mutable=("buffer",)))
 register(Exercise("11.param_count", total_and_active, _count_cases))
+register(Exercise("11.sample_next", sample_next, _sample_cases, mutable=("generator",)))
+register(Exercise("11.generate", generate, _generate_cases))

@@ -1,13 +1,16 @@
-"""Chapter 12 (train and validate): the warmup + cosine learning-rate factor, an add-k byte n-gram baseline."""
+"""Chapter 12 (train and validate): the warmup + cosine learning-rate factor, an add-k byte n-gram baseline, one
+optimizer step (accumulation, clipping, the balancing-bias update) and the validation number in bits per byte."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from k3course.config import K3Config
 from k3course.data import ngram_bits_per_byte
 from k3course.grading.registry import Case, Exercise, register
-from k3course.train import lr_factor
+from k3course.model import K3Model
+from k3course.train import LN2, TrainConfig, evaluate, lr_factor, make_optimizer, train_step
 
 
 def _schedule_cases() -> list[Case]:
@@ -42,5 +45,58 @@ def _ngram_cases() -> list[Case]:
     return cases
 
 
+def _small_model(seed: int, **changes) -> K3Model:
+    """A seeded 2-layer K3 (a KDA and an MLA layer, the second FFN a quantile-balanced MoE unless changed)."""
+    torch.manual_seed(seed)
+    cfg = K3Config.preset("tiny").replace(n_layers=2, d_model=64, kda_per_mla=1, **changes)
+    return K3Model.from_config(cfg)
+
+
+def _step_cases() -> list[Case]:
+    """A model, its AdamW and warmup + cosine scheduler after one step (Adam's moments are filled, and torch
+    does not warn about a copied scheduler's first step), A micro-batches [B, T] of random bytes, a clip."""
+    g = torch.Generator().manual_seed(1201)
+    cases = []
+    for name, (n_micro, grad_clip, changes) in {
+            "one micro-batch, a clip above the norm": (1, 100.0, {}),
+            "two micro-batches: the mean of their losses": (2, 1.0, {}),
+            "three micro-batches, a clip that bites": (3, 0.5, {}),
+            "the sign rule": (2, 0.5, {"balancing": "sign"}),
+            "no MoE layer (every FFN dense)": (2, 0.05, {"first_k_dense": 2})}.items():
+        model = _small_model(1202 + len(cases), **changes)
+        optimizer, scheduler = make_optimizer(model, TrainConfig(steps=10, warmup_steps=3, lr=3e-3))
+        first, second = ([tuple(torch.randint(0, 256, (2, 2, 12), generator=g)) for _ in range(n_micro)]
+                         for _ in range(2))
+        train_step(model, optimizer, scheduler, first, grad_clip)  # the graded step is the second
+        for moe in model.moe_layers():  # the first step's losses, off their spent graph (for deepcopy)
+            moe.aux_loss, moe.z_loss = moe.aux_loss.detach(), moe.z_loss.detach()
+        cases.append(Case(name, (model, optimizer, scheduler, second, grad_clip)))
+    return cases
+
+
+def bits_per_byte(model: K3Model, windows: torch.Tensor, batch_size: int) -> float:
+    """The package's validation number (:func:`k3course.train.evaluate`, nats per predicted byte over all the
+    windows [N, T + 1], in batches of ``batch_size``) in bits: / ln 2."""
+    return evaluate(model, windows, batch_size) / LN2
+
+
+def _eval_cases() -> list[Case]:
+    """A seeded model whose head is scaled up (the losses of its windows differ by nats, so how the mean is taken
+    shows), and windows of random bytes."""
+    g = torch.Generator().manual_seed(1203)
+    model = _small_model(1204)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)
+    cases = []
+    for name, (n, length, batch_size) in {"one batch": (4, 9, 4), "7 windows in batches of 3 (the last holds 1)":
+                                          (7, 9, 3), "5 windows in batches of 4": (5, 17, 4),
+                                          "batches of 1": (3, 6, 1)}.items():
+        cases.append(Case(name, (model, torch.randint(0, 256, (n, length), generator=g), batch_size)))
+    return cases
+
+
 register(Exercise("12.lr_factor", lr_factor, _schedule_cases))
 register(Exercise("12.ngram_bits_per_byte", ngram_bits_per_byte, _ngram_cases))
+register(Exercise("12.train_step", train_step, _step_cases, tolerance={"float64": (1e-5, 1e-8)},
+                  mutable=("model", "optimizer", "scheduler")))
+register(Exercise("12.evaluate", bits_per_byte, _eval_cases, tolerance={"float64": (1e-5, 1e-8)}))

@@ -36,9 +36,13 @@ def probe_run(cfg: K3Config, settings: train.TrainConfig, corpus: data.ByteCorpu
     for moe in moes if gamma is not None else ():
         moe.gamma = gamma
     seen: list[torch.Tensor] = []
-    if moes:
-        moes[-1].register_forward_hook(
-            lambda module, args, output: seen.append(module.recorded_scores[-1]) if module.recorded_scores else None)
+
+    def keep_scores(module, args, output) -> None:  # this forward's rows of the layer's score record
+        tokens = args[0].reshape(-1, module.d_model).shape[0]
+        seen.append(module.recorded_scores[module.recorded_tokens - tokens:module.recorded_tokens].clone())
+
+    if moes and moes[-1].balancing == "quantile":
+        moes[-1].register_forward_hook(keep_scores)
     records, previous = [], None
     for step in range(steps):
         seen.clear()

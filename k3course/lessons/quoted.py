@@ -829,3 +829,23 @@ def _decode_bench() -> dict:
 def decode_slope_ratio(schedule: str = "hybrid 3:1", batch: int = 1, statistic: str = "median") -> float:
     """The saved decode benchmark's TPOT slope of ``schedule`` over all-MLA's."""
     return _decode_bench()["slopes"][str(batch)][statistic]["over_all_mla"][schedule]
+
+
+# --- chapter 12: the saved training-step benchmark ------------------------------------------------------------
+
+@functools.cache
+def _train_bench() -> dict:
+    return json.loads((experiments.RESULTS / "train_bench.json").read_text())
+
+
+@quoted
+def train_step_ratio(mode: str = "eager") -> float:
+    """The saved ``bench train``: the tiny K3's training step time over its dense baseline's, ``mode`` "eager" or
+    "compiled" (= how many more steps the dense model takes in the same wall time)."""
+    return _train_bench()["ratios"]["tiny"][f"K3 / dense, {mode}"]
+
+
+@quoted
+def compile_speedup(model: str = "tiny") -> float:
+    """The saved ``bench train``: ``model``'s eager step time over its compiled step time."""
+    return 1 / _train_bench()["ratios"]["tiny"][f"{model} compiled / eager"]

@@ -82,6 +82,9 @@ def test_a_saved_claim_run_replays_and_its_variants_are_the_current_configs(name
     saved = experiments.load(name)
     settings, result = saved["settings"], saved["result"]
     variants = claims.CLAIMS[settings["claim"]]()
+    if settings.get("equal_time"):  # the faster variant again, for the slower one's wall time
+        slower, faster = settings["equal_time"]
+        variants[experiments.equal_time_label(faster)] = variants[faster]
     assert list(result["variants"]) == list(variants)
     for label, cfg in variants.items():
         saved_facts, facts = dict(result["variants"][label]), json.loads(json.dumps(experiments.describe(cfg)))
@@ -90,7 +93,7 @@ def test_a_saved_claim_run_replays_and_its_variants_are_the_current_configs(name
         assert saved_facts == {k: v for k, v in facts.items() if k != "config"}, label
     steps = settings["train"]["steps"]
     for run in result["runs"]:
-        assert len(run["losses"]) == len(run["max_violation"]) == steps
+        assert len(run["losses"]) == len(run["max_violation"]) == run.get("steps", steps)
         assert all(math.isfinite(x) for x in run["losses"])
         assert 0 < run["val_bpb"] < 8 if settings["task"] == "text" else 0 <= run["accuracy"] <= 1
     assert [(r["variant"], r["seed"]) for r in result["runs"]] == \
@@ -258,3 +261,25 @@ def test_expert_count_variants_fix_the_active_parameters_and_lower_the_activatio
     totals = [accounting.param_count(cfg).total for cfg in variants.values()]
     assert totals == sorted(totals) and totals[-1] > 4 * totals[0]
     _same_except(variants, {"n_routed_experts"})
+
+
+def test_equal_time_steps_scale_the_steps_by_the_mean_seconds():
+    runs = [{"variant": "slow", "seconds": 10.0}, {"variant": "slow", "seconds": 14.0},
+            {"variant": "fast", "seconds": 4.0}, {"variant": "fast", "seconds": 8.0}]
+    assert experiments.equal_time_steps(runs, "slow", "fast", 100) == 200
+    assert experiments.equal_time_label("dense Transformer") == "dense Transformer (equal time)"
+
+
+def test_a_saved_equal_time_run_took_about_the_slower_variants_time():
+    """dense-baseline-default: the dense model's equal-time runs are as long as the tiny K3's (within 35 %: the
+    step count is fixed from the equal-step runs' means, and the machine's load varies) and longer than its own
+    equal-step runs."""
+    saved = experiments.load("dense-baseline-default")
+    runs, (slower, faster) = saved["result"]["runs"], saved["settings"]["equal_time"]
+    seconds = lambda variant: [run["seconds"] for run in runs if run["variant"] == variant]
+    equal = seconds(experiments.equal_time_label(faster))
+    assert len(equal) == len(saved["settings"]["seeds"])
+    assert sum(equal) / len(equal) == pytest.approx(sum(seconds(slower)) / len(seconds(slower)), rel=0.35)
+    assert min(equal) > max(seconds(faster))
+    steps = {run["steps"] for run in runs if run["variant"] == experiments.equal_time_label(faster)}
+    assert len(steps) == 1 and steps.pop() > saved["settings"]["train"]["steps"]

@@ -11,6 +11,8 @@ tiny-default     ``k3course train`` with its defaults (the tiny K3, 800 steps on
 mqar-mixers      KDA vs Gated DeltaNet vs decayed linear attention on harder MQAR (20 pairs in 16-channel heads:
                  more pairs than a head's state has dimensions), the same small recall model around each.
 dense-baseline   the tiny K3 vs a dense Transformer of equal active parameters, and a sample of each.
+dense-baseline-default  the same at the default run's budget (800 steps of 16 × 128 bytes), and the dense model
+                 again for the tiny K3's wall time (equal time).
 hybrid-ratio     KDA:MLA 0:1 (all-MLA), 1:1, 3:1, 7:1 and all-KDA in an 8-layer K3, validation bits/byte.
 hybrid-mqar      the same five schedules trained on the harder MQAR, held-out recall accuracy.
 residuals        PreNorm vs Block vs Full AttnRes in the same 8-layer, 64-wide K3.
@@ -119,7 +121,8 @@ def _train_variant(label: str, cfg, settings: TrainConfig, seed: int, task: str,
 
 
 def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, sample_prompt: str | None = None,
-                   reuse: dict[str, tuple[str, str]] | None = None, jobs: int = 1) -> dict:
+                   reuse: dict[str, tuple[str, str]] | None = None, jobs: int = 1,
+                   equal_time: tuple[str, str] | None = None) -> dict:
     """Every variant of ``claim`` (:data:`k3course.lessons.claims.CLAIMS`) × every seed, trained by
     :func:`k3course.lessons.claims.run_variant` with ``TrainConfig(**train)``:
     {"variants": {label: :func:`describe`}, "torch_threads": 1, "runs": [{"variant", "seed", ...run}, ...]}, on
@@ -129,6 +132,11 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
     experiment that trained the same config with the same task, training settings and seeds (checked), instead
     of training it again; they keep a "reused_from" note. ``jobs`` > 1: that many runs at a time, each in its
     own process (spawned); the runs and their order are the same as with one.
+
+    ``equal_time`` (slower, faster): then ``faster`` is trained once more per seed, for as many steps as it takes
+    in the wall time of ``slower``'s runs (steps × mean seconds of slower / mean seconds of faster, both measured
+    here on one thread, its own warmup + cosine schedule over those steps), as the variant "FASTER (equal time)"
+    with its "steps" recorded.
     """
     variants = claims.CLAIMS[claim]()
     settings = train_config(train)
@@ -145,7 +153,31 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
             runs += reused_runs(cfg, label, *reuse[label], seeds=seeds, task=task, train=train)
         else:
             runs += [run for run in trained if run["variant"] == label]
-    return {"variants": {label: describe(cfg) for label, cfg in variants.items()}, "torch_threads": 1, "runs": runs}
+    described = {label: describe(cfg) for label, cfg in variants.items()}
+    if equal_time is not None:
+        slower, faster = equal_time
+        label, steps = equal_time_label(faster), equal_time_steps(runs, slower, faster, settings.steps)
+        todo = [(label, variants[faster], settings.replace(steps=steps), seed, task, None) for seed in seeds]
+        if jobs > 1:
+            with multiprocessing.get_context("spawn").Pool(jobs, initializer=keep_freed_memory) as pool:
+                runs += [{**run, "steps": steps} for run in pool.starmap(_train_variant, todo)]
+        else:
+            runs += [{**_train_variant(*job), "steps": steps} for job in todo]
+        described[label] = described[faster]
+    return {"variants": described, "torch_threads": 1, "runs": runs}
+
+
+def equal_time_label(variant: str) -> str:
+    """The label of ``variant`` trained for the wall time of another: "VARIANT (equal time)"."""
+    return f"{variant} (equal time)"
+
+
+def equal_time_steps(runs: list[dict], slower: str, faster: str, steps: int) -> int:
+    """Steps ``faster`` takes in the wall time of ``steps`` of ``slower``: steps × mean seconds of slower's runs /
+    mean seconds of faster's (each run's "seconds", training and validation together)."""
+    seconds = lambda variant: sum(r["seconds"] for r in runs if r["variant"] == variant) / sum(
+        r["variant"] == variant for r in runs)
+    return round(steps * seconds(slower) / seconds(faster))
 
 
 def reused_runs(cfg, label: str, experiment: str, their_label: str, seeds: tuple[int, ...], task: str,
@@ -254,6 +286,9 @@ EXPERIMENTS = {
     "tiny-default": (tiny_default, {}),
     "mqar-mixers": (mqar_mixers, MQAR_SETTINGS),
     "dense-baseline": (claim_variants, {"claim": "dense-baseline", **_TEXT, "sample_prompt": "def "}),
+    "dense-baseline-default": (claim_variants, {"claim": "dense-baseline", "seeds": SEEDS, "task": "text",
+                                                "train": dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN),
+                                                "equal_time": ("tiny K3", "dense Transformer")}),
     "hybrid-ratio": (claim_variants, {"claim": "hybrid-ratio", **_TEXT}),
     "hybrid-mqar": (claim_variants, {"claim": "hybrid-ratio", "seeds": SEEDS, "task": "mqar",
                                      "train": dataclasses.asdict(claims.MQAR_TRAIN)}),

@@ -649,6 +649,28 @@ def claim_gap(name: str, better: str, worse: str, metric: str = "val_bpb") -> fl
     return claim_stat(name, worse, metric, "mean") - claim_stat(name, better, metric, "mean")
 
 
+def _paired(name: str, better: str, worse: str, metric: str) -> list[float]:
+    """Per seed, ``worse``'s metric − ``better``'s (the same seed: the same initialisation draws and batches)."""
+    runs = _saved(name)["result"]["runs"]
+    by_seed = lambda variant: {run["seed"]: run[metric] for run in runs if run[_key(name)] == variant}
+    worse_runs = by_seed(worse)
+    return [worse_runs[seed] - value for seed, value in by_seed(better).items()]
+
+
+@quoted
+def claim_paired(name: str, better: str, worse: str, metric: str = "val_bpb") -> Pair:
+    """min–max over the seeds of the paired difference ``worse`` − ``better`` of a saved claim."""
+    differences = _paired(name, better, worse, metric)
+    return span(min(differences), max(differences))
+
+
+@quoted
+def claim_agreeing_seeds(name: str, better: str, worse: str, metric: str = "val_bpb") -> str:
+    """``agreeing/seeds``: the seeds in which ``better`` has the lower metric than ``worse``."""
+    differences = _paired(name, better, worse, metric)
+    return f"{sum(d > 0 for d in differences)}/{len(differences)}"
+
+
 @quoted
 def claim_seed_spread(name: str, variant: str, metric: str = "val_bpb") -> float:
     """max − min over the seeds of one variant."""

@@ -344,6 +344,13 @@ def roofline_tpot_ratio(batch: int, context: int = MILLION) -> float:
 
 
 @quoted
+def experts_touched(name: str, batch: int) -> float:
+    """Routed experts of one MoE layer that a decode step of ``batch`` tokens runs, on average (uniform routing)."""
+    cfg = K3Config.preset(name)
+    return accounting.experts_touched(cfg.n_routed_experts, cfg.top_k, batch)
+
+
+@quoted
 def h200_balance() -> float:
     """FLOPs per byte at which an H200 turns from memory-bound to compute-bound."""
     return H200[1] / H200[0]

@@ -65,7 +65,8 @@ def _exchange_rank(rank: int, world_size: int, answer, counts: list[list[int]], 
     with send_splits = counts[r], recv_splits = [counts[q][r] for q]; then the backward of Σ g ⊙ received for a
     seeded g. -> {"received": [Σ_q counts[q][r], width], "gradient of rows": like rows, or None without one}.
 
-    A stub's NotImplementedError comes back as the value "not done" (every rank raises it before any collective).
+    A stub's NotImplementedError (forward or backward) comes back as the value "not done" (every rank raises it at
+    the same point).
     The ranks agree (an all-reduce) that every result has the right shape and a gradient path before any
     backward, so a wrong shape on one rank is reported, not waited for.
     """
@@ -75,14 +76,14 @@ def _exchange_rank(rank: int, world_size: int, answer, counts: list[list[int]], 
     upstream = torch.randn(sum(recv_splits), width, generator=generator, dtype=rows.dtype)
     try:
         received = answer(rows, recv_splits, send_splits)
-    except NotImplementedError:
+        differentiable = (isinstance(received, torch.Tensor) and received.shape == upstream.shape
+                          and received.dtype == rows.dtype and received.requires_grad)
+        agreed = torch.tensor([int(differentiable)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if agreed.item():  # the learner's backward runs on a fresh stack too
+            call_on_fresh_stack(torch.autograd.backward, (received, upstream), {})
+    except NotImplementedError:  # the forward's stub, or the backward's
         return "not done"
-    differentiable = (isinstance(received, torch.Tensor) and received.shape == upstream.shape
-                      and received.dtype == rows.dtype and received.requires_grad)
-    agreed = torch.tensor([int(differentiable)])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    if agreed.item():  # the learner's backward runs on a fresh stack too
-        call_on_fresh_stack(torch.autograd.backward, (received, upstream), {})
     detached = received.detach() if isinstance(received, torch.Tensor) else received
     return {"received": detached, "gradient of rows": rows.grad}
 

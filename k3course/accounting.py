@@ -8,7 +8,8 @@
 - the fraction of routed experts a token uses (:func:`activation_ratio`);
 - FLOPs and bytes of one decode step (:func:`decode_flops_per_token`, :func:`decode_step_flops`,
   :func:`kda_step_bytes`, :func:`mla_step_bytes`, :func:`decode_step_bytes` with the experts a batch touches,
-  :func:`experts_touched`), the hybrid's memory crossover and a roofline TPOT.
+  :func:`experts_touched`), the hybrid's memory crossover, a roofline TPOT, the largest batch a GPU's memory
+  holds (:func:`max_decode_batch`) and the FLOPs of a prefill (:func:`prefill_flops`).
 
 It sits above the model (floor 5): the formulas read a :class:`~k3course.config.K3Config`, the meta counts build
 the layers and :class:`~k3course.model.K3Model`.
@@ -380,3 +381,34 @@ def predicted_tpot_s(cfg: K3Config, context: int, batch: int, bandwidth: float, 
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     moved = decode_step_bytes(cfg, context, batch, dtype_bytes)
     return max(moved / bandwidth, batch * decode_flops_per_token(cfg, context) / flops_per_s)
+
+
+def max_decode_batch(cfg: K3Config, context: int, memory_bytes: float, dtype_bytes: int = 2) -> int:
+    """The most sequences of ``context`` tokens that fit in ``memory_bytes`` beside the whole model's weights:
+    ⌊(memory − total parameters · dtype_bytes) / kv_cache_bytes(context)⌋, 0 when the weights alone do not fit
+    (activations and the allocator's slack are left out: an upper bound)."""
+    free = memory_bytes - param_count(cfg).total * dtype_bytes
+    return max(0, int(free // kv_cache_bytes(cfg, context, dtype_bytes)))
+
+
+KDA_CHUNK = 64  # the chunk length of the chunked KDA prefill at scale
+
+
+def prefill_flops(cfg: K3Config, context: int) -> int:
+    """Approximate FLOPs to prefill one sequence of ``context`` tokens (L):
+
+    weights   2 · (active parameters − the embedding table) · L
+    MLA       2 · H · (nope + rope + v) · L(L + 1)/2 per MLA layer: causal attention over the up-projected keys and
+              values, quadratic in L
+    KDA       H · (6·L·d² + 3·L·C·d + L·C²) per KDA layer, the chunked algorithm with chunks of C = KDA_CHUNK
+              (head dim d): linear in L
+    """
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
+    count = param_count(cfg)
+    weights = 2 * (count.active - count.components["embedding"][1]) * context
+    head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+    mla = cfg.n_mla_layers * 2 * cfg.mla_n_heads * head * context * (context + 1) // 2
+    d, chunk = cfg.kda_head_dim, KDA_CHUNK
+    kda = cfg.n_kda_layers * cfg.kda_n_heads * (6 * context * d * d + 3 * context * chunk * d + context * chunk ** 2)
+    return weights + mla + kda

@@ -606,6 +606,14 @@ def ep_dedup_saving(part: str = "dispatch", ranks: int = 64) -> float:
 
 
 @quoted
+def ep_replicated_crossover(name: str = "kimi-k3") -> int:
+    """The smallest EP degree at which a rank's block of routed experts weighs less than the replicated weights."""
+    cfg = K3Config.preset(name)
+    return next(p for p in range(1, cfg.n_routed_experts + 1)
+                if cost.weight_bytes_per_rank(cfg, p)["experts"] < cost.weight_bytes_per_rank(cfg, p)["replicated"])
+
+
+@quoted
 def ep_fp8_dispatch_share() -> float:
     """fp8 dispatch bytes (with scales) over bf16's."""
     return cost.FP8_VALUE_BYTES / 2

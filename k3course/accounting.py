@@ -7,7 +7,9 @@
   per token of MHA, GQA, MLA and KDA (:func:`mha_cache_numbers` ...);
 - the fraction of routed experts a token uses (:func:`activation_ratio`);
 - FLOPs and bytes of one decode step (:func:`decode_flops_per_token`, :func:`decode_step_flops`,
-  :func:`kda_step_bytes`, :func:`mla_step_bytes`), the hybrid's memory crossover and a roofline TPOT.
+  :func:`kda_step_bytes`, :func:`mla_step_bytes`, :func:`decode_step_bytes` with the experts a batch touches,
+  :func:`experts_touched`), the hybrid's memory crossover, a roofline TPOT, the largest batch a GPU's memory
+  holds (:func:`max_decode_batch`) and the FLOPs of a prefill (:func:`prefill_flops`).
 
 It sits above the model (floor 5): the formulas read a :class:`~k3course.config.K3Config`, the meta counts build
 the layers and :class:`~k3course.model.K3Model`.
@@ -334,14 +336,79 @@ def crossover_context(cfg: K3Config, dtype_bytes: int = 2) -> int:
     return recurrent_state_bytes(cfg, dtype_bytes) // growth_gap + 1
 
 
+def experts_touched(n_experts: int, top_k: int, batch: int) -> float:
+    """Distinct routed experts one MoE layer runs for ``batch`` tokens, on average, with uniform routing
+    (each token picks ``top_k`` distinct experts of ``n_experts``, independently of the others):
+
+    E[touched] = n · (1 − (1 − k/n)^B)        (a given expert is missed by one token with probability 1 − k/n)
+
+    k at B = 1, rising toward n: K3's 896 experts with k = 16 are about half touched at B = 43.
+    """
+    for name, value in (("n_experts", n_experts), ("top_k", top_k), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if top_k > n_experts:
+        raise ValueError(f"top_k must be at most n_experts = {n_experts}, got {top_k}")
+    return n_experts * (1 - (1 - top_k / n_experts) ** batch)
+
+
+def decode_step_bytes(cfg: K3Config, context: int, batch: int, dtype_bytes: int = 2) -> float:
+    """Bytes one decode step of ``batch`` sequences at ``context`` tokens reads from memory:
+
+    weights   (active parameters − one token's routed experts + the experts the batch touches) · dtype_bytes,
+              the touched experts per MoE layer from :func:`experts_touched` (every weight read once per step,
+              shared by the batch; the embedding table counted whole, an upper bound of a few rows)
+    caches    batch · kv_cache_bytes(cfg, context, dtype_bytes)   (each sequence reads its own)
+    """
+    count = param_count(cfg)
+    routed_total, routed_active = count.components["routed_experts"]
+    per_expert = routed_total / (cfg.n_routed_experts * max(cfg.n_moe_layers, 1))  # one expert of one layer
+    touched = cfg.n_moe_layers * experts_touched(cfg.n_routed_experts, cfg.top_k, batch) * per_expert
+    weights = (count.active - routed_active + touched) * dtype_bytes
+    return weights + batch * kv_cache_bytes(cfg, context, dtype_bytes)
+
+
 def predicted_tpot_s(cfg: K3Config, context: int, batch: int, bandwidth: float, flops_per_s: float,
                      dtype_bytes: int = 2) -> float:
-    """A roofline TPOT for one decode step of ``batch`` sequences at ``context`` tokens each:
+    """A roofline TPOT: the time of one decode step of ``batch`` sequences at ``context`` tokens each,
 
-    max(bytes / bandwidth, FLOPs / flops_per_s), bytes = active weights · dtype_bytes + batch · kv_cache_bytes(L),
-    FLOPs = batch · decode_flops_per_token(L). (At large batch more experts are touched than one token's k: the
-    weight term is then a lower bound.)
+    max(bytes / bandwidth, FLOPs / flops_per_s),   bytes = :func:`decode_step_bytes`,
+                                                   FLOPs = batch · :func:`decode_flops_per_token`
+
+    (the step streams its bytes and does its FLOPs at once; the slower of the two sets its time).
     """
-    weight_bytes = param_count(cfg).active * dtype_bytes
-    moved = weight_bytes + batch * kv_cache_bytes(cfg, context, dtype_bytes)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    moved = decode_step_bytes(cfg, context, batch, dtype_bytes)
     return max(moved / bandwidth, batch * decode_flops_per_token(cfg, context) / flops_per_s)
+
+
+def max_decode_batch(cfg: K3Config, context: int, memory_bytes: float, dtype_bytes: int = 2) -> int:
+    """The most sequences of ``context`` tokens that fit in ``memory_bytes`` beside the whole model's weights:
+    ⌊(memory − total parameters · dtype_bytes) / kv_cache_bytes(context)⌋, 0 when the weights alone do not fit
+    (activations and the allocator's slack are left out: an upper bound)."""
+    free = memory_bytes - param_count(cfg).total * dtype_bytes
+    return max(0, int(free // kv_cache_bytes(cfg, context, dtype_bytes)))
+
+
+KDA_CHUNK = 64  # the chunk length of the chunked KDA prefill at scale
+
+
+def prefill_flops(cfg: K3Config, context: int) -> int:
+    """Approximate FLOPs to prefill one sequence of ``context`` tokens (L):
+
+    weights   2 · (active parameters − the embedding table) · L
+    MLA       2 · H · (nope + rope + v) · L(L + 1)/2 per MLA layer: causal attention over the up-projected keys and
+              values, quadratic in L
+    KDA       H · (6·L·d² + 3·L·C·d + L·C²) per KDA layer, the chunked algorithm with chunks of C = KDA_CHUNK
+              (head dim d): linear in L
+    """
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
+    count = param_count(cfg)
+    weights = 2 * (count.active - count.components["embedding"][1]) * context
+    head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+    mla = cfg.n_mla_layers * 2 * cfg.mla_n_heads * head * context * (context + 1) // 2
+    d, chunk = cfg.kda_head_dim, KDA_CHUNK
+    kda = cfg.n_kda_layers * cfg.kda_n_heads * (6 * context * d * d + 3 * context * chunk * d + context * chunk ** 2)
+    return weights + mla + kda

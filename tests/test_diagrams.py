@@ -19,6 +19,7 @@ def _texts(figure) -> str:
     (diagrams.chunkwise_flow, ["UT transform", "Ṽ = U − W S", "chunk c + 1"]),
     (lambda: diagrams.attnres_blocks(6, 2), ["block 3 sum", "sub-layer 6", "reads 4"]),
     (diagrams.sort_dispatch, ["row 0: slot 1", "expert 2: one GEMM\non 2 rows"]),
+    (lambda: diagrams.all_to_all_buffers([[1, 3], [2, 0]]), ["to 1: 3", "from 1: 2", "from 0: 3", "send"]),
 ])
 def test_each_diagram_draws_its_parts(draw, labels):
     figure = draw()

@@ -94,14 +94,17 @@ def _zeroed(output):
         return torch.zeros_like(output)
     if isinstance(output, tuple | list):
         return type(output)(_zeroed(item) for item in output)
+    if isinstance(output, dict):
+        return {key: _zeroed(value) for key, value in output.items()}
     return None if output is None else type(output)(0)
 
 
 def _largest_number(output) -> float:
     if isinstance(output, torch.Tensor):
         return float(output.abs().max()) if output.numel() else 0.0
-    if isinstance(output, tuple | list):
-        return max((_largest_number(item) for item in output), default=0.0)
+    if isinstance(output, tuple | list | dict):
+        items = output.values() if isinstance(output, dict) else output
+        return max((_largest_number(item) for item in items), default=0.0)
     return abs(float(output)) if isinstance(output, int | float) else 0.0
 
 
@@ -110,7 +113,7 @@ def test_messages_do_not_reveal_the_expected_maximum(exercise_id):
     """Answering zeros (the classic probe) fails without the message naming the largest expected value."""
     exercise = get_exercise(exercise_id)
     first = exercise.cases()[0]
-    want = exercise.reference(*copy.deepcopy(first.args), **copy.deepcopy(first.kwargs))
+    want = exercise.run(exercise.reference, copy.deepcopy(first.args), copy.deepcopy(first.kwargs))
     largest = _largest_number(want)
     with pytest.raises(ExerciseFailed) as failure:
         check(exercise_id, lambda *args, **kwargs: _zeroed(want))

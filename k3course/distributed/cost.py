@@ -1,5 +1,7 @@
 """What expert parallelism costs at scale, in expectation (chapter 13): bytes per token per MoE layer under
-uniform routing, and one layer's all-to-all time on a cluster of NVLink domains joined by a network.
+uniform routing, one layer's all-to-all time on a cluster of NVLink domains joined by a network (with a fixed
+latency per exchange, which is what decoding pays), the experts' compute time and how much of the exchange
+overlapping hides, the weights each rank holds at an EP degree, and the slots a capacity factor drops.
 
 :func:`~k3course.distributed.plan.traffic_bytes` counts what one routing actually moves; these formulas give its
 expectation for n experts spread evenly over P ranks, which is what sizes a real deployment.
@@ -9,9 +11,16 @@ from __future__ import annotations
 
 import math
 
+import torch
+
+from k3course import accounting
+from k3course.config import K3Config
+
 NVLINK, NIC = 900e9, 100e9  # bytes/s per GPU and direction: NVLink 5, one 800 Gb/s NIC (assumed, B300-class)
 CLUSTERS = {"DGX B300 (8)": (8, 8), "SuperNode (64)": (64, 8), "NVL72 (72)": (72, 72)}  # (ranks, GPUs per domain)
 FP8_VALUE_BYTES = 1 + 4 / 128  # one byte a value plus one fp32 scale per 128 values (DeepEP)
+GPU_FLOPS = 2.25e15  # dense bf16 FLOP/s per GPU (assumed, B200/B300-class)
+LATENCY = 20e-6  # s a small all-to-all takes whatever its bytes: launch, synchronisation, the first hop (assumed)
 
 
 def expected_ranks_reached(n: int, k: int, ranks: int) -> float:
@@ -46,14 +55,56 @@ def bytes_per_token(width: int, k: int, n: int, ranks: int, dedup: bool = False,
 
 
 def all_to_all_seconds(tokens: int, width: int, k: int, n: int, ranks: int, per_domain: int, dedup: bool = False,
-                       dispatch: str = "bf16", nvlink: float = NVLINK, nic: float = NIC) -> float:
+                       dispatch: str = "bf16", nvlink: float = NVLINK, nic: float = NIC,
+                       latency_s: float = 0.0) -> float:
     """One layer's dispatch + combine on one GPU holding ``tokens`` tokens, with uniform routing.
 
     Of the P − 1 other ranks, ``per_domain`` − 1 share the GPU's NVLink domain; each phase's bytes split in that
-    proportion and take max(NVLink bytes / nvlink, network bytes / nic). Latency is left out."""
+    proportion and take latency_s + max(NVLink bytes / nvlink, network bytes / nic). Training moves thousands of
+    tokens a GPU and the bytes dominate (latency_s = 0 leaves it out); decoding moves a few, and the latency does."""
     near = (per_domain - 1) / (ranks - 1)  # share of the remote traffic that stays in the NVLink domain
     seconds = 0.0
     for phase_bytes in (tokens * dispatch_bytes_per_token(width, k, n, ranks, dedup, dispatch),
                         tokens * remote_slots(k, ranks) * width * 2):
-        seconds += max(phase_bytes * near / nvlink, phase_bytes * (1 - near) / nic)
+        seconds += latency_s + max(phase_bytes * near / nvlink, phase_bytes * (1 - near) / nic)
     return seconds
+
+
+def expert_seconds(tokens: int, width: int, expert_dim: int, k: int, flops_per_s: float) -> float:
+    """The routed experts' compute for ``tokens`` tokens on one GPU (uniform routing: each GPU receives as many
+    slots as it sends): k slots a token, 3 matrices of width × expert_dim each (gate, up, down), 2 FLOPs a
+    multiply-add: ``tokens · k · 6 · width · expert_dim / flops_per_s``."""
+    return tokens * k * 6 * width * expert_dim / flops_per_s
+
+
+def overlapped_seconds(compute_s: float, exchange_s: float, chunks: int) -> float:
+    """One MoE layer whose tokens are split into ``chunks`` equal parts, the exchange of one part running while
+    another part computes (a two-stage pipeline): the slower stage runs throughout, the faster one shows only for
+    the first (or last) part: ``max(c, e) + min(c, e) / chunks``. chunks = 1 is no overlap: c + e."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+    return max(compute_s, exchange_s) + min(compute_s, exchange_s) / chunks
+
+
+def weight_bytes_per_rank(cfg: K3Config, ranks: int, dtype_bytes: int = 2) -> dict[str, int]:
+    """The weights one rank holds when the routed experts are spread over ``ranks`` ranks and everything else is
+    replicated: {"experts": the largest block, ⌈n/P⌉ experts of every MoE layer, "replicated": all other
+    parameters} in bytes of ``dtype_bytes``."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= cfg.n_routed_experts:
+        raise ValueError(f"ranks must be an int in [1, {cfg.n_routed_experts}], got {ranks!r}")
+    count = accounting.param_count(cfg)
+    routed_total = count.components["routed_experts"][0]
+    block = -(-cfg.n_routed_experts // ranks)  # the first ranks hold one more when P does not divide n
+    return {"experts": routed_total * block // cfg.n_routed_experts * dtype_bytes,
+            "replicated": (count.total - routed_total) * dtype_bytes}
+
+
+def capacity_drop_fraction(load: torch.Tensor, capacity_factor: float) -> float:
+    """The share of token-slots a capacity-limited layer (GShard, Switch) drops: every expert takes at most
+    C = ⌊capacity_factor · Σ load / n⌋ slots, the rest skip it (they keep only the residual and the other
+    experts). load [n] slots per expert -> Σ max(0, load_j − C) / Σ load."""
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be positive, got {capacity_factor!r}")
+    load = load.double()
+    capacity = math.floor(capacity_factor * float(load.sum()) / load.numel())
+    return float((load - capacity).clamp(min=0).sum() / load.sum())

@@ -1,8 +1,9 @@
 """Run a function on P local processes joined by torch.distributed (gloo on CPU), and collect what each returns.
 
-The processes are spawned (each imports the package afresh), rendezvous through a file in a fresh temporary
-folder (no port to collide with parallel runs) and return their results through files. A rank that raises
-ends the run at once with its traceback; a rank that hangs makes the others' collectives fail after
+The processes are spawned (each imports the package afresh) or, with ``start_method="fork"``, forked (each a copy
+of the caller, so ``fn`` may be any function, a notebook's included; CPU and gloo only), rendezvous through a file
+in a fresh temporary folder (no port to collide with parallel runs) and return their results through files. A rank
+that raises ends the run at once with its traceback; a rank that hangs makes the others' collectives fail after
 ``collective_timeout_s``, and the whole run is stopped after ``timeout_s``: never a silent hang.
 """
 
@@ -47,11 +48,12 @@ def _worker(rank: int, fn, world_size: int, folder: str, args: tuple, collective
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, collective_timeout_s: float = 60.0,
-              backend: str = "gloo") -> list:
+              backend: str = "gloo", start_method: str = "spawn") -> list:
     """[fn(0, P, *args), …, fn(P−1, P, *args)], each run in its own process of a P-rank process group.
 
     backend 'gloo' (CPU processes) or 'nccl' (rank r on GPU r; needs P GPUs).
-    fn must be importable by name (a function of a module in the package, not of a test file or __main__).
+    start_method 'spawn': fn must be importable by name (a function of a module in the package, not of a test
+    file or __main__); 'fork' (POSIX, gloo): each rank is a copy of this process, so fn and args need no pickling.
     Raises :class:`RankFailed` with the traceback of the first rank that raised (the others then fail too: their
     peer is gone), and TimeoutError naming the ranks still running after timeout_s seconds.
     """
@@ -59,11 +61,15 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, collective_t
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if start_method not in ("spawn", "fork"):
+        raise ValueError(f"start_method must be 'spawn' or 'fork', got {start_method!r}")
+    if start_method == "fork" and backend != "gloo":
+        raise ValueError("start_method 'fork' needs backend 'gloo' (a forked child cannot use CUDA)")
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend 'nccl' needs world_size = {world_size} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory(prefix="k3course_ep_") as folder:
         context = mp.start_processes(_worker, args=(fn, world_size, folder, args, collective_timeout_s, backend),
-                                     nprocs=world_size, join=False, start_method="spawn")
+                                     nprocs=world_size, join=False, start_method=start_method)
         try:
             _join(context, world_size, timeout_s)
         except mp.ProcessRaisedException as error:

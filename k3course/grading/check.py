@@ -26,7 +26,7 @@ from k3course.grading.compare import describe, explain_difference
 from k3course.grading.forbid import GRADER_DIR
 from k3course.grading.fresh_stack import call_on_fresh_stack
 from k3course.grading.isolation import ChildCrashed, can_isolate, run_isolated
-from k3course.grading.registry import Case, Exercise, Forbidden, get_exercise
+from k3course.grading.registry import Case, Exercise, get_exercise
 
 
 class _ShortTraceback:
@@ -59,11 +59,16 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _learner_call(fn, case: Case, forbidden: Forbidden | None):
-    """Run ``fn`` on a copy of the case's inputs, on a fresh stack; its output and the inputs as it left them."""
+def _learner_call(fn, case: Case, exercise: Exercise):
+    """Run ``fn`` on a copy of the case's inputs (through the exercise's harness, if any), every call of it on a
+    fresh stack; its output and the inputs as it left them."""
     __tracebackhide__ = True
     args, kwargs = copy.deepcopy(case.args), copy.deepcopy(case.kwargs)
-    return call_on_fresh_stack(fn, args, kwargs, forbidden), args, kwargs
+
+    def answer(*answer_args, **answer_kwargs):
+        return call_on_fresh_stack(fn, answer_args, answer_kwargs, exercise.forbidden)
+
+    return exercise.run(answer, args, kwargs), args, kwargs
 
 
 def _same(before: Any, after: Any) -> bool:
@@ -86,8 +91,12 @@ def _same(before: Any, after: Any) -> bool:
 
 
 def _named_inputs(exercise: Exercise, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The inputs of one call by parameter name (positions named after the reference's signature)."""
-    names = list(inspect.signature(exercise.reference).parameters)
+    """The inputs of one call by parameter name (positions named after the reference's signature, or the
+    harness's after its first parameter, the answer)."""
+    if exercise.harness is None:
+        names = list(inspect.signature(exercise.reference).parameters)
+    else:
+        names = list(inspect.signature(exercise.harness).parameters)[1:]
     named = {names[i] if i < len(names) else f"argument {i + 1}": value for i, value in enumerate(args)}
     return {**named, **kwargs}
 
@@ -117,8 +126,8 @@ def _run_learner(fn, case: Case, exercise: Exercise, where: str):
     __tracebackhide__ = True  # IPython leaves the grader's frames out of the learner's traceback
     try:
         if exercise.isolate and can_isolate():
-            return run_isolated(lambda: _learner_call(fn, case, exercise.forbidden))
-        return _learner_call(fn, case, exercise.forbidden)
+            return run_isolated(lambda: _learner_call(fn, case, exercise))
+        return _learner_call(fn, case, exercise)
     except NotImplementedError:
         raise ExerciseNotDone(f"{exercise.id} is not done yet: replace the NotImplementedError stub "
                               "with your code") from None
@@ -142,7 +151,7 @@ def _grade_case(fn, case: Case, exercise: Exercise, n_cases: int) -> Exception |
                               "  leave inputs unchanged: compute new tensors (x * a, x.clone()) instead of "
                               "in-place ops (x.mul_(a), x[...] = ..., x += ...)")
     reference_args, reference_kwargs = copy.deepcopy(case.args), copy.deepcopy(case.kwargs)
-    want = exercise.reference(*reference_args, **reference_kwargs)
+    want = exercise.run(exercise.reference, reference_args, reference_kwargs)
     reason = explain_difference(got, want, exercise.tolerance) or _mutated_difference(
         exercise, _named_inputs(exercise, args, kwargs), _named_inputs(exercise, reference_args, reference_kwargs))
     return ExerciseFailed(f"{where} ({n_cases} cases in all):\n{reason}") if reason else None

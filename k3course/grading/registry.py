@@ -46,6 +46,9 @@ class Exercise:
     forbidden: torch functions the answer must not call (e.g. a triangular solver), or None.
     isolate:   run the answer in a forked child process, so that a crash (a Triton kernel's unmasked store)
                or a hang fails the check with a message instead of killing the notebook's kernel.
+    harness:   how an answer runs on a case, for answers that can't simply be called (a collective runs on
+               ranks the harness starts): ``harness(answer, *case.args, **case.kwargs)`` -> what is compared;
+               the answer and the reference go through it alike. None: ``answer(*case.args, **case.kwargs)``.
     """
 
     id: str
@@ -55,6 +58,13 @@ class Exercise:
     mutable: tuple[str, ...] = ()
     forbidden: Forbidden | None = None
     isolate: bool = False
+    harness: Callable[..., Any] | None = None
+
+    def run(self, answer: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """``answer`` on one case's inputs: through the harness when the exercise has one."""
+        if self.harness is None:
+            return answer(*args, **kwargs)
+        return self.harness(answer, *args, **kwargs)
 
 
 _EXERCISES: dict[str, Exercise] = {}

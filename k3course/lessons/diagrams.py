@@ -3,7 +3,9 @@
 - :func:`decoder_layer`     one K3 decoder layer: AttnRes reads, a KDA or gated-MLA mixer, the latent MoE;
 - :func:`chunkwise_flow`    the chunkwise KDA algorithm: what is batched over all chunks, what loops over them;
 - :func:`attnres_blocks`    Block AttnRes wiring: which sources each layer's read attends over;
-- :func:`sort_dispatch`     sort-based MoE dispatch: slots sorted by expert, one GEMM per block, unsorted back.
+- :func:`sort_dispatch`     sort-based MoE dispatch: slots sorted by expert, one GEMM per block, unsorted back;
+- :func:`all_to_all_buffers` an uneven all-to-all: the P × P matrix of send counts, each rank's buffers before and
+                            after.
 
 Each returns the :class:`matplotlib.figure.Figure` (shown inline by Jupyter).
 """
@@ -147,4 +149,42 @@ def sort_dispatch(expert_idx=((2, 0), (1, 2), (0, 1)), n_experts: int = 3):
         start += count
     ax.text(6.6, top - 0.55 * (len(slots) - 1) - 0.1, "unsort:\nout[order[r]] = y[r],\nthen weight and sum\nper token",
             fontsize=7, ha="left", va="bottom")
+    return fig
+
+
+def all_to_all_buffers(counts):
+    """An uneven all-to-all from its send counts, counts[q][r] = rows rank q sends to rank r: the P × P matrix
+    (row q = what rank q sends, column r = what rank r receives), and each rank's send buffer (blocks by
+    destination, in rank order) above its receive buffer (blocks by source, in rank order), one colour a rank."""
+    ranks = len(counts)
+    if ranks < 1 or any(len(row) != ranks for row in counts):
+        raise ValueError(f"counts must be a P × P list of lists, got {counts!r}")
+    colors = plt.get_cmap("tab10")
+    fig, (matrix, buffers) = plt.subplots(1, 2, figsize=(11, 0.9 + 0.75 * ranks),
+                                          gridspec_kw={"width_ratios": [1, 3]})
+    matrix.imshow(counts, cmap="Blues", vmin=0, vmax=2 * max(max(row) for row in counts) or 1)
+    for q in range(ranks):
+        for r in range(ranks):
+            matrix.text(r, q, str(counts[q][r]), ha="center", va="center")
+    matrix.set(xticks=range(ranks), yticks=range(ranks), xlabel="to rank r (receives the column)",
+               ylabel="from rank q (sends the row)", title="send counts")
+    widest = max(max(sum(row) for row in counts), max(sum(col) for col in zip(*counts)))
+    for rank in range(ranks):
+        send = [(r, counts[rank][r]) for r in range(ranks)]
+        receive = [(q, counts[q][rank]) for q in range(ranks)]
+        for level, blocks, word in ((0.42, send, "to"), (0.0, receive, "from")):
+            start = 0
+            y = ranks - 1 - rank + level
+            for other, count in blocks:
+                if count:
+                    buffers.add_patch(plt.Rectangle((start, y), count, 0.36, color=colors(other), alpha=0.6))
+                    buffers.text(start + count / 2, y + 0.18, f"{word} {other}: {count}", ha="center", va="center",
+                                 fontsize=7)
+                start += count
+        buffers.text(-0.3, ranks - 1 - rank + 0.6, "send", ha="right", va="center", fontsize=7)
+        buffers.text(-0.3, ranks - 1 - rank + 0.18, "receive", ha="right", va="center", fontsize=7)
+    buffers.set(xlim=(-2.2, widest + 0.5), ylim=(-0.2, ranks), yticks=[r + 0.4 for r in range(ranks)],
+                yticklabels=[f"rank {ranks - 1 - r}" for r in range(ranks)], xlabel="rows of the buffer",
+                title="each rank's buffers: send (blocks by destination) and receive (blocks by source)")
+    fig.tight_layout()
     return fig

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from k3course import train
-from k3course.distributed import gather_state_dict, parallelize_experts
+from k3course.distributed import all_to_all, gather_state_dict, parallelize_experts
 from k3course.moe import LatentMoE, MoE
 from k3course.moe.balancing import HISTOGRAM_BINS
 
@@ -110,3 +110,13 @@ def expert_parallel_steps(rank: int, world_size: int, case: dict) -> dict:
         shards = train.rank_shards(case["batches"][step], rank, world_size)
         records.append(train.train_step(model, optimizer, scheduler, shards, train_config.grad_clip))
     return {"records": records, "state": gather_state_dict(model)}
+
+
+def exchange_labels(rank: int, world_size: int, counts: list[list[int]]) -> list[tuple[int, int]]:
+    """On one rank: send rows labelled (this rank, row index), counts[rank][r] of them to rank r, through the
+    package's all-to-all; returns the labels of the rows received, in the order they arrived."""
+    send_splits = counts[rank]
+    recv_splits = [row[rank] for row in counts]
+    rows = torch.stack([torch.full((sum(send_splits),), float(rank)), torch.arange(float(sum(send_splits)))], 1)
+    received = all_to_all(rows, recv_splits, send_splits)
+    return [(int(source), int(index)) for source, index in received.tolist()]

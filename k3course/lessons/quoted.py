@@ -333,14 +333,62 @@ def decode_flops_ratio(context: int = MILLION) -> float:
 
 
 H200 = (4.8e12, 989e12)  # HBM bytes/s, dense bf16 FLOP/s: the roofline lessons 08 and 14 assume
+H200_MEMORY = 141e9  # bytes of HBM on one H200 (assumed, lesson 14)
 
 
 @quoted
-def roofline_tpot_ratio(batch: int, context: int = MILLION) -> float:
-    """All-MLA over hybrid roofline TPOT for K3 on an H200 at ``context`` tokens and ``batch`` sequences."""
-    cfg = _k3()
+def roofline_tpot_ratio(batch: int, context: int = MILLION, name: str = "kimi-k3") -> float:
+    """All-MLA over hybrid roofline TPOT on an H200 at ``context`` tokens and ``batch`` sequences."""
+    cfg = K3Config.preset(name)
     return (accounting.predicted_tpot_s(cfg.all_mla(), context, batch, *H200)
             / accounting.predicted_tpot_s(cfg, context, batch, *H200))
+
+
+def _schedule(name: str, schedule: str) -> K3Config:
+    cfg = K3Config.preset(name)
+    return cfg.all_mla() if schedule == "all-mla" else cfg
+
+
+@quoted
+def max_batch(name: str, schedule: str = "hybrid", context: int = MILLION) -> int:
+    """Sequences of ``context`` tokens one H200's memory holds beside the weights (bf16)."""
+    return accounting.max_decode_batch(_schedule(name, schedule), context, H200_MEMORY)
+
+
+@quoted
+def capacity_throughput_ratio(name: str = "kimi-linear-48b", context: int = MILLION) -> float:
+    """Hybrid over all-MLA roofline throughput (tokens/s) on one H200, each at the largest batch its memory holds."""
+    def throughput(cfg: K3Config) -> float:
+        batch = accounting.max_decode_batch(cfg, context, H200_MEMORY)
+        return batch / accounting.predicted_tpot_s(cfg, context, batch, *H200)
+    cfg = K3Config.preset(name)
+    return throughput(cfg) / throughput(cfg.all_mla())
+
+
+@quoted
+def tpot_ms(name: str, context: int, batch: int, schedule: str = "hybrid") -> float:
+    """Roofline TPOT on one H200, ms."""
+    return accounting.predicted_tpot_s(_schedule(name, schedule), context, batch, *H200) * 1e3
+
+
+@quoted
+def weights_gib(name: str = "kimi-linear-48b", dtype_bytes: int = 2) -> float:
+    """The whole model's weights, GiB."""
+    return accounting.param_count(K3Config.preset(name)).total * dtype_bytes / 2**30
+
+
+@quoted
+def prefill_ratio(name: str = "kimi-linear-48b", context: int = MILLION) -> float:
+    """All-MLA over hybrid prefill FLOPs for one sequence of ``context`` tokens."""
+    cfg = K3Config.preset(name)
+    return accounting.prefill_flops(cfg.all_mla(), context) / accounting.prefill_flops(cfg, context)
+
+
+@quoted
+def experts_touched(name: str, batch: int) -> float:
+    """Routed experts of one MoE layer that a decode step of ``batch`` tokens runs, on average (uniform routing)."""
+    cfg = K3Config.preset(name)
+    return accounting.experts_touched(cfg.n_routed_experts, cfg.top_k, batch)
 
 
 @quoted
@@ -596,6 +644,14 @@ def ep_dedup_saving(part: str = "dispatch", ranks: int = 64) -> float:
     args = (cfg.latent_dim, cfg.top_k, cfg.n_routed_experts, ranks)
     measure = cost.dispatch_bytes_per_token if part == "dispatch" else cost.bytes_per_token
     return 1 - measure(*args, dedup=True) / measure(*args, dedup=False)
+
+
+@quoted
+def ep_replicated_crossover(name: str = "kimi-k3") -> int:
+    """The smallest EP degree at which a rank's block of routed experts weighs less than the replicated weights."""
+    cfg = K3Config.preset(name)
+    return next(p for p in range(1, cfg.n_routed_experts + 1)
+                if cost.weight_bytes_per_rank(cfg, p)["experts"] < cost.weight_bytes_per_rank(cfg, p)["replicated"])
 
 
 @quoted

@@ -1,6 +1,7 @@
 """Plausible wrong answers for chapter 13."""
 
 import torch
+import torch.distributed as dist
 
 
 def splits_count_tokens_not_slots(expert_idx, n_experts, world_size):
@@ -83,7 +84,75 @@ def combine_weighted_mean(returned, order, weights):
     total = torch.einsum("mk,mkw->mw", weights.to(returned.dtype), _unsorted_slots(returned, order, m, k))
     return total / weights.sum(-1, keepdim=True).to(returned.dtype)
 
+def _exchange(rows, output_splits, input_splits):
+    """all_to_all_single into a buffer of Σ output_splits rows."""
+    received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+    dist.all_to_all_single(received, rows.contiguous(), output_splits, input_splits)
+    return received
+
+
+class _SplitsSwapped(torch.autograd.Function):
+    """Forward hands all_to_all_single the send splits as the output splits and the receive splits as the input."""
+
+    @staticmethod
+    def forward(ctx, rows, recv_splits, send_splits):
+        ctx.splits = recv_splits, send_splits
+        received = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+        dist.all_to_all_single(received, rows.contiguous(), send_splits, recv_splits)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_splits, send_splits = ctx.splits
+        return _exchange(grad, send_splits, recv_splits), None, None
+
+
+class _BackwardSameSplits(torch.autograd.Function):
+    """Backward repeats the forward's exchange instead of reversing it."""
+
+    @staticmethod
+    def forward(ctx, rows, recv_splits, send_splits):
+        ctx.splits = recv_splits, send_splits
+        return _exchange(rows, recv_splits, send_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_splits, send_splits = ctx.splits
+        return _exchange(grad, recv_splits, send_splits), None, None
+
+
+class _BackwardIdentity(torch.autograd.Function):
+    """Backward passes the gradient through unchanged, as if the exchange moved nothing."""
+
+    @staticmethod
+    def forward(ctx, rows, recv_splits, send_splits):
+        return _exchange(rows, recv_splits, send_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def all_to_all_splits_swapped(rows, recv_splits, send_splits, group=None):
+    return _SplitsSwapped.apply(rows, recv_splits, send_splits)
+
+
+def all_to_all_backward_same_splits(rows, recv_splits, send_splits, group=None):
+    return _BackwardSameSplits.apply(rows, recv_splits, send_splits)
+
+
+def all_to_all_backward_identity(rows, recv_splits, send_splits, group=None):
+    return _BackwardIdentity.apply(rows, recv_splits, send_splits)
+
+
+def all_to_all_without_autograd(rows, recv_splits, send_splits, group=None):
+    """The forward alone: the result has no path back to rows."""
+    return _exchange(rows.detach(), recv_splits, send_splits)
+
+
 WRONG = {
+    "13.all_to_all": [all_to_all_splits_swapped, all_to_all_backward_same_splits, all_to_all_backward_identity,
+                      all_to_all_without_autograd],
     "13.split_sizes": [splits_count_tokens_not_slots, splits_with_equal_blocks_rounded_up, splits_per_expert],
     "13.dispatch_permutation": [permutation_sorted_descending, permutation_token_major,
                                 permutation_sorted_by_token_index_last],

@@ -66,7 +66,55 @@ def crossover_rounds_up(cfg, dtype_bytes=2):
     return math.ceil(accounting.recurrent_state_bytes(cfg, dtype_bytes) / gap)
 
 
+def _weights_for(cfg, experts_per_layer, dtype_bytes):
+    """Weight bytes of a step that runs ``experts_per_layer`` routed experts in each MoE layer."""
+    count = accounting.param_count(cfg)
+    routed_total, routed_active = count.components["routed_experts"]
+    per_expert = routed_total / (cfg.n_routed_experts * cfg.n_moe_layers)
+    return (count.active - routed_active + cfg.n_moe_layers * experts_per_layer * per_expert) * dtype_bytes
+
+
+def _touched(cfg, batch):
+    return cfg.n_routed_experts * (1 - (1 - cfg.top_k / cfg.n_routed_experts) ** batch)
+
+
+def tpot_flops_only(cfg, context, batch, bandwidth, flops_per_s, dtype_bytes=2):
+    """Times the FLOPs only: a decode step is FLOP-bound (it is bandwidth-bound at small batch)."""
+    return batch * accounting.decode_flops_per_token(cfg, context) / flops_per_s
+
+
+def tpot_adds_bytes_and_flops(cfg, context, batch, bandwidth, flops_per_s, dtype_bytes=2):
+    """Adds the two times: reading and computing one after the other, not overlapped."""
+    cache = batch * accounting.kv_cache_bytes(cfg, context, dtype_bytes)
+    flops = batch * accounting.decode_flops_per_token(cfg, context)
+    return (_weights_for(cfg, _touched(cfg, batch), dtype_bytes) + cache) / bandwidth + flops / flops_per_s
+
+
+def tpot_experts_of_one_token(cfg, context, batch, bandwidth, flops_per_s, dtype_bytes=2):
+    """Reads the active weights of one token (top_k experts a layer) whatever the batch touches."""
+    cache = batch * accounting.kv_cache_bytes(cfg, context, dtype_bytes)
+    flops = batch * accounting.decode_flops_per_token(cfg, context)
+    return max((accounting.param_count(cfg).active * dtype_bytes + cache) / bandwidth, flops / flops_per_s)
+
+
+def tpot_every_token_new_experts(cfg, context, batch, bandwidth, flops_per_s, dtype_bytes=2):
+    """min(n, B·k) experts a layer: as if no two tokens of the batch shared an expert."""
+    cache = batch * accounting.kv_cache_bytes(cfg, context, dtype_bytes)
+    flops = batch * accounting.decode_flops_per_token(cfg, context)
+    weights = _weights_for(cfg, min(cfg.n_routed_experts, batch * cfg.top_k), dtype_bytes)
+    return max((weights + cache) / bandwidth, flops / flops_per_s)
+
+
+def tpot_cache_read_once(cfg, context, batch, bandwidth, flops_per_s, dtype_bytes=2):
+    """Reads one sequence's cache for the whole batch (each sequence has its own)."""
+    cache = accounting.kv_cache_bytes(cfg, context, dtype_bytes)
+    flops = batch * accounting.decode_flops_per_token(cfg, context)
+    return max((_weights_for(cfg, _touched(cfg, batch), dtype_bytes) + cache) / bandwidth, flops / flops_per_s)
+
+
 WRONG = {
+    "14.predicted_tpot": [tpot_flops_only, tpot_adds_bytes_and_flops, tpot_experts_of_one_token,
+                          tpot_every_token_new_experts, tpot_cache_read_once],
     "14.kda_step_bytes": [kda_bytes_without_conv_tails, kda_bytes_state_in_activation_dtype,
                           kda_bytes_tails_all_k_wide],
     "14.mla_step_bytes": [mla_bytes_without_rope, mla_bytes_in_numbers],

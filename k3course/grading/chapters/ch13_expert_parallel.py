@@ -1,11 +1,15 @@
-"""Chapter 13 exercises: the dispatch plan of expert parallelism (split sizes, permutation, inverse, combine)."""
+"""Chapter 13 exercises: the dispatch plan of expert parallelism (split sizes, permutation, inverse, combine) and
+the differentiable uneven all-to-all, graded on gloo ranks that the grader forks."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from k3course.distributed import combine, dispatch_permutation, inverse_permutation, split_sizes
-from k3course.grading import Case, Exercise, register
+from k3course.distributed import all_to_all, combine, dispatch_permutation, inverse_permutation, run_ranks, split_sizes
+from k3course.distributed.launch import RankFailed
+from k3course.grading.fresh_stack import call_on_fresh_stack
+from k3course.grading.registry import Case, Exercise, register
 
 
 def _routing(m: int, n: int, k: int, seed: int) -> torch.Tensor:
@@ -51,7 +55,64 @@ def _combine_cases() -> list[Case]:
             Case("float64 keeps its dtype", (returned.double(), dispatch_permutation(expert_idx), weights.double()))]
 
 
+class RankRaised(RuntimeError):
+    """The answer raised on one of the ranks; the message names the rank and the error (its last line)."""
+
+
+def _exchange_rank(rank: int, world_size: int, answer, counts: list[list[int]], width: int, dtype: str,
+                   seed: int) -> dict:
+    """On rank r: rows [Σ_q counts[r][q], width] (seeded, a leaf), received = answer(rows, recv_splits, send_splits)
+    with send_splits = counts[r], recv_splits = [counts[q][r] for q]; then the backward of Σ g ⊙ received for a
+    seeded g. -> {"received": [Σ_q counts[q][r], width], "gradient of rows": like rows, or None without one}.
+
+    A stub's NotImplementedError (forward or backward) comes back as the value "not done" (every rank raises it at
+    the same point).
+    The ranks agree (an all-reduce) that every result has the right shape and a gradient path before any
+    backward, so a wrong shape on one rank is reported, not waited for.
+    """
+    generator = torch.Generator().manual_seed(1000 * seed + rank)
+    send_splits, recv_splits = list(counts[rank]), [row[rank] for row in counts]
+    rows = torch.randn(sum(send_splits), width, generator=generator, dtype=getattr(torch, dtype)).requires_grad_()
+    upstream = torch.randn(sum(recv_splits), width, generator=generator, dtype=rows.dtype)
+    try:
+        received = answer(rows, recv_splits, send_splits)
+        differentiable = (isinstance(received, torch.Tensor) and received.shape == upstream.shape
+                          and received.dtype == rows.dtype and received.requires_grad)
+        agreed = torch.tensor([int(differentiable)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if agreed.item():  # the learner's backward runs on a fresh stack too
+            call_on_fresh_stack(torch.autograd.backward, (received, upstream), {})
+    except NotImplementedError:  # the forward's stub, or the backward's
+        return "not done"
+    detached = received.detach() if isinstance(received, torch.Tensor) else received
+    return {"received": detached, "gradient of rows": rows.grad}
+
+
+def exchange_on_ranks(answer, counts: list[list[int]], width: int, dtype: str = "float32", seed: int = 0) -> dict:
+    """Run ``answer`` (an uneven all-to-all: ``answer(rows, recv_splits, send_splits)``) on P = len(counts) gloo
+    ranks forked here; counts[q][r] rows go from rank q to rank r. -> {"rank r": {"received", "gradient of
+    rows"}} (see :func:`_exchange_rank`). A rank's error is raised here as :class:`RankRaised` naming it."""
+    try:
+        results = run_ranks(_exchange_rank, len(counts), answer, counts, width, dtype, seed, timeout_s=60.0,
+                            collective_timeout_s=10.0, start_method="fork")
+    except RankFailed as failure:
+        header, *_, last = str(failure).strip().splitlines()
+        raise RankRaised(f"{header.split(' failed first')[0]}: {last}") from None
+    if "not done" in results:
+        raise NotImplementedError("the all-to-all is still the stub")
+    return {f"rank {rank}": result for rank, result in enumerate(results)}
+
+
+def _exchange_cases() -> list[Case]:
+    return [Case("2 ranks, uneven splits", ([[1, 3], [2, 0]], 4)),
+            Case("3 ranks sending and receiving 3 rows each, not to the ranks they receive from",
+                 ([[1, 2, 0], [0, 1, 2], [2, 0, 1]], 5)),
+            Case("3 ranks: one sends nothing, one receives nothing", ([[0, 0, 0], [2, 1, 0], [1, 3, 0]], 3)),
+            Case("float64 rows keep their dtype; each rank keeps its own rows", ([[3, 0], [0, 2]], 2, "float64"))]
+
+
 register(Exercise("13.split_sizes", split_sizes, _split_cases))
 register(Exercise("13.dispatch_permutation", dispatch_permutation, _permutation_cases))
 register(Exercise("13.inverse_permutation", inverse_permutation, _inverse_cases))
 register(Exercise("13.combine", combine, _combine_cases))
+register(Exercise("13.all_to_all", all_to_all, _exchange_cases, harness=exchange_on_ranks))

@@ -1,8 +1,9 @@
-"""Chapter 14 (decoding at long context): bytes a decode step reads, the memory crossover, TPOT extrapolation."""
+"""Chapter 14 (decoding at long context): bytes a decode step reads, the memory crossover, the roofline TPOT of a
+batch (with the experts it touches), TPOT extrapolation."""
 
 from __future__ import annotations
 
-from k3course.accounting import crossover_context, kda_step_bytes, mla_step_bytes
+from k3course.accounting import crossover_context, kda_step_bytes, mla_step_bytes, predicted_tpot_s
 from k3course.bench.decode import extrapolate_tpot
 from k3course.config import K3Config
 from k3course.grading.registry import Case, Exercise, register
@@ -27,6 +28,19 @@ def _crossover_cases() -> list[Case]:
             Case("the state is a whole number of tokens' growth (exact division)", (tiny.replace(kv_lora_rank=48), 2))]
 
 
+H200 = (4.8e12, 989e12)  # HBM bytes/s, dense bf16 FLOP/s
+
+
+def _tpot_cases() -> list[Case]:
+    linear, k3, tiny = (K3Config.preset(name) for name in ("kimi-linear-48b", "kimi-k3", "tiny"))
+    return [Case("kimi-linear-48b, one sequence at 4k tokens (B = 1 touches k experts)", (linear, 4096, 1, *H200)),
+            Case("kimi-linear-48b, 64 sequences at 1M tokens", (linear, 1 << 20, 64, *H200)),
+            Case("kimi-linear-48b all-MLA, 16 sequences at 1M tokens", (linear.all_mla(), 1 << 20, 16, *H200)),
+            Case("kimi-k3, 256 sequences at 1M tokens (nearly every expert touched)", (k3, 1 << 20, 256, *H200)),
+            Case("a FLOP-bound step: kimi-k3 at 1M tokens on a chip of 100 TFLOP/s", (k3, 1 << 20, 64, 4.8e12, 1e14)),
+            Case("tiny preset in fp32, 8 sequences", (tiny, 512, 8, 1e11, 1e12, 4))]
+
+
 def _extrapolate_cases() -> list[Case]:
     return [Case("a line", ([1024, 2048, 4096], [0.010, 0.011, 0.013], 1 << 20)),
             Case("noisy points", ([1000, 8000, 16000, 64000], [0.004, 0.009, 0.016, 0.041], 1 << 20)),
@@ -37,4 +51,5 @@ def _extrapolate_cases() -> list[Case]:
 register(Exercise("14.kda_step_bytes", kda_step_bytes, _kda_cases))
 register(Exercise("14.mla_step_bytes", mla_step_bytes, _mla_cases))
 register(Exercise("14.crossover_context", crossover_context, _crossover_cases))
+register(Exercise("14.predicted_tpot", predicted_tpot_s, _tpot_cases))
 register(Exercise("14.extrapolate_tpot", extrapolate_tpot, _extrapolate_cases))

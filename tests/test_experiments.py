@@ -263,23 +263,23 @@ def test_expert_count_variants_fix_the_active_parameters_and_lower_the_activatio
     _same_except(variants, {"n_routed_experts"})
 
 
-def test_equal_time_steps_scale_the_steps_by_the_mean_seconds():
-    runs = [{"variant": "slow", "seconds": 10.0}, {"variant": "slow", "seconds": 14.0},
-            {"variant": "fast", "seconds": 4.0}, {"variant": "fast", "seconds": 8.0}]
-    assert experiments.equal_time_steps(runs, "slow", "fast", 100) == 200
+def test_equal_time_steps_scale_the_steps_by_the_step_times():
+    assert experiments.equal_time_steps({"slow": 0.3, "fast": 0.1}, "slow", "fast", 100) == 300
     assert experiments.equal_time_label("dense Transformer") == "dense Transformer (equal time)"
 
 
-def test_a_saved_equal_time_run_took_about_the_slower_variants_time():
-    """dense-baseline-default: the dense model's equal-time runs are as long as the tiny K3's (within 35 %: the
-    step count is fixed from the equal-step runs' means, and the machine's load varies) and longer than its own
-    equal-step runs."""
+def test_step_seconds_times_each_variant_taking_turns():
+    tiny = claims.dense_variants()
+    timing = experiments.step_seconds(tiny, claims.TEXT_TRAIN, rounds=1, repeats=1)
+    assert set(timing) == set(tiny) and all(0 < seconds < 60 for seconds in timing.values())
+
+
+def test_a_saved_equal_time_run_has_the_steps_its_step_times_give():
+    """dense-baseline-default: the dense model trained again for as many steps as fit in the tiny K3's 800 (the
+    step times measured in the run), more than 800 since its step is faster."""
     saved = experiments.load("dense-baseline-default")
-    runs, (slower, faster) = saved["result"]["runs"], saved["settings"]["equal_time"]
-    seconds = lambda variant: [run["seconds"] for run in runs if run["variant"] == variant]
-    equal = seconds(experiments.equal_time_label(faster))
-    assert len(equal) == len(saved["settings"]["seeds"])
-    assert sum(equal) / len(equal) == pytest.approx(sum(seconds(slower)) / len(seconds(slower)), rel=0.35)
-    assert min(equal) > max(seconds(faster))
-    steps = {run["steps"] for run in runs if run["variant"] == experiments.equal_time_label(faster)}
-    assert len(steps) == 1 and steps.pop() > saved["settings"]["train"]["steps"]
+    result, (slower, faster) = saved["result"], saved["settings"]["equal_time"]
+    want = experiments.equal_time_steps(result["step_seconds"], slower, faster, saved["settings"]["train"]["steps"])
+    equal = [run for run in result["runs"] if run["variant"] == experiments.equal_time_label(faster)]
+    assert len(equal) == len(saved["settings"]["seeds"]) and {run["steps"] for run in equal} == {want}
+    assert want > saved["settings"]["train"]["steps"]

@@ -21,6 +21,7 @@ seed): model initialisation and batches are seeded, so its first steps can be re
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -147,6 +148,15 @@ CLAIMS: dict[str, Callable[[], dict[str, K3Config]]] = {
 
 def _text_batches(corpus: data.ByteCorpus, settings: train.TrainConfig) -> Callable[[int], list]:
     return lambda step: train._micro_batches(corpus.train, step, settings, "cpu")
+
+
+def text_training_steps(cfg: K3Config, settings: train.TrainConfig) -> Callable[[], dict]:
+    """A fresh seeded model of ``cfg`` and its optimizer; each call trains one step on the next text batch (for
+    timing a variant's step as :func:`run_variant` takes it)."""
+    batches, model = _text_batches(data.stdlib_corpus(), settings), train.build_model(cfg, settings.seed)
+    optimizer, scheduler = train.make_optimizer(model, settings)
+    steps = itertools.count()
+    return lambda: train.train_step(model, optimizer, scheduler, batches(next(steps)), settings.grad_clip)
 
 
 def _mqar_batches(settings: train.TrainConfig) -> Callable[[int], list]:

@@ -134,14 +134,21 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
     own process (spawned); the runs and their order are the same as with one.
 
     ``equal_time`` (slower, faster): then ``faster`` is trained once more per seed, for as many steps as it takes
-    in the wall time of ``slower``'s runs (steps × mean seconds of slower / mean seconds of faster, both measured
-    here on one thread, its own warmup + cosine schedule over those steps), as the variant "FASTER (equal time)"
-    with its "steps" recorded.
+    in the wall time of ``slower``'s steps (:func:`equal_time_steps` of the step times :func:`step_seconds`
+    measures first, both models on one thread taking turns), on its own warmup + cosine schedule over those steps,
+    as the variant "FASTER (equal time)" with its "steps"; the result keeps the step times ("step_seconds").
     """
     variants = claims.CLAIMS[claim]()
     settings = train_config(train)
+    timing, equal = None, []
+    if equal_time is not None:
+        slower, faster = equal_time
+        timing = step_seconds({label: variants[label] for label in equal_time}, settings)
+        steps = equal_time_steps(timing, slower, faster, settings.steps)
+        equal = [(equal_time_label(faster), variants[faster], settings.replace(steps=steps), seed, task, None)
+                 for seed in seeds]
     todo = [(label, cfg, settings, seed, task, sample_prompt if seed == seeds[0] else None)
-            for label, cfg in variants.items() if label not in (reuse or {}) for seed in seeds]
+            for label, cfg in variants.items() if label not in (reuse or {}) for seed in seeds] + equal
     if jobs > 1:
         with multiprocessing.get_context("spawn").Pool(jobs, initializer=keep_freed_memory) as pool:
             trained = pool.starmap(_train_variant, todo)
@@ -154,17 +161,11 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
         else:
             runs += [run for run in trained if run["variant"] == label]
     described = {label: describe(cfg) for label, cfg in variants.items()}
-    if equal_time is not None:
-        slower, faster = equal_time
-        label, steps = equal_time_label(faster), equal_time_steps(runs, slower, faster, settings.steps)
-        todo = [(label, variants[faster], settings.replace(steps=steps), seed, task, None) for seed in seeds]
-        if jobs > 1:
-            with multiprocessing.get_context("spawn").Pool(jobs, initializer=keep_freed_memory) as pool:
-                runs += [{**run, "steps": steps} for run in pool.starmap(_train_variant, todo)]
-        else:
-            runs += [{**_train_variant(*job), "steps": steps} for job in todo]
-        described[label] = described[faster]
-    return {"variants": described, "torch_threads": 1, "runs": runs}
+    if equal:
+        runs += [{**run, "steps": equal[0][2].steps} for run in trained if run["variant"] == equal[0][0]]
+        described[equal[0][0]] = described[equal_time[1]]
+    return {"variants": described, "torch_threads": 1, "runs": runs,
+            **({"step_seconds": timing} if timing else {})}
 
 
 def equal_time_label(variant: str) -> str:
@@ -172,12 +173,25 @@ def equal_time_label(variant: str) -> str:
     return f"{variant} (equal time)"
 
 
-def equal_time_steps(runs: list[dict], slower: str, faster: str, steps: int) -> int:
-    """Steps ``faster`` takes in the wall time of ``steps`` of ``slower``: steps × mean seconds of slower's runs /
-    mean seconds of faster's (each run's "seconds", training and validation together)."""
-    seconds = lambda variant: sum(r["seconds"] for r in runs if r["variant"] == variant) / sum(
-        r["variant"] == variant for r in runs)
-    return round(steps * seconds(slower) / seconds(faster))
+def step_seconds(variants: dict, settings: TrainConfig, rounds: int = 5, repeats: int = 3) -> dict[str, float]:
+    """{label: seconds per training step} of each variant on one thread (:func:`claims.text_training_steps`): the
+    best of ``repeats`` steps in each of ``rounds`` rounds in which the variants take turns, so that a busy spell
+    of the machine slows all of them alike."""
+    with torch_threads(1):
+        steppers = {label: claims.text_training_steps(cfg, settings) for label, cfg in variants.items()}
+        best = dict.fromkeys(steppers, float("inf"))
+        for _ in range(rounds):
+            for label, step in steppers.items():
+                for _ in range(repeats):
+                    began = time.perf_counter()
+                    step()
+                    best[label] = min(best[label], time.perf_counter() - began)
+    return best
+
+
+def equal_time_steps(step_seconds: dict[str, float], slower: str, faster: str, steps: int) -> int:
+    """Steps ``faster`` takes in the wall time of ``steps`` steps of ``slower``: steps × its step time / faster's."""
+    return round(steps * step_seconds[slower] / step_seconds[faster])
 
 
 def reused_runs(cfg, label: str, experiment: str, their_label: str, seeds: tuple[int, ...], task: str,

@@ -4,6 +4,7 @@ The one lesson that uses transformers (the ``oracle`` extra, imported inside the
 
     tiny_kimi_linear, tiny_deepseek_v3   a tiny random model built and saved by transformers (with a character
                                          tokenizer saved beside it), returned with its folder
+    transformers                         the package, imported after the Triton mode is chosen
     relative_error                       max |ours − theirs| / max |theirs|
     decode_needs                         what a preset needs to decode: bf16 weights, FLOPs and weight bytes per token
     load_tokenizer, pretrained_text      a checkpoint's own tokenizer (AutoTokenizer, local files only) and the
@@ -13,7 +14,9 @@ The one lesson that uses transformers (the ``oracle`` extra, imported inside the
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from k3course import accounting
+from k3course import accounting, kernels
 from k3course.config import K3Config
 from k3course.model import K3Model
 
@@ -36,6 +39,17 @@ SPECIALS = ("<pad>", "<s>", "</s>")
 KDA_OPS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update")
 
 
+def transformers():
+    """The transformers package, imported after :func:`k3course.kernels.select_triton_mode` (transformers imports
+    fla, which imports triton: the Triton mode must be chosen first) and without fla's notice that Triton has no
+    GPU here."""
+    kernels.select_triton_mode()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Triton is not supported", category=UserWarning)
+        importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
+        return importlib.import_module("transformers")
+
+
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     """max |ours − theirs| / max |theirs|, in float64."""
     return float((ours.double() - theirs.double()).abs().max() / theirs.double().abs().max())
@@ -45,8 +59,7 @@ def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 def torch_kda_paths():
     """Inside the block transformers' Kimi Linear runs its PyTorch KDA and convolution on a CPU (the Triton
     kernels of fla, which it binds when fla is installed, need a GPU); on a GPU it changes nothing."""
-    from transformers.models.kimi_linear import modeling_kimi_linear as modeling
-
+    modeling = transformers().models.kimi_linear.modeling_kimi_linear
     bound = {name: getattr(modeling, name) for name in KDA_OPS if hasattr(modeling, name)}
     try:
         if not torch.cuda.is_available():
@@ -78,7 +91,8 @@ def char_tokenizer():
     """A transformers tokenizer with one token per character of :data:`CHARACTERS` (ids 3…63) and the special
     tokens <pad> <s> </s> (0, 1, 2); characters outside the set are dropped."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast = transformers().PreTrainedTokenizerFast
 
     vocab = {token: i for i, token in enumerate([*SPECIALS, *CHARACTERS])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
@@ -89,9 +103,7 @@ def char_tokenizer():
 
 
 def _saved(model: torch.nn.Module, path: Path | str, seed: int, **save_options) -> tuple[torch.nn.Module, Path]:
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()  # no "Writing model shards" bar in the lesson's output
+    transformers().utils.logging.disable_progress_bar()  # no "Writing model shards" bar in the lesson's output
     randomize(model, seed)
     path = Path(path)
     model.save_pretrained(path, **save_options)
@@ -103,28 +115,26 @@ def tiny_kimi_linear(path: Path | str, seed: int = 0) -> tuple[torch.nn.Module, 
     """A 4-layer Kimi Linear (KDA, NoPE MLA, KDA, NoPE MLA; a dense first FFN, then 8-expert sigmoid MoE with a
     shared expert) built by transformers with seeded random weights, saved in ``path`` in shards of 40 KiB with
     an index, with :func:`char_tokenizer`. Returns (transformers' model in eval mode, path)."""
-    import transformers
-
-    config = transformers.KimiLinearConfig(**TINY | dict(
+    hf = transformers()
+    config = hf.KimiLinearConfig(**TINY | dict(
         num_hidden_layers=4, num_local_experts=8, linear_num_heads=2, linear_head_dim=8, n_group=1, topk_group=1,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]))
     torch.manual_seed(seed)
-    return _saved(transformers.KimiLinearForCausalLM(config), path, seed + 1, max_shard_size="40KB")
+    return _saved(hf.KimiLinearForCausalLM(config), path, seed + 1, max_shard_size="40KB")
 
 
 def tiny_deepseek_v3(path: Path | str, seed: int = 0) -> tuple[torch.nn.Module, Path]:
     """A 3-layer DeepSeek-V3 (MLA with YaRN RoPE: factor 4 over 16 original positions, mscale_all_dim 0.8; a
     dense first FFN, then 8 experts in 4 groups keeping 2), built and saved by transformers with seeded random
     weights and :func:`char_tokenizer`. Returns (transformers' model in eval mode, path)."""
-    import transformers
-
+    hf = transformers()
     yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, beta_fast=32.0,
                 beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
-    config = transformers.DeepseekV3Config(**TINY | dict(
+    config = hf.DeepseekV3Config(**TINY | dict(
         num_hidden_layers=3, q_lora_rank=16, n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2,
         first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=64, rope_parameters=yarn))
     torch.manual_seed(seed)
-    return _saved(transformers.DeepseekV3ForCausalLM(config), path, seed + 1)
+    return _saved(hf.DeepseekV3ForCausalLM(config), path, seed + 1)
 
 
 @dataclass(frozen=True)
@@ -156,9 +166,8 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
     path = Path(path)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tiktoken.model")):
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    auto = transformers().AutoTokenizer
+    return auto.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
 
 
 def pretrained_text(path: Path | str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,

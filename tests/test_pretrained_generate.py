@@ -1,6 +1,7 @@
 """`k3course generate --pretrained PATH`: a checkpoint transformers wrote, run by K3Model.from_pretrained with the
 checkpoint's own tokenizer, continues a prompt as transformers' own model does (greedy); and lesson 15's numbers
-for Kimi-Linear-48B-A3B come from the preset. Needs the ``oracle`` extra (skipped cleanly without it)."""
+for Kimi-Linear-48B-A3B come from the preset. The transformers checks need the ``oracle`` extra (skipped cleanly
+without it); a course model saved without a tokenizer generates on UTF-8 bytes without it."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import torch
 from k3course.cli import main
 from k3course.config import K3Config
 from k3course.lessons import kimi_linear
-
-transformers = pytest.importorskip("transformers", minversion="5.23")
+from k3course.model import K3Model
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
+    pytest.importorskip("transformers", minversion="5.23")
     return kimi_linear.tiny_kimi_linear(tmp_path_factory.mktemp("kimi_linear"))
 
 
@@ -63,3 +64,19 @@ def test_kimi_linear_48b_needs():
     assert round(needs.weight_bytes / 2**30, 1) == 91.5
     assert round(needs.flops_per_token / 1e9, 1) == 6.3 and round(needs.read_bytes_per_token / 2**30, 1) == 5.8
     assert needs.read_bytes_per_token < needs.weight_bytes / 10  # 3B of 48B parameters active
+
+
+def test_a_course_model_without_tokenizer_generates_on_bytes(tmp_path, capsys):
+    """A Kimi-Linear-shaped K3Model with the 256 byte values as its vocabulary, saved by save_pretrained (no
+    tokenizer): the prompt goes in as UTF-8 bytes and the greedy continuation is the model's own."""
+    cfg = K3Config.preset("kimi-linear-48b").replace(
+        name="byte kimi linear", vocab_size=256, d_model=32, n_layers=2, mla_layers=(1,), kda_n_heads=2,
+        kda_head_dim=8, mla_n_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        n_routed_experts=4, top_k=2, expert_dim=16, dense_ffn_dim=48, pad_token_id=None)
+    torch.manual_seed(0)
+    model = K3Model.from_config(cfg).eval()
+    model.save_pretrained(tmp_path)
+    expected = model.generate(torch.tensor([list(b"abc")]), 6, temperature=0.0)[0, 3:].tolist()
+    assert main(["generate", "--pretrained", str(tmp_path), "--prompt", "abc", "--max-new-tokens", "6",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "abc" + bytes(expected).decode(errors="replace") + "\n"

@@ -141,8 +141,16 @@ def _generate(args) -> int:
 
     _set_threads(args)
     try:
-        pieces = generate_command(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                                  args.seed)
+        if args.pretrained is not None:
+            import torch
+
+            from k3course.lessons.kimi_linear import pretrained_text
+
+            pieces = pretrained_text(args.pretrained, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                                     args.seed, args.device, getattr(torch, args.dtype), args.trust_remote_code)
+        else:
+            pieces = generate_command(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
+                                      args.top_k, args.seed)
     except (ValueError, CheckpointError) as error:
         print(error, file=sys.stderr)
         return 2
@@ -271,8 +279,16 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(run=_bench)
     _add_train(sub)
-    generate = sub.add_parser("generate", help="continue a prompt with a trained checkpoint")
-    generate.add_argument("--checkpoint", required=True, help="a step-NNNNNN folder, or a run folder (latest)")
+    generate = sub.add_parser("generate", help="continue a prompt with a trained checkpoint or a pretrained model")
+    which = generate.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", help="a step-NNNNNN folder, or a run folder (latest)")
+    which.add_argument("--pretrained", metavar="PATH", help="a Kimi Linear / DeepSeek-V3 checkpoint folder in "
+                       "transformers' layout, run by K3Model.from_pretrained with its own tokenizer (no download)")
+    generate.add_argument("--device", default="cpu", help="with --pretrained: torch device (cpu, cuda)")
+    generate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                          help="with --pretrained: weight dtype (bfloat16 halves the memory)")
+    generate.add_argument("--trust-remote-code", action="store_true",
+                          help="with --pretrained: let transformers run the checkpoint's tokenizer code (Kimi's)")
     generate.add_argument("--prompt", default="def ", help="text to continue (UTF-8)")
     generate.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
     generate.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")

@@ -1,5 +1,5 @@
 """Every K3 detail that reached the course second-hand carries the † marker, linked to its entry in
-notebooks/references.md, in each paragraph of lessons 11–14 that states it (and the entries exist)."""
+notebooks/references.md, in each paragraph of lessons 11–16 that states it (and the entries exist)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ DETAILS = [
 ]
 MARKER = re.compile(r"\[†\]\((?:\.\./notebooks/)?references\.md#([\w-]+)\)")
 LESSONS = [ROOT / "notebooks" / name for name in
-           ("11_model.ipynb", "12_train.ipynb", "13_expert_parallel.ipynb", "14_decoding.ipynb")]
+           ("11_model.ipynb", "12_train.ipynb", "13_expert_parallel.ipynb", "14_decoding.ipynb",
+            "15_kimi_linear.ipynb", "16_capstone.ipynb")]
 
 
 def paragraphs(path):

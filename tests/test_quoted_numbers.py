@@ -87,3 +87,10 @@ def test_memory_is_in_binary_units(path):
         text += "\n".join(cell.source for cell in nbformat.read(path, 4).cells if cell.cell_type == "code")
     decimal = re.findall(r"\d\s?(?:kB|MB|GB|TB)\b(?!/s)|\b(?:kB|MB|GB|TB)\b(?!/s)(?=[,)\s]*\(?bf16)", text)
     assert not decimal, f"decimal memory units {decimal}: write KiB, MiB, GiB"
+
+
+def test_lesson_15_quotes_what_kimi_linear_48b_needs_under_its_computation():
+    """The bf16 weights, GFLOP and GiB read per decoded token of Kimi-Linear-48B-A3B come from the preset."""
+    needed = {"pretrained_weights_gib|.1f", "decode_gflop|.1f", "decode_read_gib|.1f"}
+    assert needed <= markers_in(ROOT / "notebooks" / "15_kimi_linear.ipynb")
+    assert [quoted.evaluate(body) for body in sorted(needed)] == ["6.3", "5.8", "91.5"]

@@ -951,3 +951,12 @@ def decode_read_gib(name: str = "kimi-linear-48b", dtype_bytes: int = 2) -> floa
     from k3course.lessons import kimi_linear
 
     return kimi_linear.decode_needs(K3Config.preset(name), dtype_bytes).read_bytes_per_token / 2**30
+
+
+@quoted
+def claim_equal_time_steps(name: str) -> int:
+    """Steps the faster variant of a saved equal-time claim took in the slower one's wall time."""
+    saved = _saved(name)
+    faster = saved["settings"]["equal_time"][1]
+    return next(run["steps"] for run in saved["result"]["runs"]
+                if run["variant"] == experiments.equal_time_label(faster))

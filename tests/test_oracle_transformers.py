@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from k3course import pretrained
 from k3course.accounting import meta_param_count
 from k3course.config import K3Config
+from k3course.lessons.kimi_linear import randomize
 from k3course.model import K3Model
 
 transformers = pytest.importorskip("transformers", minversion="5.23")
@@ -41,21 +42,6 @@ def torch_kda_paths():
 
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours.double() - theirs.double()).abs().max() / theirs.double().abs().max())
-
-
-@torch.no_grad()
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights far from transformers' N(0, 0.02²) start (which leaves every signal tiny): N(0, 1/fan_in) matrices,
-    norm gains 1 ± 0.2, and random MoE selection biases, so a wrong map or ε shows in the logits."""
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith(("A_log", "dt_bias")):
-            continue
-        noise = torch.randn(param.shape, generator=generator)
-        param.copy_(noise / param.shape[-1] ** 0.5 if param.dim() > 1 else 1 + 0.2 * noise)
-    for name, buffer in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
 
 
 def kimi_linear_reference(tmp_path, **changes):

@@ -31,20 +31,23 @@ class RankFailed(RuntimeError):
 def _worker(rank: int, fn, world_size: int, folder: str, args: tuple, collective_timeout_s: float,
             backend: str) -> None:
     """One spawned rank: join the group, run fn(rank, world_size, *args), save its result (or the time and
-    traceback of its error), leave the group."""
+    traceback of its error), wait for every rank to be done (a rank that leaves early would take the group's
+    rendezvous away from one still joining), leave the group."""
     torch.set_num_threads(1)  # P processes share the cores: one thread each avoids OpenMP oversubscription
     if backend == "nccl":
         torch.cuda.set_device(rank)  # rank r drives GPU r
-    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=collective_timeout_s))
     try:
+        dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s))
         result = fn(rank, world_size, *args)
         torch.save(result, Path(folder) / f"result_{rank}.pt")
+        dist.barrier()
     except BaseException:
         (Path(folder) / f"error_{rank}.txt").write_text(f"{time.time()}\n{traceback.format_exc()}")
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, collective_timeout_s: float = 60.0,

@@ -96,8 +96,9 @@ def exchange_on_ranks(answer, counts: list[list[int]], width: int, dtype: str = 
         results = run_ranks(_exchange_rank, len(counts), answer, counts, width, dtype, seed, timeout_s=60.0,
                             collective_timeout_s=10.0, start_method="fork")
     except RankFailed as failure:
-        header, *_, last = str(failure).strip().splitlines()
-        raise RankRaised(f"{header.split(' failed first')[0]}: {last}") from None
+        lines = str(failure).strip().splitlines()  # "rank r failed first ...:", its traceback; or one line
+        last = f": {lines[-1]}" if len(lines) > 1 else ""
+        raise RankRaised(f"{lines[0].split(' failed first')[0]}{last}") from None
     if "not done" in results:
         raise NotImplementedError("the all-to-all is still the stub")
     return {f"rank {rank}": result for rank, result in enumerate(results)}

@@ -161,9 +161,10 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
         else:
             runs += [run for run in trained if run["variant"] == label]
     described = {label: describe(cfg) for label, cfg in variants.items()}
-    if equal:
-        runs += [{**run, "steps": equal[0][2].steps} for run in trained if run["variant"] == equal[0][0]]
-        described[equal[0][0]] = described[equal_time[1]]
+    if equal_time is not None:
+        label = equal_time_label(faster)
+        runs += [{**run, "steps": steps} for run in trained if run["variant"] == label]
+        described[label] = described[faster]
     return {"variants": described, "torch_threads": 1, "runs": runs,
             **({"step_seconds": timing} if timing else {})}
 

@@ -193,6 +193,65 @@ def test_spread_summarises_each_variant_over_its_seeds():
     assert table["b"]["n"] == 1 and table["b"]["std"] == 0.0
 
 
+def _two_variants(a: list[float], b: list[float], metric: str = "val_bpb") -> dict:
+    return {"runs": [{"variant": label, "seed": seed, metric: value}
+                     for label, values in (("a", a), ("b", b)) for seed, value in enumerate(values)]}
+
+
+def test_paired_is_reproduced_only_when_every_seed_agrees_and_the_mean_beats_the_spread():
+    # a is 0.1 lower in every seed; each variant's seeds spread by 0.01 (std 0.01): reproduced
+    comparison = experiments.paired(_two_variants([1.00, 1.01, 1.02], [1.10, 1.11, 1.12]), "a", "b")
+    assert comparison["differences"] == pytest.approx({0: 0.1, 1: 0.1, 2: 0.1})
+    assert comparison["mean"] == pytest.approx(0.1) and comparison["std"] == pytest.approx(0.0, abs=1e-12)
+    assert comparison["spread"] == pytest.approx(0.01) and comparison["agreeing"] == 3
+    assert comparison["verdict"] == "reproduced"
+    # the same claim asked the other way round is reversed
+    assert experiments.paired(_two_variants([1.00, 1.01, 1.02], [1.10, 1.11, 1.12]), "b", "a")["verdict"] \
+        == "reversed"
+
+
+def test_paired_is_undecided_when_one_seed_disagrees_or_the_seeds_spread_more_than_the_gap():
+    one_disagrees = _two_variants([1.0, 1.0, 1.2], [1.1, 1.1, 1.1])
+    assert experiments.paired(one_disagrees, "a", "b")["agreeing"] == 2
+    assert experiments.paired(one_disagrees, "a", "b")["verdict"] == "undecided"
+    # every seed agrees, but the gap (0.05) is smaller than the seeds' spread (std 0.5): pairing alone is not enough
+    wide = _two_variants([1.0, 2.0, 3.0], [1.05, 2.05, 3.05])
+    assert experiments.paired(wide, "a", "b")["agreeing"] == 3
+    assert experiments.paired(wide, "a", "b")["verdict"] == "undecided"
+
+
+def test_paired_turns_the_sign_for_a_metric_where_higher_is_better():
+    accuracies = _two_variants([0.95, 0.97, 0.96], [0.05, 0.04, 0.06], metric="accuracy")
+    comparison = experiments.paired(accuracies, "a", "b", "accuracy", higher_is_better=True)
+    assert comparison["mean"] == pytest.approx(0.91) and comparison["verdict"] == "reproduced"
+    assert experiments.paired(accuracies, "a", "b", "accuracy")["verdict"] == "reversed"
+
+
+def test_paired_pairs_by_seed_not_by_order_and_names_a_missing_variant():
+    result = {"runs": [{"variant": "a", "seed": 2, "val_bpb": 1.0}, {"variant": "a", "seed": 0, "val_bpb": 3.0},
+                       {"variant": "b", "seed": 0, "val_bpb": 3.5}, {"variant": "b", "seed": 2, "val_bpb": 1.5},
+                       {"variant": "b", "seed": 7, "val_bpb": 9.0}]}
+    assert experiments.paired(result, "a", "b")["differences"] == {0: 0.5, 2: 0.5}
+    with pytest.raises(ValueError, match="'c'"):
+        experiments.paired(result, "a", "c")
+    with pytest.raises(ValueError, match="share no seed"):
+        experiments.paired({"runs": [{"variant": "a", "seed": 0, "val_bpb": 1.0},
+                                     {"variant": "b", "seed": 1, "val_bpb": 1.0}]}, "a", "b")
+
+
+def test_plot_paired_draws_one_dot_per_seed_and_the_spread_band():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots()
+    experiments.plot_paired(axes, _two_variants([1.0, 1.01, 1.02], [1.1, 1.11, 1.12]), [("a", "b")])
+    dots = [line for line in axes.lines if line.get_marker() == "."]
+    assert len(dots) == 1 and list(dots[0].get_ydata()) == pytest.approx([0.1, 0.1, 0.1])
+    assert [text.get_text() for text in axes.texts] == ["reproduced"]
+    plt.close(figure)
+
+
 # --- the variants differ in the named way ------------------------------------------------------------------
 
 def test_the_dense_baseline_matches_tiny_k3s_active_parameters():

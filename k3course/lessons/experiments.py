@@ -219,8 +219,7 @@ def spread(result: dict, metric: str, key: str = "variant") -> dict[str, dict]:
         values.setdefault(run[key], []).append(run[metric])
     table = {}
     for label, xs in values.items():
-        mean = sum(xs) / len(xs)
-        std = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+        mean, std = _mean_std(xs)
         table[label] = {"mean": mean, "std": std, "min": min(xs), "max": max(xs), "n": len(xs)}
     return table
 
@@ -242,6 +241,67 @@ def spread_table(result: dict, metric: str, columns: tuple[str, ...] = (), key: 
                     + f"   {s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}, "
                     f"{s['max']:.{digits}f}] ({s['n']})")
     return "\n".join(rows)
+
+
+def paired(result: dict, better: str, worse: str, metric: str = "val_bpb", key: str = "variant",
+           higher_is_better: bool = False) -> dict:
+    """The paired comparison of two variants of a result over their common seeds (one seed: the same
+    initialisation draws and the same batches in both runs), with the verdict rule of chapter 12.
+
+    Per seed s, d_s = metric(worse, s) − metric(better, s) (better − worse when ``higher_is_better``), so d_s > 0
+    means ``better`` won seed s. Returns {"differences": {seed: d_s}, "mean", "std" (sample std of d_s), "spread"
+    (the larger of the two variants' seed-to-seed sample std), "agreeing" (seeds with d_s > 0), "seeds", "verdict"}:
+    "reproduced" iff every d_s > 0 and mean > spread; "reversed" iff every d_s < 0 and −mean > spread;
+    "undecided" otherwise.
+    """
+    by_seed = {label: {run["seed"]: run[metric] for run in result["runs"] if run[key] == label}
+               for label in (better, worse)}
+    for label, values in by_seed.items():
+        if not values:
+            raise ValueError(f"no runs of {label!r} in the result; its {key}s are "
+                             f"{sorted({run[key] for run in result['runs']})}")
+    seeds = sorted(set(by_seed[better]) & set(by_seed[worse]))
+    if not seeds:
+        raise ValueError(f"{better!r} and {worse!r} share no seed, so no paired difference exists")
+    sign = -1.0 if higher_is_better else 1.0
+    differences = {seed: sign * (by_seed[worse][seed] - by_seed[better][seed]) for seed in seeds}
+    mean, std = _mean_std(list(differences.values()))
+    spread_of_variants = max(_mean_std([by_seed[label][seed] for seed in seeds])[1] for label in (better, worse))
+    agreeing = sum(d > 0 for d in differences.values())
+    if agreeing == len(seeds) and mean > spread_of_variants:
+        verdict = "reproduced"
+    elif agreeing == 0 and all(d < 0 for d in differences.values()) and -mean > spread_of_variants:
+        verdict = "reversed"
+    else:
+        verdict = "undecided"
+    return {"differences": differences, "mean": mean, "std": std, "spread": spread_of_variants,
+            "agreeing": agreeing, "seeds": len(seeds), "verdict": verdict}
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    mean = sum(values) / len(values)
+    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+
+
+def plot_paired(axes, result: dict, comparisons: list[tuple[str, str]], metric: str = "val_bpb",
+                key: str = "variant", higher_is_better: bool = False) -> None:
+    """For each (better, worse) of ``comparisons``: every seed's paired difference d_s (:func:`paired`) as a dot,
+    their mean as a bar, and the seed-to-seed spread of the two variants as a grey band around 0, on matplotlib
+    ``axes``. A claim is reproduced when all dots sit above 0 and the bar rises out of its band."""
+    for i, (better, worse) in enumerate(comparisons):
+        comparison = paired(result, better, worse, metric, key, higher_is_better)
+        axes.fill_between([i - 0.4, i + 0.4], -comparison["spread"], comparison["spread"], color="0.88",
+                          label="± seed-to-seed spread" if i == 0 else None)
+        axes.bar(i, comparison["mean"], width=0.5, color="lightsteelblue", label="mean paired difference"
+                 if i == 0 else None)
+        differences = list(comparison["differences"].values())
+        axes.plot([i] * len(differences), differences, "k.", ms=6, label="one seed" if i == 0 else None)
+        axes.annotate(comparison["verdict"], (i, max(0.0, *differences)), textcoords="offset points", xytext=(0, 6),
+                      ha="center", fontsize=8)
+    axes.axhline(0, color="k", lw=0.8)
+    axes.set_xticks(range(len(comparisons)), [f"{better}\nvs {worse}" for better, worse in comparisons], fontsize=8)
+    axes.set_ylabel(f"paired {metric} difference ({'better − worse' if higher_is_better else 'worse − better'})")
 
 
 def plot_spread(axes, result: dict, metric: str, key: str = "variant") -> None:

@@ -705,26 +705,44 @@ def claim_gap(name: str, better: str, worse: str, metric: str = "val_bpb") -> fl
     return claim_stat(name, worse, metric, "mean") - claim_stat(name, better, metric, "mean")
 
 
-def _paired(name: str, better: str, worse: str, metric: str) -> list[float]:
-    """Per seed, ``worse``'s metric − ``better``'s (the same seed: the same initialisation draws and batches)."""
-    runs = _saved(name)["result"]["runs"]
-    by_seed = lambda variant: {run["seed"]: run[metric] for run in runs if run[_key(name)] == variant}
-    worse_runs = by_seed(worse)
-    return [worse_runs[seed] - value for seed, value in by_seed(better).items()]
+def _paired(name: str, better: str, worse: str, metric: str) -> dict:
+    """:func:`k3course.lessons.experiments.paired` of a saved claim (accuracy: higher is better)."""
+    return experiments.paired(_saved(name)["result"], better, worse, metric, _key(name),
+                              higher_is_better=metric == "accuracy")
 
 
 @quoted
 def claim_paired(name: str, better: str, worse: str, metric: str = "val_bpb") -> Pair:
-    """min–max over the seeds of the paired difference ``worse`` − ``better`` of a saved claim."""
-    differences = _paired(name, better, worse, metric)
+    """min–max over the seeds of the paired difference of a saved claim (``worse`` − ``better``; for accuracy
+    ``better`` − ``worse``)."""
+    differences = _paired(name, better, worse, metric)["differences"].values()
     return span(min(differences), max(differences))
 
 
 @quoted
+def claim_paired_mean(name: str, better: str, worse: str, metric: str = "val_bpb") -> Pair:
+    """Mean ± sample std over the seeds of the paired difference of a saved claim."""
+    comparison = _paired(name, better, worse, metric)
+    return plus_minus(comparison["mean"], comparison["std"])
+
+
+@quoted
+def claim_pair_spread(name: str, better: str, worse: str, metric: str = "val_bpb") -> float:
+    """The seed-to-seed spread the paired mean must exceed: the larger of the two variants' sample std."""
+    return _paired(name, better, worse, metric)["spread"]
+
+
+@quoted
 def claim_agreeing_seeds(name: str, better: str, worse: str, metric: str = "val_bpb") -> str:
-    """``agreeing/seeds``: the seeds in which ``better`` has the lower metric than ``worse``."""
-    differences = _paired(name, better, worse, metric)
-    return f"{sum(d > 0 for d in differences)}/{len(differences)}"
+    """``agreeing/seeds``: the seeds in which ``better`` beat ``worse``."""
+    comparison = _paired(name, better, worse, metric)
+    return f"{comparison['agreeing']}/{comparison['seeds']}"
+
+
+@quoted
+def claim_verdict(name: str, better: str, worse: str, metric: str = "val_bpb") -> str:
+    """"reproduced", "reversed" or "undecided" by chapter 12's rule (:func:`k3course.lessons.experiments.paired`)."""
+    return _paired(name, better, worse, metric)["verdict"]
 
 
 @quoted

@@ -53,6 +53,9 @@ from k3course.train import TrainConfig, lr_factor
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 MQAR_SETTINGS = dict(steps=300, batch_size=16, lr=5e-3, warmup_steps=30, d_model=32, n_heads=2, seeds=(0, 1, 2))
+# The sweep for harder MQAR (more pairs than lesson 06's 8, in heads of 16-64 channels): 500-3000 steps.
+MQAR_SWEEP = dict(steps=(500, 1500, 3000), n_pairs=(20, 12), head_dims=(16, 32, 64), batch_size=16, lr=5e-3,
+                  warmup_steps=30, n_heads=2, seeds=(0, 1, 2), solved=0.9)
 
 
 @contextlib.contextmanager
@@ -67,15 +70,15 @@ def torch_threads(count: int):
 
 
 def recall_run(mixer: str, seed: int, steps: int, batch_size: int, lr: float, warmup_steps: int, d_model: int,
-               n_heads: int, stop_after: int | None = None) -> dict:
-    """Train a :class:`RecallModel` with ``mixer`` on :data:`k3course.lessons.claims.MQAR_TASK`; {"losses", "accuracy",
-    "seconds"}.
+               n_heads: int, stop_after: int | None = None, n_pairs: int = claims.MQAR_TASK["n_pairs"]) -> dict:
+    """Train a :class:`RecallModel` with ``mixer`` on :data:`k3course.lessons.claims.MQAR_TASK` with ``n_pairs``
+    pairs; {"losses", "accuracy", "seconds"}.
 
     AdamW (no weight decay) at lr · f(step), f = :func:`k3course.train.lr_factor` (warmup, cosine to 0.1);
     batch ``step`` is ``mqar(..., seed=seed·10⁶ + step)``; accuracy on 256 held-out sequences (seed 10⁹ + seed).
     ``stop_after`` ends the run early without changing any earlier step (for replaying a saved run).
     """
-    task = claims.MQAR_TASK
+    task = {**claims.MQAR_TASK, "n_pairs": n_pairs}
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = RecallModel(task["vocab_size"], mixer, d_model=d_model, n_heads=n_heads)
@@ -101,6 +104,57 @@ def mqar_mixers(steps: int, batch_size: int, lr: float, warmup_steps: int, d_mod
                              **recall_run(mixer, seed, steps, batch_size, lr, warmup_steps, d_model, n_heads)})
                 print(f"mqar-mixers: {mixer}, seed {seed}: {runs[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
     return {"task": claims.MQAR_TASK, "torch_threads": 1, "runs": runs}
+
+
+def sweep_cells(steps: tuple[int, ...], n_pairs: tuple[int, ...], head_dims: tuple[int, ...]) -> list[dict]:
+    """Every (steps, n_pairs, head_dim) as {"steps", "n_pairs", "head_dim"}, cheapest first: by steps × head_dim
+    (a recall step's time grows about linearly in the width here), then the most pairs first (the harder task at
+    the same cost)."""
+    cells = [{"steps": s, "n_pairs": p, "head_dim": h} for s in steps for p in n_pairs for h in head_dims]
+    return sorted(cells, key=lambda cell: (cell["steps"] * cell["head_dim"], -cell["n_pairs"]))
+
+
+def solved_seeds(runs: list[dict], mixer: str, solved: float) -> int:
+    """How many of ``mixer``'s runs reached held-out recall accuracy ≥ ``solved``."""
+    return sum(run["accuracy"] >= solved for run in runs if run["mixer"] == mixer)
+
+
+def mqar_sweep(steps: tuple[int, ...], n_pairs: tuple[int, ...], head_dims: tuple[int, ...], batch_size: int,
+               lr: float, warmup_steps: int, n_heads: int, seeds: tuple[int, ...], solved: float) -> dict:
+    """The cheapest harder-MQAR setting at which a mixer of :data:`k3course.lessons.recall.MIXERS` learns recall,
+    and the three mixers compared there over ``seeds``.
+
+    Walks :func:`sweep_cells` in order. In each cell every mixer trains on the first seed (:func:`recall_run`, a
+    :class:`RecallModel` of ``n_heads`` heads of ``head_dim`` channels); if one reaches held-out accuracy ≥
+    ``solved``, every mixer trains on the other seeds too, and the cell is chosen if some mixer is solved in most
+    seeds (more than half). The walk stops at the chosen cell. Returns {"task", "cells": [{**cell, "runs":
+    [{"mixer", "seed", ...run}]}], "chosen": the chosen cell's index or None, "torch_threads": 1}.
+    """
+    cells, chosen = [], None
+    with torch_threads(1):
+        for cell in sweep_cells(steps, n_pairs, head_dims):
+            train = lambda mixer, seed: {"mixer": mixer, "seed": seed, **recall_run(
+                mixer, seed, cell["steps"], batch_size, lr, warmup_steps, n_heads * cell["head_dim"], n_heads,
+                n_pairs=cell["n_pairs"])}
+            runs = [train(mixer, seeds[0]) for mixer in MIXERS]
+            if any(run["accuracy"] >= solved for run in runs):
+                runs += [train(mixer, seed) for mixer in MIXERS for seed in seeds[1:]]
+            cells.append({**cell, "runs": runs})
+            best = max(solved_seeds(runs, mixer, solved) for mixer in MIXERS)
+            print(f"mqar-sweep: {cell}: best mixer solved {best}/{len(seeds)} seeds", file=sys.stderr, flush=True)
+            if 2 * best > len(seeds):
+                chosen = len(cells) - 1
+                break
+    task = {k: v for k, v in claims.MQAR_TASK.items() if k != "n_pairs"}
+    return {"task": task, "cells": cells, "chosen": chosen, "torch_threads": 1}
+
+
+def sweep_comparison(result: dict) -> dict:
+    """The chosen cell of a :func:`mqar_sweep` result as a claim-like result {"runs"} keyed by "mixer" (for
+    :func:`spread` and :func:`paired`); ValueError if the sweep chose none."""
+    if result["chosen"] is None:
+        raise ValueError("result: the sweep found no cell where a mixer solves MQAR in most seeds")
+    return {"runs": result["cells"][result["chosen"]]["runs"]}
 
 
 def describe(cfg) -> dict:
@@ -360,6 +414,7 @@ _TEXT = dict(seeds=SEEDS, task="text", train=dataclasses.asdict(claims.TEXT_TRAI
 EXPERIMENTS = {
     "tiny-default": (tiny_default, {}),
     "mqar-mixers": (mqar_mixers, MQAR_SETTINGS),
+    "mqar-sweep": (mqar_sweep, MQAR_SWEEP),
     "dense-baseline": (claim_variants, {"claim": "dense-baseline", **_TEXT, "sample_prompt": "def "}),
     "dense-baseline-default": (claim_variants, {"claim": "dense-baseline", "seeds": SEEDS, "task": "text",
                                                 "train": dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN),

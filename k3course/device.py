@@ -1,10 +1,13 @@
-"""Where tensors live: CUDA when present, else CPU; and how the CPU's freed memory is kept."""
+"""Where tensors live: CUDA when present, else CPU; how the CPU's freed memory is kept; and how a call is timed
+(the best of several, on a shared machine)."""
 
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
+from tqdm.auto import tqdm
 
 
 def default_device() -> torch.device:
@@ -29,3 +32,39 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+
+
+def on_cuda(device: torch.device | str | None) -> bool:
+    """Whether ``device`` (None: unknown) is a CUDA device."""
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def best_seconds(fn, repeats: int = 5, device: torch.device | str | None = None) -> float:
+    """The fastest of ``repeats`` calls of ``fn()``, in seconds: the call least disturbed by other processes.
+
+    On a CUDA ``device`` the GPU is synchronised around each call, so the time covers the kernels, not the launch.
+    """
+    sync = on_cuda(device)
+    times = []
+    for _ in range(repeats):
+        if sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if sync:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def interleaved_best_seconds(calls: dict, rounds: int = 3, device: torch.device | str | None = None) -> dict:
+    """The best time of each call over ``rounds`` rounds in which the calls take turns, so that a busy spell of a
+    shared machine slows all of them alike rather than whichever ran during it.
+
+    calls: name -> (fn, calls per round). Returns name -> seconds (see :func:`best_seconds`).
+    """
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in tqdm(range(rounds), desc="rounds", leave=False):
+        for name, (fn, repeats) in calls.items():
+            best[name] = min(best[name], best_seconds(fn, repeats, device))
+    return best

@@ -450,6 +450,34 @@ def _micro_batches(tokens, step: int, train: TrainConfig, device) -> list[tuple[
     return [(inputs.to(device), targets.to(device)) for inputs, targets in batches]
 
 
+def text_batches(tokens: torch.Tensor, train: TrainConfig, device: torch.device | str = "cpu"
+                 ) -> Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Step i → its ``grad_accum`` micro-batches of ``tokens`` [(inputs [B, T], targets [B, T])] on ``device``:
+    :func:`k3course.data.batch_at` windows i·grad_accum + j with ``train``'s batch shape and seed."""
+    return functools.partial(_micro_batches, tokens, train=train, device=device)
+
+
+class Stepper:
+    """A freshly seeded model of ``model_config`` (:func:`build_model`) with its optimizer and schedule
+    (:func:`make_optimizer`), trained one optimizer step per call on ``batches(i)`` for i = 0, 1, 2, …
+
+    ``stepper()`` returns :func:`train_step`'s record. The loop of every short run outside ``k3course train``:
+    chapter 12's claims, ``bench train``, the probes and the capstone.
+    """
+
+    def __init__(self, model_config: K3Config, train: TrainConfig, batches: Callable[[int], list],
+                 device: torch.device | str = "cpu"):
+        self.model = build_model(model_config, train.seed, device)
+        self.optimizer, self.scheduler = make_optimizer(self.model, train)
+        self.train, self.batches, self.steps_taken = train, batches, 0
+
+    def __call__(self) -> dict:
+        batches = self.batches(self.steps_taken)
+        record = train_step(self.model, self.optimizer, self.scheduler, batches, self.train.grad_clip)
+        self.steps_taken += 1
+        return record
+
+
 def rank_shards(micro_batches, rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Rank ``rank``'s 1/P of the rows of every micro-batch [(inputs [B, T], targets [B, T]), ...]."""
     return [(inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]) for inputs, targets in micro_batches]

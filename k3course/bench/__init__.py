@@ -1,10 +1,11 @@
 """Benchmarks, one module per topic, each with ``main(options: list[str]) -> int``; run as
 ``k3course bench <module>``. They print times measured in one run and ratios between them.
 
-Shared here: the timing (:func:`best_seconds`, :func:`interleaved_best_seconds`, page faults), the options every
-benchmark takes (:func:`add_options`, :func:`apply_options`: threads, the allocator setting, repeats, rounds) and
-the reading of a layer's named profiler ranges (:func:`profile_calls`, :func:`range_seconds`), so that a stage
-breakdown times the real layer rather than a copy of its forward.
+Shared here: the page faults per call, the options every benchmark takes (:func:`add_options`,
+:func:`apply_options`: threads, the allocator setting, repeats, rounds) and the reading of a layer's named profiler
+ranges (:func:`profile_calls`, :func:`range_seconds`), so that a stage breakdown times the real layer rather than
+a copy of its forward. The timing itself (best of several calls, interleaved rounds) is
+:func:`k3course.device.best_seconds` and :func:`k3course.device.interleaved_best_seconds`.
 """
 
 from __future__ import annotations
@@ -15,40 +16,8 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from tqdm.auto import tqdm
 
-from k3course.device import keep_freed_memory
-
-
-def best_seconds(fn, repeats: int = 5, device: torch.device | str | None = None) -> float:
-    """The fastest of ``repeats`` calls of ``fn()``, in seconds: the call least disturbed by other processes.
-
-    On a CUDA ``device`` the GPU is synchronised around each call, so the time covers the kernels, not the launch.
-    """
-    sync = _on_cuda(device)
-    times = []
-    for _ in range(repeats):
-        if sync:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if sync:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def interleaved_best_seconds(calls: dict, rounds: int = 3, device: torch.device | str | None = None) -> dict:
-    """The best time of each call over ``rounds`` rounds in which the calls take turns, so that a busy spell of a
-    shared machine slows all of them alike rather than whichever ran during it.
-
-    calls: name -> (fn, calls per round). Returns name -> seconds (see :func:`best_seconds`).
-    """
-    best = dict.fromkeys(calls, float("inf"))
-    for _ in tqdm(range(rounds), desc="rounds", leave=False):
-        for name, (fn, repeats) in calls.items():
-            best[name] = min(best[name], best_seconds(fn, repeats, device))
-    return best
+from k3course.device import keep_freed_memory, on_cuda
 
 
 def page_faults_per_call(fn, calls: int = 2) -> float | None:
@@ -119,7 +88,7 @@ def apply_options(threads: int, return_freed_memory: bool) -> str:
 def profile_calls(fn, calls: int, device: torch.device | str | None = None) -> tuple[list, float]:
     """Run ``fn()`` ``calls`` times under ``torch.profiler`` (CPU, plus CUDA on a CUDA ``device``). Returns (the
     profiler's events, seconds per call while profiled): what :func:`range_seconds` reads."""
-    cuda = _on_cuda(device)
+    cuda = on_cuda(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as profiler:
         start = time.perf_counter()
@@ -185,11 +154,7 @@ def op_seconds(events: list, names: tuple[str, ...], calls: int, device: torch.d
     return total / calls / 1e6
 
 
-def _on_cuda(device: torch.device | str | None) -> bool:
-    return device is not None and torch.device(device).type == "cuda"
-
-
 def _event_micros(device: torch.device | str | None):
     """How long a profiler event took, in µs, its children included: its kernels' time on a CUDA ``device``, else
     CPU time."""
-    return (lambda event: event.device_time_total) if _on_cuda(device) else (lambda event: event.cpu_time_total)
+    return (lambda event: event.device_time_total) if on_cuda(device) else (lambda event: event.cpu_time_total)

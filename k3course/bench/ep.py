@@ -21,7 +21,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from k3course.bench import add_options, apply_options, best_seconds
+from k3course.bench import add_options, apply_options
+from k3course.device import best_seconds
 from k3course.distributed import exchange_counts, parallelize_experts, run_ranks, split_sizes
 from k3course.moe import LatentMoE, MoE
 

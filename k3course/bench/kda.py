@@ -23,7 +23,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from k3course.bench import add_options, apply_options, best_seconds, interleaved_best_seconds, page_faults_per_call
+from k3course.bench import add_options, apply_options, page_faults_per_call
+from k3course.device import best_seconds, interleaved_best_seconds
 from k3course.layers.kda import KDA_LOWER_BOUND, KimiDeltaAttention, kda_gate
 from k3course.ops.chunk import kda_chunk
 from k3course.ops.recurrent import kda_recurrent

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from k3course.bench import add_options, apply_options, best_seconds
+from k3course.bench import add_options, apply_options
+from k3course.device import best_seconds
 
 # Dense bf16 tensor-core peak (TFLOP/s) and HBM bandwidth (TB/s), from the vendors' data sheets (SXM parts).
 PEAKS: dict[str, tuple[float, float]] = {

@@ -46,15 +46,13 @@ import torch
 from k3course.bench import (
     add_options,
     apply_options,
-    best_seconds,
-    interleaved_best_seconds,
     op_seconds,
     page_faults_per_call,
     profile_calls,
     range_seconds,
 )
 from k3course.debug import profiler_range
-from k3course.device import default_device
+from k3course.device import best_seconds, default_device, interleaved_best_seconds
 from k3course.moe import GLUFFN, LatentMoE
 from k3course.moe.balancing import expert_load
 from k3course.moe.latent import moe_flops_per_token, rms_norm

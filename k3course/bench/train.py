@@ -14,7 +14,6 @@ lesson 12 shows (:func:`show_results`); ``--out`` saves them elsewhere.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import time
@@ -22,20 +21,12 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from k3course.bench import add_options, apply_options, interleaved_best_seconds
+from k3course.bench import add_options, apply_options
 from k3course.config import K3Config
+from k3course.device import interleaved_best_seconds
 from k3course.lessons.claims import dense_transformer
 from k3course.lessons.experiments import machine
-from k3course.train import (
-    RunOptions,
-    TrainConfig,
-    _micro_batches,
-    build_model,
-    compile_for_training,
-    make_optimizer,
-    run_corpus,
-    train_step,
-)
+from k3course.train import RunOptions, Stepper, TrainConfig, compile_for_training, run_corpus, text_batches
 
 RESULTS_FILE = Path(__file__).resolve().parents[1] / "results" / "train_bench.json"
 MODES = ("eager", "compiled", "torch ops")  # "torch ops": eager with chapter 08's Triton kernels switched off
@@ -85,16 +76,12 @@ def kernels_switched_off(off: bool):
 def step_function(cfg: K3Config, train: TrainConfig, mode: str, device: str) -> tuple[Callable[[], dict], float]:
     """(one training step of a seeded model of ``cfg``, seconds its first step took: the compile time when
     ``mode`` is "compiled"). Each call trains on the next batches of the stdlib bytes."""
-    corpus = run_corpus(RunOptions())
-    model = build_model(cfg, train.seed, device)
-    optimizer, scheduler = make_optimizer(model, train)
+    stepper = Stepper(cfg, train, text_batches(run_corpus(RunOptions()).train, train, device), device)
     if mode == "compiled":
-        compile_for_training(model, train)
-    step_index = itertools.count()
+        compile_for_training(stepper.model, train)
     def step() -> dict:
         with kernels_switched_off(mode == "torch ops"):
-            return train_step(model, optimizer, scheduler,
-                              _micro_batches(corpus.train, next(step_index), train, device), train.grad_clip)
+            return stepper()
 
     began = time.perf_counter()
     step()

@@ -24,7 +24,7 @@ from pathlib import Path
 import nbformat
 import torch
 
-from k3course import data, train
+from k3course import train
 from k3course.config import K3Config
 from k3course.lessons.parts import use_parts
 
@@ -118,11 +118,7 @@ def train_briefly(cfg: K3Config, tokens, steps: int = 30, batch_size: int = 4, s
     of each step)."""
     config = train.TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, warmup_steps=min(5, steps),
                                seed=seed)
-    model = train.build_model(cfg, seed)
-    optimizer, scheduler = train.make_optimizer(model, config)
-    losses = []
+    stepper = train.Stepper(cfg, config, train.text_batches(tokens, config))
     with use_parts(**(parts or {})):
-        for step in range(steps):
-            batch = [data.batch_at(tokens, step, batch_size, seq_len, seed)]
-            losses.append(train.train_step(model, optimizer, scheduler, batch, config.grad_clip)["loss"])
-    return model, losses
+        losses = [stepper()["loss"] for _ in range(steps)]
+    return stepper.model, losses

@@ -21,7 +21,6 @@ seed): model initialisation and batches are seeded, so its first steps can be re
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 
@@ -146,27 +145,26 @@ CLAIMS: dict[str, Callable[[], dict[str, K3Config]]] = {
 
 # --- one run ----------------------------------------------------------------------------------------------
 
-def _text_batches(corpus: data.ByteCorpus, settings: train.TrainConfig) -> Callable[[int], list]:
-    return lambda step: train._micro_batches(corpus.train, step, settings, "cpu")
-
-
-def text_training_steps(cfg: K3Config, settings: train.TrainConfig) -> Callable[[], dict]:
+def text_training_steps(cfg: K3Config, settings: train.TrainConfig) -> train.Stepper:
     """A fresh seeded model of ``cfg`` and its optimizer; each call trains one step on the next text batch (for
     timing a variant's step as :func:`run_variant` takes it)."""
-    batches, model = _text_batches(data.stdlib_corpus(), settings), train.build_model(cfg, settings.seed)
-    optimizer, scheduler = train.make_optimizer(model, settings)
-    steps = itertools.count()
-    return lambda: train.train_step(model, optimizer, scheduler, batches(next(steps)), settings.grad_clip)
+    return train.Stepper(cfg, settings, train.text_batches(data.stdlib_corpus().train, settings))
 
 
-def _mqar_batches(settings: train.TrainConfig) -> Callable[[int], list]:
-    return lambda step: [data.mqar(settings.batch_size, seed=settings.seed * 10**6 + step, **MQAR_TASK)]
+def _mqar_batches(settings: train.TrainConfig, device: torch.device | str) -> Callable[[int], list]:
+    """Step i → [mqar(batch_size, seed=seed·10⁶ + i, **MQAR_TASK)] on ``device``."""
+    def batches(step: int) -> list:
+        tokens, targets = data.mqar(settings.batch_size, seed=settings.seed * 10**6 + step, **MQAR_TASK)
+        return [(tokens.to(device), targets.to(device))]
+    return batches
 
 
 @torch.no_grad()
 def recall_accuracy(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> float:
     """Fraction of query positions (targets ≠ IGNORE) where the model's arg-max is the stored value."""
     model.eval()
+    device = next(model.parameters()).device
+    tokens, targets = tokens.to(device), targets.to(device)
     asked = targets != IGNORE
     predictions = model(tokens)[0].argmax(-1)
     return (predictions[asked] == targets[asked]).float().mean().item()
@@ -174,7 +172,7 @@ def recall_accuracy(model: torch.nn.Module, tokens: torch.Tensor, targets: torch
 
 def run_variant(cfg: K3Config, settings: train.TrainConfig, seed: int, task: str = "text",
                 stop_after: int | None = None, corpus: data.ByteCorpus | None = None,
-                sample_prompt: str | None = None) -> dict:
+                sample_prompt: str | None = None, device: torch.device | str = "cpu") -> dict:
     """Train ``cfg`` with ``settings`` (its seed replaced by ``seed``) on ``task`` ("text" or "mqar").
 
     text  batches :func:`k3course.data.batch_at` of the stdlib corpus; result "val_bpb": validation bits/byte
@@ -185,7 +183,8 @@ def run_variant(cfg: K3Config, settings: train.TrainConfig, seed: int, task: str
     Returns {"losses", "max_violation" (per step, worst MoE layer), "val_bpb" or "accuracy", "seconds"}, and
     "sample" when ``sample_prompt`` is given: 200 bytes after it (temperature 0.8, top-k 20, seed 0).
     ``stop_after`` ends the run early without changing any earlier step (the schedule is the full run's) and
-    returns only the losses and max-violations (to replay a saved run's first steps).
+    returns only the losses and max-violations (to replay a saved run's first steps). ``device``: where the model
+    and its batches live.
     """
     if task not in ("text", "mqar"):
         raise ValueError(f"task must be 'text' or 'mqar', got {task!r}")
@@ -193,13 +192,14 @@ def run_variant(cfg: K3Config, settings: train.TrainConfig, seed: int, task: str
         raise ValueError(f"stop_after must be None or in [1, steps = {settings.steps}], got {stop_after!r}")
     settings = settings.replace(seed=seed)
     corpus = corpus or (data.stdlib_corpus() if task == "text" else None)
-    batches = _text_batches(corpus, settings) if task == "text" else _mqar_batches(settings)
+    batches = train.text_batches(corpus.train, settings, device) if task == "text" \
+        else _mqar_batches(settings, device)
     began = time.perf_counter()
-    model = train.build_model(cfg, seed)
-    optimizer, scheduler = train.make_optimizer(model, settings)
+    stepper = train.Stepper(cfg, settings, batches, device)
+    model = stepper.model
     losses, violations = [], []
-    for step in range(settings.steps if stop_after is None else stop_after):
-        record = train.train_step(model, optimizer, scheduler, batches(step), settings.grad_clip)
+    for _ in range(settings.steps if stop_after is None else stop_after):
+        record = stepper()
         losses.append(record["loss"])
         violations.append(record["max_violation"])
     result = {"losses": losses, "max_violation": violations}

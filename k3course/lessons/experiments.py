@@ -46,15 +46,16 @@ import torch
 from k3course import accounting
 from k3course.config import K3Config
 from k3course.data import mqar
-from k3course.device import keep_freed_memory
+from k3course.device import interleaved_best_seconds, keep_freed_memory
 from k3course.lessons import claims
 from k3course.lessons.recall import MIXERS, RecallModel, fit_cross_entropy, recall_accuracy
 from k3course.train import TrainConfig, lr_factor
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 MQAR_SETTINGS = dict(steps=300, batch_size=16, lr=5e-3, warmup_steps=30, d_model=32, n_heads=2, seeds=(0, 1, 2))
-# The sweep for harder MQAR (more pairs than lesson 06's 8, in heads of 16-64 channels): 500-3000 steps.
-MQAR_SWEEP = dict(steps=(500, 1500, 3000), n_pairs=(20, 12), head_dims=(16, 32, 64), batch_size=16, lr=5e-3,
+# The sweep for harder MQAR: more pairs than a head has channels (12 or 20 pairs in heads of 8 or 16 channels, so
+# keys cannot all be orthogonal), 500-6000 steps.
+MQAR_SWEEP = dict(steps=(500, 1500, 3000, 6000), n_pairs=(20, 12), head_dims=(8, 16), batch_size=16, lr=5e-3,
                   warmup_steps=30, n_heads=2, seeds=(0, 1, 2), solved=0.9)
 
 
@@ -107,16 +108,24 @@ def mqar_mixers(steps: int, batch_size: int, lr: float, warmup_steps: int, d_mod
 
 
 def sweep_cells(steps: tuple[int, ...], n_pairs: tuple[int, ...], head_dims: tuple[int, ...]) -> list[dict]:
-    """Every (steps, n_pairs, head_dim) as {"steps", "n_pairs", "head_dim"}, cheapest first: by steps × head_dim
-    (a recall step's time grows about linearly in the width here), then the most pairs first (the harder task at
-    the same cost)."""
-    cells = [{"steps": s, "n_pairs": p, "head_dim": h} for s in steps for p in n_pairs for h in head_dims]
+    """Every (steps, n_pairs, head_dim) with more pairs than head channels (harder MQAR: the keys cannot all be
+    orthogonal) as {"steps", "n_pairs", "head_dim"}, cheapest first: by steps × head_dim (a recall step's time
+    grows about linearly in the width here), then the most pairs first (the harder task at the same cost)."""
+    cells = [{"steps": s, "n_pairs": p, "head_dim": h} for s in steps for p in n_pairs for h in head_dims if p > h]
     return sorted(cells, key=lambda cell: (cell["steps"] * cell["head_dim"], -cell["n_pairs"]))
 
 
 def solved_seeds(runs: list[dict], mixer: str, solved: float) -> int:
     """How many of ``mixer``'s runs reached held-out recall accuracy ≥ ``solved``."""
     return sum(run["accuracy"] >= solved for run in runs if run["mixer"] == mixer)
+
+
+def cell_run(cell: dict, mixer: str, seed: int, batch_size: int, lr: float, warmup_steps: int, n_heads: int,
+             stop_after: int | None = None) -> dict:
+    """One :func:`recall_run` of a sweep cell {"steps", "n_pairs", "head_dim"}: {"mixer", "seed", ...run}."""
+    run = recall_run(mixer, seed, cell["steps"], batch_size, lr, warmup_steps, n_heads * cell["head_dim"], n_heads,
+                     stop_after, cell["n_pairs"])
+    return {"mixer": mixer, "seed": seed, **run}
 
 
 def mqar_sweep(steps: tuple[int, ...], n_pairs: tuple[int, ...], head_dims: tuple[int, ...], batch_size: int,
@@ -133,9 +142,8 @@ def mqar_sweep(steps: tuple[int, ...], n_pairs: tuple[int, ...], head_dims: tupl
     cells, chosen = [], None
     with torch_threads(1):
         for cell in sweep_cells(steps, n_pairs, head_dims):
-            train = lambda mixer, seed: {"mixer": mixer, "seed": seed, **recall_run(
-                mixer, seed, cell["steps"], batch_size, lr, warmup_steps, n_heads * cell["head_dim"], n_heads,
-                n_pairs=cell["n_pairs"])}
+            train = functools.partial(cell_run, cell, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
+                                      n_heads=n_heads)
             runs = [train(mixer, seeds[0]) for mixer in MIXERS]
             if any(run["accuracy"] >= solved for run in runs):
                 runs += [train(mixer, seed) for mixer in MIXERS for seed in seeds[1:]]
@@ -230,18 +238,11 @@ def equal_time_label(variant: str) -> str:
 
 def step_seconds(variants: dict, settings: TrainConfig, rounds: int = 5, repeats: int = 3) -> dict[str, float]:
     """{label: seconds per training step} of each variant on one thread (:func:`claims.text_training_steps`): the
-    best of ``repeats`` steps in each of ``rounds`` rounds in which the variants take turns, so that a busy spell
-    of the machine slows all of them alike."""
+    best of ``repeats`` steps in each of ``rounds`` rounds in which the variants take turns
+    (:func:`k3course.device.interleaved_best_seconds`), so that a busy spell of the machine slows all alike."""
     with torch_threads(1):
         steppers = {label: claims.text_training_steps(cfg, settings) for label, cfg in variants.items()}
-        best = dict.fromkeys(steppers, float("inf"))
-        for _ in range(rounds):
-            for label, step in steppers.items():
-                for _ in range(repeats):
-                    began = time.perf_counter()
-                    step()
-                    best[label] = min(best[label], time.perf_counter() - began)
-    return best
+        return interleaved_best_seconds({label: (step, repeats) for label, step in steppers.items()}, rounds)
 
 
 def equal_time_steps(step_seconds: dict[str, float], slower: str, faster: str, steps: int) -> int:

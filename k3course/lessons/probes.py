@@ -29,10 +29,9 @@ def probe_run(cfg: K3Config, settings: train.TrainConfig, corpus: data.ByteCorpu
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= settings.steps:
         raise ValueError(f"steps must be an int in [1, settings.steps = {settings.steps}], got {steps!r}")
-    settings = settings.replace(seed=seed)
-    model = train.build_model(cfg, seed)
-    optimizer, scheduler = train.make_optimizer(model, settings)
-    moes = model.moe_layers()
+    settings = settings.replace(seed=seed, grad_accum=1)  # one micro-batch per step
+    stepper = train.Stepper(cfg, settings, train.text_batches(corpus.train, settings))
+    moes = stepper.model.moe_layers()
     for moe in moes if gamma is not None else ():
         moe.gamma = gamma
     seen: list[torch.Tensor] = []
@@ -44,10 +43,9 @@ def probe_run(cfg: K3Config, settings: train.TrainConfig, corpus: data.ByteCorpu
     if moes and moes[-1].balancing == "quantile":
         moes[-1].register_forward_hook(keep_scores)
     records, previous = [], None
-    for step in range(steps):
+    for _ in range(steps):
         seen.clear()
-        batches = [data.batch_at(corpus.train, step, settings.batch_size, settings.seq_len, settings.seed)]
-        record = train.train_step(model, optimizer, scheduler, batches, settings.grad_clip)
+        record = stepper()
         if seen:
             scores = torch.cat(seen)
             record["score_spread"] = scores.std(0).mean().item()

@@ -198,10 +198,16 @@ def _experiment_names() -> list[str]:
     return list(EXPERIMENTS)
 
 
+def _experiment_budgets() -> tuple[str, ...]:
+    from k3course.lessons.experiments import BUDGETS
+
+    return BUDGETS
+
+
 def _experiments(args) -> int:
     from k3course.lessons.experiments import main as experiments_main
 
-    return experiments_main([args.name, "--jobs", str(args.jobs)])
+    return experiments_main([args.name, "--jobs", str(args.jobs), "--budget", args.budget])
 
 
 def _doctor(args) -> int:
@@ -314,6 +320,9 @@ def parser() -> argparse.ArgumentParser:
     experiments.add_argument("name", help="which experiment: " + ", ".join(_experiment_names()))
     experiments.add_argument("--jobs", type=int, default=1,
                              help="claim experiments: runs trained at a time, each in its own process")
+    experiments.add_argument("--budget", choices=_experiment_budgets(), default="default",
+                             help="gpu: the four text claims on a CUDA GPU, about one GPU-hour together "
+                                  "(saved as NAME-gpu.json)")
     experiments.set_defaults(run=_experiments)
     return top
 

@@ -145,10 +145,11 @@ CLAIMS: dict[str, Callable[[], dict[str, K3Config]]] = {
 
 # --- one run ----------------------------------------------------------------------------------------------
 
-def text_training_steps(cfg: K3Config, settings: train.TrainConfig) -> train.Stepper:
-    """A fresh seeded model of ``cfg`` and its optimizer; each call trains one step on the next text batch (for
-    timing a variant's step as :func:`run_variant` takes it)."""
-    return train.Stepper(cfg, settings, train.text_batches(data.stdlib_corpus().train, settings))
+def text_training_steps(cfg: K3Config, settings: train.TrainConfig, device: torch.device | str = "cpu"
+                        ) -> train.Stepper:
+    """A fresh seeded model of ``cfg`` and its optimizer on ``device``; each call trains one step on the next text
+    batch (for timing a variant's step as :func:`run_variant` takes it)."""
+    return train.Stepper(cfg, settings, train.text_batches(data.stdlib_corpus().train, settings, device), device)
 
 
 def _mqar_batches(settings: train.TrainConfig, device: torch.device | str) -> Callable[[int], list]:

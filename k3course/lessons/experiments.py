@@ -174,17 +174,19 @@ def describe(cfg) -> dict:
             "activation_ratio": accounting.activation_ratio(cfg)}
 
 
-def _train_variant(label: str, cfg, settings: TrainConfig, seed: int, task: str, prompt: str | None) -> dict:
+def _train_variant(label: str, cfg, settings: TrainConfig, seed: int, task: str, prompt: str | None,
+                   device: str) -> dict:
     """One run of a claim experiment, on one thread (called in this process or in a worker)."""
     with torch_threads(1):
-        run = {"variant": label, "seed": seed, **claims.run_variant(cfg, settings, seed, task, sample_prompt=prompt)}
+        run = {"variant": label, "seed": seed,
+               **claims.run_variant(cfg, settings, seed, task, sample_prompt=prompt, device=device)}
     print(f"{label}, seed {seed}: {run['seconds']:.0f} s", file=sys.stderr, flush=True)
     return run
 
 
 def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, sample_prompt: str | None = None,
                    reuse: dict[str, tuple[str, str]] | None = None, jobs: int = 1,
-                   equal_time: tuple[str, str] | None = None) -> dict:
+                   equal_time: tuple[str, str] | None = None, device: str = "cpu") -> dict:
     """Every variant of ``claim`` (:data:`k3course.lessons.claims.CLAIMS`) × every seed, trained by
     :func:`k3course.lessons.claims.run_variant` with ``TrainConfig(**train)``:
     {"variants": {label: :func:`describe`}, "torch_threads": 1, "runs": [{"variant", "seed", ...run}, ...]}, on
@@ -199,17 +201,18 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
     in the wall time of ``slower``'s steps (:func:`equal_time_steps` of the step times :func:`step_seconds`
     measures first, both models on one thread taking turns), on its own warmup + cosine schedule over those steps,
     as the variant "FASTER (equal time)" with its "steps"; the result keeps the step times ("step_seconds").
+    ``device``: where every run trains (a CUDA device for :data:`GPU_BUDGET`'s runs).
     """
     variants = claims.CLAIMS[claim]()
     settings = train_config(train)
     timing, equal = None, []
     if equal_time is not None:
         slower, faster = equal_time
-        timing = step_seconds({label: variants[label] for label in equal_time}, settings)
+        timing = step_seconds({label: variants[label] for label in equal_time}, settings, device=device)
         steps = equal_time_steps(timing, slower, faster, settings.steps)
-        equal = [(equal_time_label(faster), variants[faster], settings.replace(steps=steps), seed, task, None)
+        equal = [(equal_time_label(faster), variants[faster], settings.replace(steps=steps), seed, task, None, device)
                  for seed in seeds]
-    todo = [(label, cfg, settings, seed, task, sample_prompt if seed == seeds[0] else None)
+    todo = [(label, cfg, settings, seed, task, sample_prompt if seed == seeds[0] else None, device)
             for label, cfg in variants.items() if label not in (reuse or {}) for seed in seeds] + equal
     if jobs > 1:
         with multiprocessing.get_context("spawn").Pool(jobs, initializer=keep_freed_memory) as pool:
@@ -236,13 +239,14 @@ def equal_time_label(variant: str) -> str:
     return f"{variant} (equal time)"
 
 
-def step_seconds(variants: dict, settings: TrainConfig, rounds: int = 5, repeats: int = 3) -> dict[str, float]:
-    """{label: seconds per training step} of each variant on one thread (:func:`claims.text_training_steps`): the
-    best of ``repeats`` steps in each of ``rounds`` rounds in which the variants take turns
+def step_seconds(variants: dict, settings: TrainConfig, rounds: int = 5, repeats: int = 3,
+                 device: str = "cpu") -> dict[str, float]:
+    """{label: seconds per training step} of each variant on one thread (:func:`claims.text_training_steps`) on
+    ``device``: the best of ``repeats`` steps in each of ``rounds`` rounds in which the variants take turns
     (:func:`k3course.device.interleaved_best_seconds`), so that a busy spell of the machine slows all alike."""
     with torch_threads(1):
-        steppers = {label: claims.text_training_steps(cfg, settings) for label, cfg in variants.items()}
-        return interleaved_best_seconds({label: (step, repeats) for label, step in steppers.items()}, rounds)
+        steppers = {label: claims.text_training_steps(cfg, settings, device) for label, cfg in variants.items()}
+        return interleaved_best_seconds({label: (step, repeats) for label, step in steppers.items()}, rounds, device)
 
 
 def equal_time_steps(step_seconds: dict[str, float], slower: str, faster: str, steps: int) -> int:
@@ -412,6 +416,7 @@ def tiny_default() -> dict:
 
 SEEDS = (0, 1, 2)
 _TEXT = dict(seeds=SEEDS, task="text", train=dataclasses.asdict(claims.TEXT_TRAIN))
+_DEFAULT_TEXT = dict(seeds=SEEDS, task="text", train=dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN))
 EXPERIMENTS = {
     "tiny-default": (tiny_default, {}),
     "mqar-mixers": (mqar_mixers, MQAR_SETTINGS),
@@ -428,7 +433,44 @@ EXPERIMENTS = {
     "latent-moe": (claim_variants, {"claim": "latent-moe", **_TEXT}),
     "expert-count": (claim_variants, {"claim": "expert-count", **_TEXT,
                                       "reuse": {"8 experts (25.0%)": ("balancing", "quantile")}}),
+    "hybrid-ratio-default": (claim_variants, {"claim": "hybrid-ratio", **_DEFAULT_TEXT}),
+    "residuals-default": (claim_variants, {"claim": "residuals", **_DEFAULT_TEXT,
+                                           "reuse": {"Block AttnRes": ("hybrid-ratio-default", "3:1")}}),
+    "latent-moe-default": (claim_variants, {"claim": "latent-moe", **_DEFAULT_TEXT}),
 }
+
+
+# --- budgets: where and how long the claims train ---------------------------------------------------------
+
+BUDGETS = ("default", "gpu")
+# The text claims at a scale closer to the papers' on one GPU: 4× the default run's bytes per step (32 × 256) and
+# 2.5× its steps; a tiny model's step on a GPU costs about its launches, so the bigger batch comes nearly free.
+# Sized on an H200 (eager, fp32, Triton kernels): the four claims together in about one GPU-hour (lesson 12).
+GPU_TEXT_TRAIN = TrainConfig(steps=2000, batch_size=32, seq_len=256, warmup_steps=100, eval_every=0,
+                             eval_bytes=262144, checkpoint_every=0)
+GPU_CLAIMS = ("dense-baseline-default", "hybrid-ratio-default", "residuals-default", "latent-moe-default")
+
+
+def result_name(name: str, budget: str = "default") -> str:
+    """The saved result's name: ``name``, or ``name-gpu`` for the GPU budget."""
+    return name if budget == "default" else f"{name}-{budget}"
+
+
+def budget_settings(name: str, budget: str = "default") -> dict:
+    """Experiment ``name``'s settings under ``budget``: as saved for "default"; for "gpu" (the claims of
+    :data:`GPU_CLAIMS` only) the training settings :data:`GPU_TEXT_TRAIN` on "cuda", a reused variant read from
+    the other experiment's GPU result."""
+    if budget not in BUDGETS:
+        raise ValueError(f"budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
+    settings = EXPERIMENTS[name][1]
+    if budget == "default":
+        return settings
+    if name not in GPU_CLAIMS:
+        raise ValueError(f"budget: {name} has no GPU budget; the claims with one are {', '.join(GPU_CLAIMS)}")
+    reuse = {label: (result_name(experiment, budget), theirs)
+             for label, (experiment, theirs) in settings.get("reuse", {}).items()}
+    return {**settings, "train": dataclasses.asdict(GPU_TEXT_TRAIN), "device": "cuda",
+            **({"reuse": reuse} if reuse else {})}
 
 
 def machine() -> str:
@@ -448,23 +490,28 @@ def load(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def run_experiment(name: str, jobs: int = 1) -> Path:
-    """Run experiment ``name`` with its settings (claim experiments: ``jobs`` runs at a time) and save the result;
-    returns the JSON file."""
+def run_experiment(name: str, jobs: int = 1, budget: str = "default") -> Path:
+    """Run experiment ``name`` with its settings under ``budget`` (:func:`budget_settings`; claim experiments:
+    ``jobs`` runs at a time) and save the result as :func:`result_name`; returns the JSON file."""
     if name not in EXPERIMENTS:
         raise ValueError(f"name: unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an int ≥ 1, got {jobs!r}")
-    function, settings = EXPERIMENTS[name]
+    function, _ = EXPERIMENTS[name]
+    settings = budget_settings(name, budget)
     if jobs > 1 and function is not claim_variants:
         raise ValueError(f"jobs: {name} runs in one process; --jobs applies to the claim experiments")
+    if settings.get("device") == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"budget: {budget!r} trains on a CUDA GPU and this machine has none")
     began = time.perf_counter()
     options = {"jobs": jobs} if function is claim_variants else {}
     outcome = function(**settings, **options)
-    result = {"command": f"k3course experiments {name}", "settings": settings, "result": outcome,
-              "seconds": time.perf_counter() - began, "torch": torch.__version__, "machine": machine()}
+    command = f"k3course experiments {name}" + (f" --budget {budget}" if budget != "default" else "")
+    result = {"command": command, "settings": settings, "result": outcome, "seconds": time.perf_counter() - began,
+              "torch": torch.__version__, "machine": machine(), **({"gpu": torch.cuda.get_device_name()}
+                                                                   if settings.get("device") == "cuda" else {})}
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / f"{result_name(name, budget)}.json"
     path.write_text(json.dumps(result, indent=1))
     return path
 
@@ -473,9 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="k3course experiments", description=__doc__.splitlines()[0])
     parser.add_argument("name", help=f"one of {', '.join(EXPERIMENTS)}")
     parser.add_argument("--jobs", type=int, default=1, help="claim experiments: runs trained at a time (processes)")
+    parser.add_argument("--budget", choices=BUDGETS, default="default",
+                        help=f"gpu: {', '.join(GPU_CLAIMS)} on a CUDA GPU at GPU_TEXT_TRAIN (about one GPU-hour for "
+                             "all four), saved as NAME-gpu.json")
     args = parser.parse_args(argv)
     try:
-        path = run_experiment(args.name, args.jobs)
+        path = run_experiment(args.name, args.jobs, args.budget)
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2

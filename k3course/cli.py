@@ -207,7 +207,8 @@ def _experiment_budgets() -> tuple[str, ...]:
 def _experiments(args) -> int:
     from k3course.lessons.experiments import main as experiments_main
 
-    return experiments_main([args.name, "--jobs", str(args.jobs), "--budget", args.budget])
+    device = ["--device", args.device] if args.device else []
+    return experiments_main([args.name, "--jobs", str(args.jobs), "--budget", args.budget, *device])
 
 
 def _doctor(args) -> int:
@@ -323,6 +324,8 @@ def parser() -> argparse.ArgumentParser:
     experiments.add_argument("--budget", choices=_experiment_budgets(), default="default",
                              help="gpu: the four text claims on a CUDA GPU, about one GPU-hour together "
                                   "(saved as NAME-gpu.json)")
+    experiments.add_argument("--device", default=None, help="claim experiments: train on this torch device "
+                             "(default: the budget's)")
     experiments.set_defaults(run=_experiments)
     return top
 

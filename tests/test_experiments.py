@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from k3course import accounting, data, train
 from k3course.cli import main
@@ -65,6 +66,104 @@ def test_jobs_is_checked_and_only_for_claim_experiments():
         experiments.run_experiment("balancing", jobs=0)
     with pytest.raises(ValueError, match="jobs: tiny-default runs in one process"):
         experiments.run_experiment("tiny-default", jobs=2)
+
+
+def test_the_gpu_budget_is_the_four_text_claims_on_cuda_at_their_own_training_settings():
+    for name in experiments.GPU_CLAIMS:
+        settings = experiments.budget_settings(name, "gpu")
+        assert settings["device"] == "cuda" and settings["train"] == dataclasses.asdict(experiments.GPU_TEXT_TRAIN)
+        assert {k: v for k, v in settings.items() if k not in ("train", "device", "reuse")} == \
+            {k: v for k, v in experiments.EXPERIMENTS[name][1].items() if k not in ("train", "reuse")}
+        assert experiments.result_name(name, "gpu") == f"{name}-gpu"
+    assert experiments.budget_settings("residuals-default", "gpu")["reuse"] == \
+        {"Block AttnRes": ("hybrid-ratio-default-gpu", "3:1")}
+    assert experiments.budget_settings("balancing") is experiments.EXPERIMENTS["balancing"][1]
+    with pytest.raises(ValueError, match="budget: balancing has no GPU budget"):
+        experiments.budget_settings("balancing", "gpu")
+    with pytest.raises(ValueError, match="budget must be one of default, gpu, got 'tpu'"):
+        experiments.budget_settings("hybrid-ratio-default", "tpu")
+
+
+def test_the_gpu_budget_needs_a_gpu_or_a_device_named_and_checks_the_device(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="budget: 'gpu' trains on a CUDA GPU"):
+        experiments.run_experiment("latent-moe-default", budget="gpu")
+    with pytest.raises(ValueError, match="device must be a CPU or CUDA torch device.*'meta'"):
+        experiments.run_experiment("latent-moe-default", budget="gpu", device="meta")
+    with pytest.raises(ValueError, match="device: mqar-sweep trains on the CPU"):
+        experiments.run_experiment("mqar-sweep", device="cpu")
+    assert main(["experiments", "latent-moe-default", "--budget", "gpu"]) == 2
+    assert "CUDA" in capsys.readouterr().err
+
+
+def test_the_gpu_budget_smoke_tested_on_the_cpu_for_two_steps(tmp_path, monkeypatch):
+    """Every GPU-budget claim, in the order a GPU would run them (residuals reads hybrid-ratio's GPU result), for 2
+    steps of GPU_TEXT_TRAIN's batches on the CPU: each run trains, evaluates and is saved as NAME-gpu.json."""
+    monkeypatch.setattr(experiments, "RESULTS", tmp_path)
+    monkeypatch.setattr(experiments, "GPU_TEXT_TRAIN", experiments.GPU_TEXT_TRAIN.replace(steps=2, eval_bytes=2048))
+    for name in ("hybrid-ratio-default", "residuals-default", "latent-moe-default", "dense-baseline-default"):
+        settings = {**experiments.EXPERIMENTS[name][1], "seeds": (0,)}
+        monkeypatch.setitem(experiments.EXPERIMENTS, name, (experiments.claim_variants, settings))
+        path = experiments.run_experiment(name, budget="gpu", device="cpu")
+        assert path == tmp_path / f"{name}-gpu.json"
+        saved = json.loads(path.read_text())
+        assert saved["command"] == f"k3course experiments {name} --budget gpu" and saved["settings"]["device"] == "cpu"
+        runs = saved["result"]["runs"]
+        assert {run["variant"] for run in runs} >= set(claims.CLAIMS[settings["claim"]]())
+        assert all(math.isfinite(run["val_bpb"]) and len(run["losses"]) == run.get("steps", 2) for run in runs)
+    reused = [run for run in experiments.load("residuals-default-gpu")["result"]["runs"] if "reused_from" in run]
+    assert [run["reused_from"] for run in reused] == ["hybrid-ratio-default-gpu: 3:1"]
+
+
+# --- the MQAR sweep ----------------------------------------------------------------------------------------
+
+def test_sweep_cells_have_more_pairs_than_head_channels_cheapest_first():
+    cells = experiments.sweep_cells(steps=(100, 300), n_pairs=(8, 20), head_dims=(8, 16))
+    assert all(cell["n_pairs"] > cell["head_dim"] for cell in cells)
+    assert cells[0] == {"steps": 100, "n_pairs": 20, "head_dim": 8}  # cheapest, and the harder task first
+    costs = [cell["steps"] * cell["head_dim"] for cell in cells]
+    assert costs == sorted(costs) and len(cells) == 2 * 2  # (20 pairs) × (8, 16 channels) × 2 step counts
+
+
+def test_the_sweep_stops_at_the_first_cell_a_mixer_solves_in_most_seeds(monkeypatch):
+    """A fake recall run: KDA solves every seed from 300 steps, and only seed 0 at 200 steps (1 of 3: the walk
+    goes on)."""
+    def fake_run(mixer, seed, steps, batch_size, lr, warmup_steps, d_model, n_heads, stop_after=None, n_pairs=20):
+        solved = mixer == "KDA" and (steps >= 300 or (steps == 200 and seed == 0))
+        return {"losses": [0.0], "accuracy": 1.0 if solved else 0.05, "seconds": 0.0}
+    monkeypatch.setattr(experiments, "recall_run", fake_run)
+    settings = dict(n_pairs=(20,), head_dims=(8,), batch_size=2, lr=1e-3, warmup_steps=1, n_heads=2,
+                    seeds=(0, 1, 2), solved=0.9)
+    result = experiments.mqar_sweep(steps=(100, 200, 300, 400), **settings)
+    assert [cell["steps"] for cell in result["cells"]] == [100, 200, 300] and result["chosen"] == 2
+    assert len(result["cells"][0]["runs"]) == len(experiments.MIXERS)  # no mixer solved seed 0: one seed only
+    assert experiments.solved_seeds(result["cells"][1]["runs"], "KDA", 0.9) == 1  # seed 0 solved: all seeds ran
+    assert len(result["cells"][1]["runs"]) == 3 * len(experiments.MIXERS)
+    comparison = experiments.sweep_comparison(result)
+    assert experiments.spread(comparison, "accuracy", "mixer")["KDA"]["mean"] == 1.0
+    assert experiments.mqar_sweep(steps=(100,), **settings)["chosen"] is None
+    with pytest.raises(ValueError, match="no cell"):
+        experiments.sweep_comparison(experiments.mqar_sweep(steps=(100,), **settings))
+
+
+def test_the_saved_sweep_chose_a_cell_by_its_rule_and_its_chosen_runs_replay():
+    saved = experiments.load("mqar-sweep")
+    result, settings = saved["result"], saved["settings"]
+    cells = result["cells"]
+    assert [{k: c[k] for k in ("steps", "n_pairs", "head_dim")} for c in cells] == experiments.sweep_cells(
+        settings["steps"], settings["n_pairs"], settings["head_dims"])[:len(cells)]
+    most = lambda runs: max(experiments.solved_seeds(runs, m, settings["solved"]) for m in experiments.MIXERS)
+    assert all(2 * most(cell["runs"]) <= len(settings["seeds"]) for cell in cells[:-1])
+    if result["chosen"] is not None:
+        chosen = cells[result["chosen"]]
+        assert result["chosen"] == len(cells) - 1 and 2 * most(chosen["runs"]) > len(settings["seeds"])
+        assert {(run["mixer"], run["seed"]) for run in chosen["runs"]} == \
+            {(m, s) for m in experiments.MIXERS for s in settings["seeds"]}
+    last = cells[-1]["runs"][-1]
+    options = {k: settings[k] for k in ("batch_size", "lr", "warmup_steps", "n_heads")}
+    with experiments.torch_threads(result["torch_threads"]):
+        replay = experiments.cell_run(cells[-1], last["mixer"], last["seed"], stop_after=REPLAY_STEPS, **options)
+    _replayed(replay["losses"], last["losses"][:REPLAY_STEPS], saved["machine"])
 
 
 def test_load_of_a_missing_result_names_the_command(tmp_path, monkeypatch):

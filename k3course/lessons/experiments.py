@@ -490,9 +490,21 @@ def load(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def run_experiment(name: str, jobs: int = 1, budget: str = "default") -> Path:
+def _checked_device(device: str) -> str:
+    """``device`` as torch writes it, if it is a CPU or CUDA device (ValueError otherwise)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be a CPU or CUDA torch device (cpu, cuda, cuda:1), got {device!r}")
+    return str(parsed)
+
+
+def run_experiment(name: str, jobs: int = 1, budget: str = "default", device: str | None = None) -> Path:
     """Run experiment ``name`` with its settings under ``budget`` (:func:`budget_settings`; claim experiments:
-    ``jobs`` runs at a time) and save the result as :func:`result_name`; returns the JSON file."""
+    ``jobs`` runs at a time, on ``device`` if given) and save the result as :func:`result_name`; returns the JSON
+    file."""
     if name not in EXPERIMENTS:
         raise ValueError(f"name: unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -501,15 +513,20 @@ def run_experiment(name: str, jobs: int = 1, budget: str = "default") -> Path:
     settings = budget_settings(name, budget)
     if jobs > 1 and function is not claim_variants:
         raise ValueError(f"jobs: {name} runs in one process; --jobs applies to the claim experiments")
-    if settings.get("device") == "cuda" and not torch.cuda.is_available():
+    if device is not None:
+        if function is not claim_variants:
+            raise ValueError(f"device: {name} trains on the CPU; --device applies to the claim experiments")
+        settings = {**settings, "device": _checked_device(device)}
+    if torch.device(settings.get("device", "cpu")).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"budget: {budget!r} trains on a CUDA GPU and this machine has none")
     began = time.perf_counter()
     options = {"jobs": jobs} if function is claim_variants else {}
     outcome = function(**settings, **options)
     command = f"k3course experiments {name}" + (f" --budget {budget}" if budget != "default" else "")
     result = {"command": command, "settings": settings, "result": outcome, "seconds": time.perf_counter() - began,
-              "torch": torch.__version__, "machine": machine(), **({"gpu": torch.cuda.get_device_name()}
-                                                                   if settings.get("device") == "cuda" else {})}
+              "torch": torch.__version__, "machine": machine(),
+              **({"gpu": torch.cuda.get_device_name(settings["device"])}
+                 if torch.device(settings.get("device", "cpu")).type == "cuda" else {})}
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{result_name(name, budget)}.json"
     path.write_text(json.dumps(result, indent=1))
@@ -523,9 +540,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", choices=BUDGETS, default="default",
                         help=f"gpu: {', '.join(GPU_CLAIMS)} on a CUDA GPU at GPU_TEXT_TRAIN (about one GPU-hour for "
                              "all four), saved as NAME-gpu.json")
+    parser.add_argument("--device", default=None, help="claim experiments: train on this torch device (default: "
+                        "the budget's, cpu or cuda)")
     args = parser.parse_args(argv)
     try:
-        path = run_experiment(args.name, args.jobs, args.budget)
+        path = run_experiment(args.name, args.jobs, args.budget, args.device)
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2

@@ -260,9 +260,9 @@ def test_error_ratio_is_fla_metric():
 
 @pytest.mark.skipif(TRITON_MODE != "native", reason="bf16 needs a GPU (the interpreter is wrong in bf16)")
 def test_bf16_forward_within_fla_tolerance_on_gpu():
-    from k3course.bench.kernels import FLA_BF16_TOLERANCE, check_bf16_accuracy
+    from k3course.bench.kernels import FLA_BF16_TOLERANCE, Workload, check_bf16_accuracy
 
-    assert check_bf16_accuracy(T=1024) <= FLA_BF16_TOLERANCE
+    assert check_bf16_accuracy(Workload(accuracy_len=1024)) <= FLA_BF16_TOLERANCE
 
 
 @pytest.mark.parametrize("T", [1, 21])

@@ -237,7 +237,9 @@ def _output_kernel(q_ptr, gc_ptr, h_ptr, vnew_ptr, aqk_ptr, o_ptr, scale, T, H, 
     aqk_offsets, aqk_mask = _tile(b, h, T, H, rows, local, BT)
     aqk = tl.load(aqk_ptr + aqk_offsets, mask=aqk_mask, other=0.0).to(tl.float32)
     v_new = tl.load(vnew_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
-    out = _dot(q * tl.exp(gc) * scale, state, LOW_PRECISION) + _dot(aqk, v_new, LOW_PRECISION)
+    # fp32 before the product: inside a torch.compile graph a Python float `scale` arrives as an fp64 scalar
+    scaled_q = (q * tl.exp(gc) * scale).to(tl.float32)
+    out = _dot(scaled_q, state, LOW_PRECISION) + _dot(aqk, v_new, LOW_PRECISION)
     tl.store(o_ptr + v_offsets, out.to(o_ptr.dtype.element_ty), mask=mask_v)
 
 

@@ -19,6 +19,14 @@ residuals        PreNorm vs Block vs Full AttnRes in the same 8-layer, 64-wide K
 balancing        quantile balancing vs the sign rule vs the aux loss: max-violation per step and final loss.
 latent-moe       full-width vs latent MoE at equal active FLOPs, with all-to-all bytes per token.
 expert-count     8, 32 and 112 routed experts at top-2 and fixed expert width (activation ratio 25% → 1.8%).
+hybrid-ratio-default, residuals-default, latent-moe-default  those claims at the default run's budget (800 steps of
+                 16 × 128 bytes), where the tiny K3 is past its first steps (1.99 bits/byte).
+mqar-sweep       the cheapest harder-MQAR setting (steps, pairs, head width; more pairs than head channels) at which
+                 a mixer solves recall in most seeds, and the three mixers compared there.
+
+Every claim at 120 steps of 8 × 64 bytes (the names without "-default") measures how fast a variant starts to
+learn; the "-default" ones decide the four text claims, each verdict by :func:`paired`. ``--budget gpu`` runs the
+four text claims (:data:`GPU_CLAIMS`) on a CUDA GPU at :data:`GPU_TEXT_TRAIN`, saved as ``NAME-gpu.json``.
 
 The claim experiments (all but the first two) train each variant of :mod:`k3course.lessons.claims` for every seed with
 one runner, :func:`k3course.lessons.claims.run_variant`, on one thread per run; ``--jobs N`` trains N runs at a time in

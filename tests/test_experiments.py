@@ -84,6 +84,17 @@ def test_the_gpu_budget_is_the_four_text_claims_on_cuda_at_their_own_training_se
         experiments.budget_settings("hybrid-ratio-default", "tpu")
 
 
+def test_the_gpu_budget_is_about_one_gpu_hour_by_the_step_times_measured_on_an_h200():
+    measured = json.loads((experiments.RESULTS / "gpu_budget.json").read_text())
+    assert (measured["batch_size"], measured["seq_len"]) == (experiments.GPU_TEXT_TRAIN.batch_size,
+                                                             experiments.GPU_TEXT_TRAIN.seq_len)
+    assert set(measured["step_ms"]) == set(experiments.GPU_CLAIMS)
+    assert 0.8 <= experiments.gpu_budget_hours(measured["step_ms"], experiments.GPU_TEXT_TRAIN) <= 1.2
+    # the sum by hand for one claim: latent-moe's two variants × 3 seeds, the unmeasured one at the claim's mean
+    step_ms = {**{name: {"free": 0.0} for name in experiments.GPU_CLAIMS}, "latent-moe-default": {"full width": 100.0}}
+    assert experiments.gpu_budget_hours(step_ms, experiments.GPU_TEXT_TRAIN.replace(steps=3600)) == pytest.approx(0.6)
+
+
 def test_the_gpu_budget_needs_a_gpu_or_a_device_named_and_checks_the_device(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="budget: 'gpu' trains on a CUDA GPU"):

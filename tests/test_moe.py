@@ -126,6 +126,19 @@ def test_grouped_mm_matches_per_row_products(backend):
     assert torch.allclose(grouped_mm(x, weight, offsets, backend), want, atol=1e-5)
 
 
+def test_a_compiled_graph_never_launches_the_triton_grouped_gemm(monkeypatch):
+    """Where the Triton kernel would run eagerly, a graph being traced by torch.compile takes torch's grouped GEMM
+    or the loop operator: the kernel's grid depends on the block sizes (dynamo failed on it on an H200)."""
+    import k3course.kernels
+    from k3course.moe.dispatch import grouped_mm_backend
+
+    monkeypatch.setattr(k3course.kernels, "use_triton", lambda device: True)
+    x, weight = torch.randn(4, 8), torch.randn(2, 8, 4)
+    assert grouped_mm_backend(x, weight) == "triton"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert grouped_mm_backend(x, weight) == "loop"  # fp32 on a CPU: no fast path for torch._grouped_mm
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
 def test_layer_with_torch_grouped_mm_matches_the_loop_forward_and_backward():
     grads = {}

@@ -451,10 +451,11 @@ EXPERIMENTS = {
 # --- budgets: where and how long the claims train ---------------------------------------------------------
 
 BUDGETS = ("default", "gpu")
-# The text claims at a scale closer to the papers' on one GPU: 4× the default run's bytes per step (32 × 256) and
-# 2.5× its steps; a tiny model's step on a GPU costs about its launches, so the bigger batch comes nearly free.
-# Sized on an H200 (eager, fp32, Triton kernels): the four claims together in about one GPU-hour (lesson 12).
-GPU_TEXT_TRAIN = TrainConfig(steps=2000, batch_size=32, seq_len=256, warmup_steps=100, eval_every=0,
+# The text claims on one GPU: 4× the default run's bytes per step (32 × 256; a model this small is bound by its
+# kernel launches and host reads on a GPU, so the bigger batch comes nearly free) for 700 steps, 3.5× the bytes
+# of the CPU budget: the four claims together in about one GPU-hour on an H200 in one process, from the step
+# times measured there (results/gpu_budget.json, :func:`gpu_budget_hours`).
+GPU_TEXT_TRAIN = TrainConfig(steps=700, batch_size=32, seq_len=256, warmup_steps=50, eval_every=0,
                              eval_bytes=262144, checkpoint_every=0)
 GPU_CLAIMS = ("dense-baseline-default", "hybrid-ratio-default", "residuals-default", "latent-moe-default")
 
@@ -496,6 +497,24 @@ def load(name: str) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"name: no saved result for {name!r} at {path}; run `k3course experiments {name}`")
     return json.loads(path.read_text())
+
+
+def gpu_budget_hours(step_ms: dict[str, dict[str, float]], train: TrainConfig) -> float:
+    """GPU-hours of every run of the :data:`GPU_CLAIMS` at ``train`` in one process: Σ over claims, variants
+    trained (not reused) and seeds of steps × the variant's measured step time ``step_ms[claim][variant]``, plus
+    an equal-time claim's faster variant trained again for the slower one's time. A variant without a
+    measurement takes the mean of its claim's measured ones. Evaluation (a few seconds per run) is left out."""
+    seconds = 0.0
+    for name in GPU_CLAIMS:
+        settings, measured = EXPERIMENTS[name][1], step_ms[name]
+        fallback = sum(measured.values()) / len(measured)
+        per_step = {label: measured.get(label, fallback) / 1e3 for label in claims.CLAIMS[settings["claim"]]()
+                    if label not in settings.get("reuse", {})}
+        per_seed = train.steps * sum(per_step.values())
+        if "equal_time" in settings:
+            per_seed += train.steps * per_step[settings["equal_time"][0]]
+        seconds += per_seed * len(settings["seeds"])
+    return seconds / 3600
 
 
 def _checked_device(device: str) -> str:

@@ -120,8 +120,10 @@ def grouped_mm_backend(x_sorted: torch.Tensor, weight: torch.Tensor, backend: st
 
     backend "loop" or "torch" is taken as asked; "auto" is chapter 08's one-launch Triton kernel where
     ``k3course.kernels.use_triton`` says so (on CUDA; the environment variable K3COURSE_KERNELS=triton|torch
-    forces either way), else torch's grouped GEMM where it has its fast path (CUDA sm90+, bf16), else the loop
-    (an operator of its own, so ``torch.compile`` traces it without a graph break). On CPU (torch 2.13)
+    forces either way) and the call is not being traced by ``torch.compile`` (the kernel's grid depends on the
+    block sizes, which dynamo cannot hold as a constant: seen on an H200 with torch 2.11), else torch's grouped
+    GEMM where it has its fast path (CUDA sm90+, bf16), else the loop (an operator of its own, so
+    ``torch.compile`` traces it without a graph break). On CPU (torch 2.13)
     ``torch._grouped_mm`` runs in fp32 (not bf16), but no faster than the loop, its backward rejects a
     non-contiguous output gradient, and the compiler's shape rule for it accepts bf16 only: the loop is the CPU path.
     """
@@ -131,7 +133,7 @@ def grouped_mm_backend(x_sorted: torch.Tensor, weight: torch.Tensor, backend: st
         return backend
     from k3course.kernels import use_triton  # imported here: importing it picks native vs interpreter
 
-    if use_triton(x_sorted.device):
+    if use_triton(x_sorted.device) and not torch.compiler.is_compiling():
         return "triton"
     return "torch" if _grouped_mm_available(x_sorted, weight) else "loop"
 

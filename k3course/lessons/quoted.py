@@ -667,12 +667,26 @@ def _saved(name: str) -> dict:
     return experiments.load(name)
 
 
+# the claims whose per-run metrics include the max-violation over the last 20 steps ("max_violation_last20")
+_LATE_VIOLATION = ("balancing", "expert-count")
+
+
+@functools.cache
+def _result(name: str) -> dict:
+    """A saved claim's result as its verdicts read it: the MQAR sweep's chosen cell (runs keyed by "mixer"); the
+    balancing claims with each run's max-violation averaged over its last 20 steps ("max_violation_last20")."""
+    result = _saved(name)["result"]
+    if name == "mqar-sweep":
+        return experiments.sweep_comparison(result)
+    return experiments.last_steps_mean(result, "max_violation", 20) if name in _LATE_VIOLATION else result
+
+
 def _key(name: str) -> str:
-    return "mixer" if name == "mqar-mixers" else "variant"
+    return "mixer" if name == "mqar-sweep" else "variant"
 
 
 def _values(name: str, variant: str, metric: str) -> list[float]:
-    result = _saved(name)["result"]
+    result = _result(name)
     values = [run[metric] for run in result["runs"] if run[_key(name)] == variant]
     if not values:
         raise KeyError(f"{name} has no runs of {variant!r}")
@@ -682,14 +696,14 @@ def _values(name: str, variant: str, metric: str) -> list[float]:
 @quoted
 def claim(name: str, variant: str, metric: str = "val_bpb") -> Pair:
     """mean ± sample std over the seeds of a saved claim's variant (``experiments.spread``)."""
-    row = experiments.spread(_saved(name)["result"], metric, _key(name))[variant]
+    row = experiments.spread(_result(name), metric, _key(name))[variant]
     return plus_minus(row["mean"], row["std"])
 
 
 @quoted
 def claim_stat(name: str, variant: str, metric: str, stat: str) -> float:
     """One of "mean", "std", "min", "max" over the seeds of a saved claim's variant."""
-    return experiments.spread(_saved(name)["result"], metric, _key(name))[variant][stat]
+    return experiments.spread(_result(name), metric, _key(name))[variant][stat]
 
 
 @quoted
@@ -707,7 +721,7 @@ def claim_gap(name: str, better: str, worse: str, metric: str = "val_bpb") -> fl
 
 def _paired(name: str, better: str, worse: str, metric: str) -> dict:
     """:func:`k3course.lessons.experiments.paired` of a saved claim (accuracy: higher is better)."""
-    return experiments.paired(_saved(name)["result"], better, worse, metric, _key(name),
+    return experiments.paired(_result(name), better, worse, metric, _key(name),
                               higher_is_better=metric == "accuracy")
 
 
@@ -808,6 +822,44 @@ def solved_seeds(name: str, variant: str, threshold: float = 0.9) -> str:
     """``solved/seeds``: the seeds of a saved MQAR variant whose accuracy is above ``threshold``."""
     values = _values(name, variant, "accuracy")
     return f"{sum(v > threshold for v in values)}/{len(values)}"
+
+
+@quoted
+def claim_cpu_hours(name: str) -> float:
+    """CPU-hours a saved claim (or the MQAR sweep) took to train: its runs' seconds summed
+    (:func:`k3course.lessons.experiments.cpu_seconds`; one thread per run)."""
+    return experiments.cpu_seconds(_saved(name)["result"]) / 3600
+
+
+@quoted
+def claim_cpu_minutes(name: str) -> float:
+    """The same in CPU-minutes."""
+    return claim_cpu_hours(name) * 60
+
+
+@quoted
+def sweep_chosen(field: str) -> int:
+    """The saved MQAR sweep's chosen cell: its "steps", "n_pairs" or "head_dim"."""
+    result = _saved("mqar-sweep")["result"]
+    return result["cells"][result["chosen"]][field]
+
+
+@quoted
+def sweep_cells_tried() -> int:
+    """How many cells the saved MQAR sweep trained before it stopped (the chosen one included)."""
+    return len(_saved("mqar-sweep")["result"]["cells"])
+
+
+@quoted
+def gpu_over_default(what: str = "bytes") -> float:
+    """The GPU budget (``experiments.GPU_TEXT_TRAIN``) over the default run's, per claim run: "bytes" trained,
+    "steps" or "batch" (bytes per step)."""
+    from k3course.lessons import claims
+
+    gpu, default = experiments.GPU_TEXT_TRAIN, claims.DEFAULT_TEXT_TRAIN
+    per_step = lambda settings: settings.batch_size * settings.seq_len
+    ratios = {"steps": gpu.steps / default.steps, "batch": per_step(gpu) / per_step(default)}
+    return ratios[what] if what in ratios else ratios["steps"] * ratios["batch"]
 
 
 @quoted

@@ -148,7 +148,8 @@ def test_the_sweep_stops_at_the_first_cell_a_mixer_solves_in_most_seeds(monkeypa
 
 def test_sweep_table_has_a_row_per_cell_tried_with_seed_0_and_marks_the_chosen_one():
     run = lambda mixer, seed, accuracy: {"mixer": mixer, "seed": seed, "accuracy": accuracy}
-    result = {"cells": [{"steps": 100, "n_pairs": 20, "head_dim": 8, "runs": [run("KDA", 0, 0.05), run("GDN", 0, 0.04)]},
+    result = {"cells": [{"steps": 100, "n_pairs": 20, "head_dim": 8,
+                         "runs": [run("KDA", 0, 0.05), run("GDN", 0, 0.04)]},
                         {"steps": 300, "n_pairs": 20, "head_dim": 8,
                          "runs": [run("KDA", 0, 0.95), run("GDN", 0, 0.50), run("KDA", 1, 0.10)]}], "chosen": 1}
     header, first, second = experiments.sweep_table(result).splitlines()

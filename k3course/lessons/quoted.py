@@ -825,10 +825,10 @@ def solved_seeds(name: str, variant: str, threshold: float = 0.9) -> str:
 
 
 @quoted
-def claim_cpu_hours(name: str) -> float:
-    """CPU-hours a saved claim (or the MQAR sweep) took to train: its runs' seconds summed
+def claim_cpu_hours(*names: str) -> float:
+    """CPU-hours the saved claims (or the MQAR sweep) ``names`` took to train together: their runs' seconds summed
     (:func:`k3course.lessons.experiments.cpu_seconds`; one thread per run)."""
-    return experiments.cpu_seconds(_saved(name)["result"]) / 3600
+    return sum(experiments.cpu_seconds(_saved(name)["result"]) for name in names) / 3600
 
 
 @quoted

@@ -713,12 +713,6 @@ def claim_range(name: str, variant: str, metric: str = "val_bpb") -> Pair:
     return span(min(values), max(values))
 
 
-@quoted
-def claim_gap(name: str, better: str, worse: str, metric: str = "val_bpb") -> float:
-    """Difference of two variants' means (``worse`` − ``better``)."""
-    return claim_stat(name, worse, metric, "mean") - claim_stat(name, better, metric, "mean")
-
-
 def _paired(name: str, better: str, worse: str, metric: str) -> dict:
     """:func:`k3course.lessons.experiments.paired` of a saved claim (accuracy: higher is better)."""
     return experiments.paired(_result(name), better, worse, metric, _key(name),
@@ -760,27 +754,6 @@ def claim_verdict(name: str, better: str, worse: str, metric: str = "val_bpb") -
 
 
 @quoted
-def claim_seed_spread(name: str, variant: str, metric: str = "val_bpb") -> float:
-    """max − min over the seeds of one variant."""
-    values = _values(name, variant, metric)
-    return max(values) - min(values)
-
-
-@quoted
-def claim_largest_spread(name: str, metric: str = "val_bpb") -> float:
-    """The largest max − min over the seeds of any one variant."""
-    result = _saved(name)["result"]
-    return max(claim_seed_spread(name, v, metric) for v in {run[_key(name)] for run in result["runs"]})
-
-
-@quoted
-def claim_largest_gap(name: str, metric: str = "val_bpb") -> float:
-    """The largest difference between two variants' means."""
-    means = [row["mean"] for row in experiments.spread(_saved(name)["result"], metric, _key(name)).values()]
-    return max(means) - min(means)
-
-
-@quoted
 def claim_fact(name: str, variant: str, fact: str) -> float:
     """A variant's saved description: "active_params", "total_params", "moe_flops_per_token", ..."""
     return _saved(name)["result"]["variants"][variant][fact]
@@ -799,22 +772,10 @@ def claim_fact_ratio(name: str, variant: str, other: str, fact: str) -> float:
 
 
 @quoted
-def claim_seconds(name: str, variant: str) -> float:
-    """Mean seconds one run of a variant took, as saved (one thread; the saved ``machine``)."""
-    return sum(_values(name, variant, "seconds")) / len(_values(name, variant, "seconds"))
-
-
-@quoted
 def claim_minutes(name: str) -> Pair:
     """The shortest and the longest saved run of a claim, in minutes (one thread each)."""
     seconds = [run["seconds"] for run in _saved(name)["result"]["runs"]]
     return span(min(seconds) / 60, max(seconds) / 60)
-
-
-@quoted
-def claim_seconds_ratio(name: str, slower: str, faster: str) -> float:
-    """How many times longer a run of ``slower`` took than one of ``faster``, as saved (mean over seeds)."""
-    return claim_seconds(name, slower) / claim_seconds(name, faster)
 
 
 @quoted
@@ -863,27 +824,10 @@ def gpu_over_default(what: str = "bytes") -> float:
 
 
 @quoted
-def violation_window(variant: str, window: str) -> Pair:
-    """Max-violation of a saved balancing variant averaged over "first10" or "last20" steps: mean ± std over seeds."""
-    runs = [run for run in _saved("balancing")["result"]["runs"] if run["variant"] == variant]
-    picked = [run["max_violation"][:10] if window == "first10" else run["max_violation"][-20:] for run in runs]
-    means = [sum(v) / len(v) for v in picked]
-    mean = sum(means) / len(means)
-    return plus_minus(mean, (sum((m - mean) ** 2 for m in means) / (len(means) - 1)) ** 0.5)
-
-
-@quoted
 def violation_first_step() -> Pair:
     """Max-violation at step 1 across every saved balancing run."""
     firsts = [run["max_violation"][0] for run in _saved("balancing")["result"]["runs"]]
     return span(min(firsts), max(firsts))
-
-
-@quoted
-def violation_late_by_experts(variant: str) -> float:
-    """The last-20-step max-violation of an expert-count variant, averaged over seeds."""
-    runs = [run for run in _saved("expert-count")["result"]["runs"] if run["variant"] == variant]
-    return sum(sum(run["max_violation"][-20:]) / 20 for run in runs) / len(runs)
 
 
 @quoted

@@ -157,6 +157,18 @@ def test_the_sweep_stops_at_the_first_cell_a_mixer_solves_in_most_seeds(monkeypa
         experiments.sweep_comparison(experiments.mqar_sweep(steps=(100,), **settings))
 
 
+def test_sweep_table_has_a_row_per_cell_tried_with_seed_0_and_marks_the_chosen_one():
+    run = lambda mixer, seed, accuracy: {"mixer": mixer, "seed": seed, "accuracy": accuracy}
+    result = {"cells": [{"steps": 100, "n_pairs": 20, "head_dim": 8,
+                         "runs": [run("KDA", 0, 0.05), run("GDN", 0, 0.04)]},
+                        {"steps": 300, "n_pairs": 20, "head_dim": 8,
+                         "runs": [run("KDA", 0, 0.95), run("GDN", 0, 0.50), run("KDA", 1, 0.10)]}], "chosen": 1}
+    header, first, second = experiments.sweep_table(result).splitlines()
+    assert header.split()[4:6] == ["KDA", "GDN"]
+    assert first.split() == ["100", "20", "8", "0.050", "0.040"]
+    assert second.split()[:5] == ["300", "20", "8", "0.950", "0.500"] and second.endswith("chosen")
+
+
 def test_the_saved_sweep_chose_a_cell_by_its_rule_and_its_chosen_runs_replay():
     saved = experiments.load("mqar-sweep")
     result, settings = saved["result"], saved["settings"]
@@ -347,6 +359,24 @@ def test_paired_pairs_by_seed_not_by_order_and_names_a_missing_variant():
     with pytest.raises(ValueError, match="share no seed"):
         experiments.paired({"runs": [{"variant": "a", "seed": 0, "val_bpb": 1.0},
                                      {"variant": "b", "seed": 1, "val_bpb": 1.0}]}, "a", "b")
+
+
+def test_last_steps_mean_adds_each_runs_late_average_and_names_a_short_run():
+    result = {"variants": {}, "runs": [{"variant": "a", "seed": 0, "max_violation": [9.0, 1.0, 2.0, 3.0]},
+                                       {"variant": "b", "seed": 0, "max_violation": [0.0, 0.0, 5.0, 7.0]}]}
+    late = experiments.last_steps_mean(result, "max_violation", 2)
+    assert [run["max_violation_last2"] for run in late["runs"]] == [2.5, 6.0]
+    assert "max_violation_last2" not in result["runs"][0]  # the saved result is not changed
+    assert experiments.paired(late, "a", "b", "max_violation_last2")["differences"] == {0: 3.5}
+    with pytest.raises(ValueError, match="fewer than 5"):
+        experiments.last_steps_mean(result, "max_violation", 5)
+
+
+def test_cpu_seconds_sums_the_runs_trained_here_over_a_sweeps_cells_too():
+    claim = {"runs": [{"seconds": 10.0}, {"seconds": 5.0}, {"seconds": 99.0, "reused_from": "other: x"}]}
+    assert experiments.cpu_seconds(claim) == 15.0
+    sweep = {"cells": [{"runs": [{"seconds": 1.0}]}, {"runs": [{"seconds": 2.0}, {"seconds": 4.0}]}]}
+    assert experiments.cpu_seconds(sweep) == 7.0
 
 
 def test_plot_paired_draws_one_dot_per_seed_and_the_spread_band():

@@ -173,6 +173,20 @@ def sweep_comparison(result: dict) -> dict:
     return {"runs": result["cells"][result["chosen"]]["runs"]}
 
 
+def sweep_table(result: dict, seed: int = 0) -> str:
+    """The cells a :func:`mqar_sweep` tried, in the order it tried them, as a text table: steps, pairs, head
+    channels, then each mixer's held-out recall accuracy at ``seed``, the chosen cell marked."""
+    mixers = list(dict.fromkeys(run["mixer"] for cell in result["cells"] for run in cell["runs"]))
+    rows = [f"{'steps':>6} {'pairs':>6} {'head channels':>14}" + "".join(f"{m:>16}" for m in mixers)
+            + f"   (accuracy, seed {seed})"]
+    for index, cell in enumerate(result["cells"]):
+        accuracy = {run["mixer"]: run["accuracy"] for run in cell["runs"] if run["seed"] == seed}
+        rows.append(f"{cell['steps']:>6} {cell['n_pairs']:>6} {cell['head_dim']:>14}"
+                    + "".join(f"{accuracy[m]:>16.3f}" for m in mixers) + ("   <- chosen" if index == result["chosen"]
+                                                                           else ""))
+    return "\n".join(rows)
+
+
 def describe(cfg) -> dict:
     """What a claim's table shows about a variant: its config, parameters, schedule and MoE accounting."""
     count = accounting.param_count(cfg)
@@ -343,6 +357,26 @@ def paired(result: dict, better: str, worse: str, metric: str = "val_bpb", key: 
         verdict = "undecided"
     return {"differences": differences, "mean": mean, "std": std, "spread": spread_of_variants,
             "agreeing": agreeing, "seeds": len(seeds), "verdict": verdict}
+
+
+def last_steps_mean(result: dict, series: str = "max_violation", steps: int = 20) -> dict:
+    """``result`` with one more metric per run, ``f"{series}_last{steps}"``: the mean of the last ``steps`` values
+    of the run's per-step ``series`` (balancing's metric: the max-violation a rule holds at the end of its run), for
+    :func:`spread` and :func:`paired`. A run without ``series`` raises ValueError naming it."""
+    runs = []
+    for run in result["runs"]:
+        if len(run.get(series, ())) < steps:
+            raise ValueError(f"series: run {run.get('variant', run.get('mixer'))!r}, seed {run['seed']} has fewer "
+                             f"than {steps} values of {series!r}")
+        runs.append({**run, f"{series}_last{steps}": sum(run[series][-steps:]) / steps})
+    return {**result, "runs": runs}
+
+
+def cpu_seconds(result: dict) -> float:
+    """What a saved result cost to train: the sum of its runs' "seconds" (every run on one thread, so about its CPU
+    time), over every cell of a sweep; runs copied from another result ("reused_from") are that result's cost."""
+    runs = result["runs"] if "runs" in result else [run for cell in result["cells"] for run in cell["runs"]]
+    return sum(run["seconds"] for run in runs if "reused_from" not in run)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

@@ -667,12 +667,26 @@ def _saved(name: str) -> dict:
     return experiments.load(name)
 
 
+# the claims whose per-run metrics include the max-violation over the last 20 steps ("max_violation_last20")
+_LATE_VIOLATION = ("balancing", "expert-count")
+
+
+@functools.cache
+def _result(name: str) -> dict:
+    """A saved claim's result as its verdicts read it: the MQAR sweep's chosen cell (runs keyed by "mixer"); the
+    balancing claims with each run's max-violation averaged over its last 20 steps ("max_violation_last20")."""
+    result = _saved(name)["result"]
+    if name == "mqar-sweep":
+        return experiments.sweep_comparison(result)
+    return experiments.last_steps_mean(result, "max_violation", 20) if name in _LATE_VIOLATION else result
+
+
 def _key(name: str) -> str:
-    return "mixer" if name == "mqar-mixers" else "variant"
+    return "mixer" if name == "mqar-sweep" else "variant"
 
 
 def _values(name: str, variant: str, metric: str) -> list[float]:
-    result = _saved(name)["result"]
+    result = _result(name)
     values = [run[metric] for run in result["runs"] if run[_key(name)] == variant]
     if not values:
         raise KeyError(f"{name} has no runs of {variant!r}")
@@ -682,14 +696,14 @@ def _values(name: str, variant: str, metric: str) -> list[float]:
 @quoted
 def claim(name: str, variant: str, metric: str = "val_bpb") -> Pair:
     """mean ± sample std over the seeds of a saved claim's variant (``experiments.spread``)."""
-    row = experiments.spread(_saved(name)["result"], metric, _key(name))[variant]
+    row = experiments.spread(_result(name), metric, _key(name))[variant]
     return plus_minus(row["mean"], row["std"])
 
 
 @quoted
 def claim_stat(name: str, variant: str, metric: str, stat: str) -> float:
     """One of "mean", "std", "min", "max" over the seeds of a saved claim's variant."""
-    return experiments.spread(_saved(name)["result"], metric, _key(name))[variant][stat]
+    return experiments.spread(_result(name), metric, _key(name))[variant][stat]
 
 
 @quoted
@@ -699,15 +713,9 @@ def claim_range(name: str, variant: str, metric: str = "val_bpb") -> Pair:
     return span(min(values), max(values))
 
 
-@quoted
-def claim_gap(name: str, better: str, worse: str, metric: str = "val_bpb") -> float:
-    """Difference of two variants' means (``worse`` − ``better``)."""
-    return claim_stat(name, worse, metric, "mean") - claim_stat(name, better, metric, "mean")
-
-
 def _paired(name: str, better: str, worse: str, metric: str) -> dict:
     """:func:`k3course.lessons.experiments.paired` of a saved claim (accuracy: higher is better)."""
-    return experiments.paired(_saved(name)["result"], better, worse, metric, _key(name),
+    return experiments.paired(_result(name), better, worse, metric, _key(name),
                               higher_is_better=metric == "accuracy")
 
 
@@ -746,27 +754,6 @@ def claim_verdict(name: str, better: str, worse: str, metric: str = "val_bpb") -
 
 
 @quoted
-def claim_seed_spread(name: str, variant: str, metric: str = "val_bpb") -> float:
-    """max − min over the seeds of one variant."""
-    values = _values(name, variant, metric)
-    return max(values) - min(values)
-
-
-@quoted
-def claim_largest_spread(name: str, metric: str = "val_bpb") -> float:
-    """The largest max − min over the seeds of any one variant."""
-    result = _saved(name)["result"]
-    return max(claim_seed_spread(name, v, metric) for v in {run[_key(name)] for run in result["runs"]})
-
-
-@quoted
-def claim_largest_gap(name: str, metric: str = "val_bpb") -> float:
-    """The largest difference between two variants' means."""
-    means = [row["mean"] for row in experiments.spread(_saved(name)["result"], metric, _key(name)).values()]
-    return max(means) - min(means)
-
-
-@quoted
 def claim_fact(name: str, variant: str, fact: str) -> float:
     """A variant's saved description: "active_params", "total_params", "moe_flops_per_token", ..."""
     return _saved(name)["result"]["variants"][variant][fact]
@@ -785,22 +772,10 @@ def claim_fact_ratio(name: str, variant: str, other: str, fact: str) -> float:
 
 
 @quoted
-def claim_seconds(name: str, variant: str) -> float:
-    """Mean seconds one run of a variant took, as saved (one thread; the saved ``machine``)."""
-    return sum(_values(name, variant, "seconds")) / len(_values(name, variant, "seconds"))
-
-
-@quoted
 def claim_minutes(name: str) -> Pair:
     """The shortest and the longest saved run of a claim, in minutes (one thread each)."""
     seconds = [run["seconds"] for run in _saved(name)["result"]["runs"]]
     return span(min(seconds) / 60, max(seconds) / 60)
-
-
-@quoted
-def claim_seconds_ratio(name: str, slower: str, faster: str) -> float:
-    """How many times longer a run of ``slower`` took than one of ``faster``, as saved (mean over seeds)."""
-    return claim_seconds(name, slower) / claim_seconds(name, faster)
 
 
 @quoted
@@ -811,13 +786,41 @@ def solved_seeds(name: str, variant: str, threshold: float = 0.9) -> str:
 
 
 @quoted
-def violation_window(variant: str, window: str) -> Pair:
-    """Max-violation of a saved balancing variant averaged over "first10" or "last20" steps: mean ± std over seeds."""
-    runs = [run for run in _saved("balancing")["result"]["runs"] if run["variant"] == variant]
-    picked = [run["max_violation"][:10] if window == "first10" else run["max_violation"][-20:] for run in runs]
-    means = [sum(v) / len(v) for v in picked]
-    mean = sum(means) / len(means)
-    return plus_minus(mean, (sum((m - mean) ** 2 for m in means) / (len(means) - 1)) ** 0.5)
+def claim_cpu_hours(*names: str) -> float:
+    """CPU-hours the saved claims (or the MQAR sweep) ``names`` took to train together: their runs' seconds summed
+    (:func:`k3course.lessons.experiments.cpu_seconds`; one thread per run)."""
+    return sum(experiments.cpu_seconds(_saved(name)["result"]) for name in names) / 3600
+
+
+@quoted
+def claim_cpu_minutes(name: str) -> float:
+    """The same in CPU-minutes."""
+    return claim_cpu_hours(name) * 60
+
+
+@quoted
+def sweep_chosen(field: str) -> int:
+    """The saved MQAR sweep's chosen cell: its "steps", "n_pairs" or "head_dim"."""
+    result = _saved("mqar-sweep")["result"]
+    return result["cells"][result["chosen"]][field]
+
+
+@quoted
+def sweep_cells_tried() -> int:
+    """How many cells the saved MQAR sweep trained before it stopped (the chosen one included)."""
+    return len(_saved("mqar-sweep")["result"]["cells"])
+
+
+@quoted
+def gpu_over_default(what: str = "bytes") -> float:
+    """The GPU budget (``experiments.GPU_TEXT_TRAIN``) over the default run's, per claim run: "bytes" trained,
+    "steps" or "batch" (bytes per step)."""
+    from k3course.lessons import claims
+
+    gpu, default = experiments.GPU_TEXT_TRAIN, claims.DEFAULT_TEXT_TRAIN
+    per_step = lambda settings: settings.batch_size * settings.seq_len
+    ratios = {"steps": gpu.steps / default.steps, "batch": per_step(gpu) / per_step(default)}
+    return ratios[what] if what in ratios else ratios["steps"] * ratios["batch"]
 
 
 @quoted
@@ -825,13 +828,6 @@ def violation_first_step() -> Pair:
     """Max-violation at step 1 across every saved balancing run."""
     firsts = [run["max_violation"][0] for run in _saved("balancing")["result"]["runs"]]
     return span(min(firsts), max(firsts))
-
-
-@quoted
-def violation_late_by_experts(variant: str) -> float:
-    """The last-20-step max-violation of an expert-count variant, averaged over seeds."""
-    runs = [run for run in _saved("expert-count")["result"]["runs"] if run["variant"] == variant]
-    return sum(sum(run["max_violation"][-20:]) / 20 for run in runs) / len(runs)
 
 
 @quoted

@@ -7,6 +7,7 @@ import copy
 import inspect
 import os
 import re
+import signal
 import threading
 import time
 
@@ -229,13 +230,24 @@ def test_the_learners_stack_holds_nothing_of_the_grader():
 
 
 def test_interrupting_the_check_interrupts_the_learners_function():
+    """interrupt_main raises KeyboardInterrupt only where Python handles SIGINT: a test runner's worker may have
+    set it otherwise (a CI run hung here), so the test sets Python's handler itself; and the "endless" function
+    gives up after 30 s, so a lost interrupt fails the test instead of hanging it."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers can be set on the main thread only")
+    deadline = time.monotonic() + 30
+
     def endless():
-        while True:
+        while time.monotonic() < deadline:
             time.sleep(0.01)
 
-    threading.Timer(0.3, _thread.interrupt_main).start()
-    with pytest.raises(KeyboardInterrupt):
-        call_on_fresh_stack(endless, (), {})
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.3, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            call_on_fresh_stack(endless, (), {})
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not [t for t in threading.enumerate() if t.name == "k3course learner call" and t.is_alive()]
 
 

@@ -54,7 +54,7 @@ import torch
 from k3course import accounting
 from k3course.config import K3Config
 from k3course.data import mqar
-from k3course.device import interleaved_best_seconds, keep_freed_memory
+from k3course.device import interleaved_best_seconds, keep_freed_memory, on_cuda
 from k3course.lessons import claims
 from k3course.lessons.recall import MIXERS, RecallModel, fit_cross_entropy, recall_accuracy
 from k3course.train import TrainConfig, lr_factor
@@ -533,6 +533,12 @@ def load(name: str) -> dict:
     return json.loads(path.read_text())
 
 
+def gpu_step_ms() -> dict[str, dict[str, float]]:
+    """{claim: {variant: ms per training step}} of the GPU budget as measured on an H200
+    (``results/gpu_budget.json``: its batch shape, GPU and method are saved beside the numbers)."""
+    return json.loads((RESULTS / "gpu_budget.json").read_text())["step_ms"]
+
+
 def gpu_budget_hours(step_ms: dict[str, dict[str, float]], train: TrainConfig) -> float:
     """GPU-hours of every run of the :data:`GPU_CLAIMS` at ``train`` in one process: Σ over claims, variants
     trained (not reused) and seeds of steps × the variant's measured step time ``step_ms[claim][variant]``, plus
@@ -578,7 +584,8 @@ def run_experiment(name: str, jobs: int = 1, budget: str = "default", device: st
         if function is not claim_variants:
             raise ValueError(f"device: {name} trains on the CPU; --device applies to the claim experiments")
         settings = {**settings, "device": _checked_device(device)}
-    if torch.device(settings.get("device", "cpu")).type == "cuda" and not torch.cuda.is_available():
+    cuda = on_cuda(settings.get("device", "cpu"))
+    if cuda and not torch.cuda.is_available():
         raise ValueError(f"budget: {budget!r} trains on a CUDA GPU and this machine has none")
     began = time.perf_counter()
     options = {"jobs": jobs} if function is claim_variants else {}
@@ -586,8 +593,7 @@ def run_experiment(name: str, jobs: int = 1, budget: str = "default", device: st
     command = f"k3course experiments {name}" + (f" --budget {budget}" if budget != "default" else "")
     result = {"command": command, "settings": settings, "result": outcome, "seconds": time.perf_counter() - began,
               "torch": torch.__version__, "machine": machine(),
-              **({"gpu": torch.cuda.get_device_name(settings["device"])}
-                 if torch.device(settings.get("device", "cpu")).type == "cuda" else {})}
+              **({"gpu": torch.cuda.get_device_name(settings["device"])} if cuda else {})}
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{result_name(name, budget)}.json"
     path.write_text(json.dumps(result, indent=1))

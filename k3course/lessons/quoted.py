@@ -827,14 +827,13 @@ def gpu_over_default(what: str = "bytes") -> float:
 def gpu_budget_hours() -> float:
     """GPU-hours of the four GPU-budget claims in one process, from the step times measured on an H200
     (``results/gpu_budget.json``, :func:`k3course.lessons.experiments.gpu_budget_hours`)."""
-    measured = json.loads((experiments.RESULTS / "gpu_budget.json").read_text())
-    return experiments.gpu_budget_hours(measured["step_ms"], experiments.GPU_TEXT_TRAIN)
+    return experiments.gpu_budget_hours(experiments.gpu_step_ms(), experiments.GPU_TEXT_TRAIN)
 
 
 @quoted
 def gpu_step_ms(claim: str, variant: str) -> float:
     """A GPU-budget variant's training step on the H200, ms (``results/gpu_budget.json``)."""
-    return json.loads((experiments.RESULTS / "gpu_budget.json").read_text())["step_ms"][claim][variant]
+    return experiments.gpu_step_ms()[claim][variant]
 
 
 @quoted

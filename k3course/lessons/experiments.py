@@ -351,7 +351,7 @@ def paired(result: dict, better: str, worse: str, metric: str = "val_bpb", key: 
     agreeing = sum(d > 0 for d in differences.values())
     if agreeing == len(seeds) and mean > spread_of_variants:
         verdict = "reproduced"
-    elif agreeing == 0 and all(d < 0 for d in differences.values()) and -mean > spread_of_variants:
+    elif all(d < 0 for d in differences.values()) and -mean > spread_of_variants:
         verdict = "reversed"
     else:
         verdict = "undecided"

@@ -263,3 +263,100 @@ def test_bounded_path_in_bf16_and_fp64():
     assert o_16.dtype == torch.bfloat16 and s_16.dtype == torch.float32
     assert ((o_16.float() - o_ref).norm() / o_ref.norm()).item() < 1e-2
     assert ((s_16 - s_ref).norm() / s_ref.norm()).item() < 1e-4
+
+
+# --- the bounded path's hand-written backward (chunk._BoundedKDAChunks) ----------------------------------------
+
+def gradients_through(op, tensors, with_initial: bool, with_final: bool, **options):
+    """``[dq, dk, dv, dg, dbeta]`` (+ ``dinitial_state``) of a fixed random weighting of o (+ the final state)."""
+    leaves = [x.clone().requires_grad_() for x in tensors[:5 + with_initial]]
+    o, final = op(*leaves[:5], initial_state=leaves[5] if with_initial else None, output_final_state=True,
+                  **options)
+    gen = torch.Generator().manual_seed(7)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
+    if with_final:
+        loss = loss + (final * torch.randn(final.shape, generator=gen, dtype=final.dtype)).sum()
+    loss.backward()
+    return [x.grad for x in leaves]
+
+
+def assert_gradients_close(got, want, tolerance: float, label: str) -> None:
+    assert len(got) == len(want), label
+    for name, x, y in zip((f"d{n}" for n in NAMES), got, want):
+        assert x is not None and torch.isfinite(x).all(), f"{label}: {name} has NaN/inf or is missing"
+        error = ((x - y).norm() / y.norm().clamp(min=1e-30)).item()
+        assert error <= tolerance, f"{label}: {name} relative error {error:.2e} > {tolerance:g}"
+
+
+BACKWARD_CASES = {  # name: (T, chunk_size, gate kind, initial state, final state's gradient)
+    "T a multiple of C": (64, 32, "layer", True, True),
+    "T not a multiple (padding)": (100, 16, "uniform", True, True),
+    "T < one chunk": (7, 16, "layer", True, False),
+    "T = 1": (1, 32, "layer", True, True),
+    "C = 64, no initial state": (130, 64, "layer", False, True),
+    "g = -5 everywhere": (70, 32, "lower bound", True, True),
+    "only o is used": (90, 32, "-3", True, False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("case", BACKWARD_CASES)
+def test_bounded_backward_equals_autograd_through_the_recurrence(case, dtype):
+    """Every input gradient of the bounded path (its backward written out) against autograd through the
+    recurrent op: to fp64 rounding in fp64, to 1e-4 in fp32; without an initial state or the final state's
+    gradient too."""
+    T, chunk_size, kind, with_initial, with_final = BACKWARD_CASES[case]
+    tensors = [x.to(dtype) for x in inputs(kind, scalar_gate=False, T=T, H=3, K=16, V=8, seed=T)]
+    got = gradients_through(kda_chunk, tensors, with_initial, with_final, chunk_size=chunk_size, lower_bound=BOUND)
+    want = gradients_through(kda_recurrent, tensors, with_initial, with_final)
+    assert_gradients_close(got, want, 1e-9 if dtype == torch.float64 else TOLERANCE, case)
+
+
+def test_bounded_backward_with_a_gate_below_the_bound_beta_zero_and_many_groups(monkeypatch):
+    """g below the bound is clamped: its gradient is zero there and equals the recurrence's on the clamped gate
+    elsewhere; β = 0 (no delta update) and groups of 2 chunks (the state's gradient passed between groups)."""
+    from k3course.ops import chunk
+
+    monkeypatch.setattr(chunk, "GROUP_SCORES", 2 * 3 * 16 * 16)  # 3 heads: 2 chunks of each per group
+    q, k, v, g, beta, s0 = inputs("layer", scalar_gate=False, T=150, H=3, seed=3)
+    steep = g - 2.0 * (torch.arange(150) % 3 == 0).view(1, -1, 1, 1)  # every third token below the bound
+    assert (steep < BOUND).any()
+    for gates, betas in ((steep, beta), (g, torch.zeros_like(beta))):
+        tensors = (q, k, v, gates, betas, s0)
+        got = gradients_through(kda_chunk, tensors, True, True, chunk_size=16, lower_bound=BOUND)
+        clamped = lambda q, k, v, g, *rest, **options: kda_recurrent(q, k, v, g.clamp(min=BOUND), *rest, **options)
+        want = gradients_through(clamped, tensors, True, True)
+        assert_gradients_close(got, want, TOLERANCE, "below the bound" if betas is beta else "beta = 0")
+        assert (got[3][gates < BOUND] == 0).all()
+
+
+def test_bounded_backward_passes_gradcheck_in_fp64():
+    """Finite differences in fp64, two chunks of 8 and a padded third, g inside (−5, 0) (at the bound the clamp
+    has a kink)."""
+    leaves = [x.double().requires_grad_() for x in inputs("layer", scalar_gate=False, T=19, H=1, K=4, V=3, seed=5)]
+    with torch.no_grad():
+        leaves[3].clamp_(BOUND + 0.1, -0.1)
+    op = lambda *xs: kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True, chunk_size=8,
+                               lower_bound=BOUND)
+    assert torch.autograd.gradcheck(op, leaves)
+
+
+def test_bounded_path_backward_is_one_node_per_group():
+    """The bounded path's autograd graph holds one hand-written node per group of chunks, not the hundreds of
+    small ops of autograd through the forward (the unbounded path keeps those)."""
+
+    def nodes(**options):
+        leaves = [x.requires_grad_() for x in inputs("layer", scalar_gate=False, T=100)]
+        o, final = kda_chunk(*leaves[:5], initial_state=leaves[5], output_final_state=True, chunk_size=16,
+                             **options)
+        seen, todo = set(), [o.grad_fn, final.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is not None and node not in seen:
+                seen.add(node)
+                todo.extend(next_node for next_node, _ in node.next_functions)
+        return [type(node).__name__ for node in seen]
+
+    bounded = nodes(lower_bound=BOUND)
+    assert bounded.count("_BoundedKDAChunksBackward") == 1 and len(bounded) < 60, sorted(bounded)
+    assert len(nodes()) > 200

@@ -28,6 +28,7 @@ GDN is KDA with one gate per head shared by the channels; GLA skips the delta st
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from k3course.ops.checks import check_lower_bound, float32_recurrence, validate
 
@@ -123,6 +124,40 @@ def _bounded_sub_chunk(lower_bound: float, C: int) -> int:
     return min(size, C)
 
 
+def _pad_tokens(x, pad: int) -> torch.Tensor:
+    """``x [L, C, ·]`` with ``pad`` zero rows appended along the tokens."""
+    return torch.cat([x, x.new_zeros(x.shape[0], pad, x.shape[-1])], dim=-2) if pad else x
+
+
+def _bounded_factors(b, G, S: int):
+    """The factors of :func:`_bounded_scores` for sub-chunks of S tokens (C padded to whole sub-chunks: b zero,
+    G constant). b, G ``[L, C, K]`` -> row factor e^{G_r − G_p} and column factor e^{G_e − G_i} ``[L, NC, S, K]``,
+    the bridge e^{G_{p_a} − G_{e_c}} ``[L, NC(a), NC(c), K]`` (0 for c > a) and the bridged columns
+    b_i e^{G_{e_c} − G_i} e^{G_{p_a} − G_{e_c}} ``[L·NC(a), C, K]`` (one matrix per row sub-chunk a)."""
+    L, C, K = b.shape
+    pad = (-C) % S
+    if pad:
+        b, G = _pad_tokens(b, pad), torch.cat([G, G[:, -1:].expand(L, pad, K)], dim=-2)
+    blocks = (C + pad) // S
+    G = G.view(L, blocks, S, K)
+    first, last = G[:, :, :1], G[:, :, -1:]  # G_p, G_e: [L, NC, 1, K]
+    row_factor = (G - first).to(b.dtype).exp_()  # e^{G_r − G_p} ∈ [e^-75, 1]
+    column_factor = (last - G).to(b.dtype).exp_()  # e^{G_e − G_i} ∈ [e^-75, 1]
+    bridge = (first[:, :, None, 0] - last[:, None, :, 0]).to(b.dtype)  # G_{p_a} − G_{e_c}: [L, NC(a), NC(c), K]
+    # for c > a the exponent is positive (up to 320): capped at FACTOR_RANGE, then multiplied by 0
+    bridge = bridge.clamp(DECAY_FLOOR, FACTOR_RANGE).exp_() * _causal_mask(blocks, False, bridge).unsqueeze(-1)
+    columns = (b.view(L, blocks, S, K) * column_factor).unsqueeze(1) * bridge.unsqueeze(-2)
+    return row_factor, column_factor, bridge, columns.view(L * blocks, C + pad, K)
+
+
+def _bounded_rows(operands, row_factor) -> torch.Tensor:
+    """The n operands ``[L, C, K]`` times their row factor e^{G_r − G_p}, stacked per sub-chunk:
+    ``[L·NC, n·S, K]``, the left side of one batched product."""
+    L, blocks, S, K = row_factor.shape
+    rows = torch.stack([_pad_tokens(x, blocks * S - x.shape[1]).view(L, blocks, S, K) for x in operands], dim=2)
+    return (rows * row_factor.unsqueeze(2)).view(L * blocks, len(operands) * S, K)
+
+
 def _bounded_scores(operands, b, G, strict: bool, S: int) -> list:
     """decayed_scores for a channel gate with every step g ≥ L, in sub-chunks of S tokens, (S − 1)·|L| ≤ 75.
 
@@ -134,32 +169,41 @@ def _bounded_scores(operands, b, G, strict: bool, S: int) -> list:
 
     For c < a the bridge is ≤ 1 (a difference ≤ 0, floored at ``DECAY_FLOOR``); on the diagonal (c = a) it is
     e^{G_{p_a} − G_{e_a}} ≤ e^{(S − 1)·|L|} ≤ e^75, and the row and column factors are ≥ e^−75: every factor is a
-    normal float32. The bridge scales the columns once per row sub-chunk ``[L, NC, C, K]``, so the scores of all
-    operands are one batched product, [n·S rows] × [C columns] per sub-chunk of every chunk (the n operands
-    stacked). Masked entries (i > r, up to e^75 · a·b) are dropped by ``torch.where``. operands: n tensors
-    ``[L, C, K]``; b, G ``[L, C, K]`` -> n tensors ``[L, C, C]``.
+    normal float32 (:func:`_bounded_factors`). The bridge scales the columns once per row sub-chunk
+    ``[L, NC, C, K]``, so the scores of all operands are one batched product, [n·S rows] × [C columns] per
+    sub-chunk of every chunk (the n operands stacked). Masked entries (i > r, up to e^75 · a·b) are dropped by
+    ``torch.where``. operands: n tensors ``[L, C, K]``; b, G ``[L, C, K]`` -> n tensors ``[L, C, C]``.
     """
     L, C, K = b.shape
-    pad = (-C) % S  # pad to whole sub-chunks: zero operands, G constant (g = 0)
-    if pad:
-        operands = [torch.cat([x, x.new_zeros(L, pad, K)], dim=-2) for x in operands]
-        b, G = torch.cat([b, b.new_zeros(L, pad, K)], dim=-2), torch.cat([G, G[:, -1:].expand(L, pad, K)], dim=-2)
-    padded = C + pad
-    blocks = padded // S
-    G = G.view(L, blocks, S, K)
-    first, last = G[:, :, :1], G[:, :, -1:]  # G_p, G_e: [L, NC, 1, K]
-    row_factor = (G - first).to(b.dtype).exp_()  # e^{G_r − G_p} ∈ [e^-75, 1], [L, NC, S, K]
-    columns = b.reshape(L, blocks, S, K) * (last - G).to(b.dtype).exp_()  # b_i e^{G_e − G_i}
-    bridge = (first[:, :, None, 0] - last[:, None, :, 0]).to(b.dtype)  # G_{p_a} − G_{e_c}: [L, NC(a), NC(c), K]
-    # for c > a the exponent is positive (up to 320): capped at FACTOR_RANGE, then multiplied by 0
-    bridge = bridge.clamp(DECAY_FLOOR, FACTOR_RANGE).exp_() * _causal_mask(blocks, False, bridge).unsqueeze(-1)
-    columns = (columns.unsqueeze(1) * bridge.unsqueeze(-2)).view(L * blocks, padded, K).mT  # per row sub-chunk a
-    n = len(operands)
-    rows = torch.stack([x.reshape(L, blocks, S, K) for x in operands], dim=2)  # [L, NC, n, S, K]
-    rows = rows * row_factor.unsqueeze(2)  # a_r e^{G_r − G_p}
-    products = torch.bmm(rows.view(L * blocks, n * S, K), columns).view(L, blocks, n, S, padded)  # one product
+    row_factor, _, _, columns = _bounded_factors(b, G, S)
+    blocks, padded, n = row_factor.shape[1], columns.shape[1], len(operands)
+    products = torch.bmm(_bounded_rows(operands, row_factor), columns.mT).view(L, blocks, n, S, padded)
     keep = _causal_mask(padded, strict, b).bool().view(blocks, S, padded)
     return [torch.where(keep, products[:, :, i], 0.0).view(L, padded, padded)[:, :C, :C] for i in range(n)]
+
+
+def _bounded_scores_backward(operands, grads, factors) -> tuple:
+    """The gradients of :func:`_bounded_scores`' A_j[r, i] = Σ_d a_jrd b_id e^{G_rd − G_id} (j over the
+    operands) for upstream gradients dA_j ``[L, C, C]`` that are zero where A_j is masked, through the same
+    factors (:func:`_bounded_factors`), as two batched products:
+
+        da_jr = e^{G_r − G_p} Σ_i dA_j[r, i] (bridged column i),
+        db_i  = e^{G_e − G_i} Σ_a bridge[a, c] Σ_{j, r ∈ a} dA_j[r, i] a_jr e^{G_r − G_p}.
+
+    The gradient of G follows without them: dG = Σ_j a_j ⊙ da_j − b ⊙ db. An intermediate reaches
+    |dA|·|a|·S·e^75, finite for |dA|·|a| up to ~5e4 (loss gradients are far smaller). operands: n tensors
+    ``[L, C, K]`` -> (n tensors da_j ``[L, C, K]``, db ``[L, C, K]``)."""
+    row_factor, column_factor, bridge, columns = factors
+    L, blocks, S, K = row_factor.shape
+    C, padded, n = operands[0].shape[1], columns.shape[1], len(operands)
+    if padded > C:
+        grads = [torch.nn.functional.pad(x, (0, padded - C, 0, padded - C)) for x in grads]
+    grads = torch.stack([x.view(L, blocks, S, padded) for x in grads], dim=2).view(L * blocks, n * S, padded)
+    grad_rows = torch.bmm(grads, columns).view(L, blocks, n, S, K) * row_factor.unsqueeze(2)
+    grad_columns = torch.bmm(grads.mT, _bounded_rows(operands, row_factor)).view(L, blocks, blocks, S, K)
+    grad_b = (grad_columns * bridge.unsqueeze(-2)).sum(1) * column_factor  # [L, NC(c), S, K]
+    grad_rows = grad_rows.transpose(2, 1).reshape(L, n, padded, K)[:, :, :C]
+    return list(grad_rows.unbind(1)), grad_b.view(L, padded, K)[:, :C]
 
 
 def _scalar_scores(a, b, G, strict: bool) -> torch.Tensor:
@@ -303,6 +347,99 @@ def _pass_states(W, U, k, G, state):
             state.reshape(*leading, *state.shape[1:]))
 
 
+def _pass_state_gradients(grad_v_part, grad_s_part, W, k_to_end, decay_to_end, grad_state):
+    """The backward of steps 5 and 8, chunks in reverse: with dS the gradient of the state leaving chunk n,
+    dṼ = (dṼ from the outputs) + K̃ dS, then the state entering it gets dS ← (dS from the outputs) + Diag(Γ_C) dS
+    − Wᵀ dṼ, which is dS for chunk n − 1. Two products per chunk, batched over the heads.
+
+    grad_v_part ``[L, N, C, V]`` (s·A_qkᵀ dO), grad_s_part ``[L, N, K, V]`` (s·(Γ ⊙ Q)ᵀ dO), W, k_to_end (K̃)
+    ``[L, N, C, K]``, decay_to_end (Γ_C) ``[L, N, K, 1]``, grad_state ``[L, K, V]`` (of the final state).
+    Returns dṼ ``[L, N, C, V]``, the gradients of the states leaving each chunk ``[L, N, K, V]`` and of the state
+    entering the first ``[L, K, V]``."""
+    chunks = W.shape[1]
+    grad_v_new, grad_leaving = [None] * chunks, [None] * chunks
+    for n in reversed(range(chunks)):
+        grad_leaving[n] = grad_state
+        grad_v_new[n] = torch.baddbmm(grad_v_part[:, n], k_to_end[:, n], grad_state)  # dṼ
+        grad_state = torch.baddbmm(torch.addcmul(grad_s_part[:, n], decay_to_end[:, n], grad_state),
+                                   W[:, n].mT, grad_v_new[n], alpha=-1.0)
+    return torch.stack(grad_v_new, dim=1), torch.stack(grad_leaving, dim=1), grad_state
+
+
+class _BoundedKDAChunks(torch.autograd.Function):
+    """Steps 1–8 for a group of chunks (:func:`_chunk_group`) of KDA with a bounded channel gate, with the
+    backward written out. The forward keeps the factors of the scores, A_qk, A_kk, X = (I + A_kk)^{-1}, W, Ṽ
+    and the states entering each chunk. The backward, per chunk (s the scale, S the state entering, dS' the
+    gradient of the state leaving, K̃ = K ⊙ e^{G_C − G}, R = V − (Γ ⊙ K) S so that Ṽ = M R):
+
+        dṼ = s·A_qkᵀ dO + K̃ dS',   dS = s·(Γ ⊙ Q)ᵀ dO + Diag(Γ_C) dS' − Wᵀ dṼ   (chunks in reverse)
+        dA_qk = s·tril(dO Ṽᵀ),  d(Γ ⊙ Q) = s·dO Sᵀ,  dK̃ = Ṽ dS'ᵀ,  dR = Mᵀ dṼ = dV,  d(Γ ⊙ K) = −dR Sᵀ
+        dM = dṼ Rᵀ,  dX = dM Diag(β),  dA_kk = −strict_tril(Xᵀ dX Xᵀ),  dβ = colsum(dM ⊙ X) + rowsum(dA_kk ⊙ A_kk)/β
+
+    then the scores' gradients (:func:`_bounded_scores_backward`), and dG from every place G enters:
+    dG = Q ⊙ dQ_A + K ⊙ dK_A − K ⊙ dK_B (the scores) + (Γ ⊙ Q) ⊙ d(Γ ⊙ Q) + (Γ ⊙ K) ⊙ d(Γ ⊙ K) − K̃ ⊙ dK̃, and at
+    the chunk's last row Σ_r K̃ ⊙ dK̃ + Γ_C ⊙ Σ_v S ⊙ dS'; dg is dG summed from each row to the chunk's end.
+    Inputs and outputs as :func:`_chunk_group`'s (g already clamped); sub_chunk: :func:`_bounded_sub_chunk`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, state, scale, sub_chunk):
+        heads, n, C = q.shape[:3]
+        chunks = lambda x: x.flatten(0, 1)  # [B·H·n, C, ·]: every chunk one batch entry
+        per_head = lambda x: x.unflatten(0, (heads, n))
+        G = g.double().cumsum(-2)  # step 1, in float64 (see _chunk_group)
+        q, k, v, G, beta = (chunks(x) for x in (q, k, v, G, beta))
+        decay = _decay_weight(G, q)  # Γ
+        factors = _bounded_factors(k, G, sub_chunk)
+        products = torch.bmm(_bounded_rows((k, q), factors[0]), factors[3].mT)  # steps 2 and 6 share one product
+        padded = factors[3].shape[1]
+        products = products.view(-1, padded // sub_chunk, 2, sub_chunk, padded).transpose(1, 2)
+        products = products.reshape(-1, 2, padded, padded)[:, :, :C, :C]
+        # masked entries (up to e^75 · k·k) dropped by where; A_kk strictly lower
+        scores_kk, A_qk = (torch.where(_causal_mask(C, strict, q).bool(), products[:, i], 0.0)
+                           for i, strict in ((0, True), (1, False)))
+        X = _unit_lower_inverse(scores_kk * beta.unsqueeze(-1))  # step 3
+        M = X * beta.unsqueeze(-2)
+        W, U = M @ (decay * k), M @ v  # step 4
+        entering, v_new, state = _pass_states(per_head(W), per_head(U), per_head(k), per_head(G), state)  # 5, 8
+        entering, v_new = chunks(entering), chunks(v_new)
+        o = torch.baddbmm(A_qk @ v_new, decay * q, entering, beta=scale, alpha=scale)  # step 7
+        ctx.save_for_backward(q, k, v, beta, G, decay, *factors, scores_kk, A_qk, X, W, v_new, entering)
+        ctx.scale, ctx.heads = scale, heads
+        return per_head(o), state
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_o, grad_state):
+        q, k, v, beta, G, decay, *factors, scores_kk, A_qk, X, W, v_new, entering = ctx.saved_tensors
+        per_head = lambda x: x.unflatten(0, (ctx.heads, -1))
+        C = q.shape[1]
+        grad_o = grad_o.flatten(0, 1) * ctx.scale  # s·dO, [L, C, V]
+        to_end = _decay_weight(G[:, -1:] - G, k)  # e^{G_C − G}
+        k_to_end, decay_to_end = k * to_end, _decay_weight(G[:, -1], k).unsqueeze(-1)  # K̃, Γ_C [L, K, 1]
+        decay_q, decay_k = decay * q, decay * k
+        grad_v_new, grad_leaving, grad_initial = _pass_state_gradients(
+            per_head(A_qk.mT @ grad_o), per_head(decay_q.mT @ grad_o), per_head(W), per_head(k_to_end),
+            per_head(decay_to_end), grad_state)
+        grad_v_new, grad_leaving = grad_v_new.flatten(0, 1), grad_leaving.flatten(0, 1)
+        grad_A_qk = (grad_o @ v_new.mT) * _causal_mask(C, False, q)
+        grad_decay_q = grad_o @ entering.mT
+        grad_k_to_end = v_new @ grad_leaving.mT
+        grad_v = beta.unsqueeze(-1) * (X.mT @ grad_v_new)  # dR = Mᵀ dṼ, M = X Diag(β)
+        grad_decay_k = -(grad_v @ entering.mT)
+        grad_M = grad_v_new @ torch.baddbmm(v, decay_k, entering, alpha=-1.0).mT  # dṼ Rᵀ
+        grad_A_kk = -(X.mT @ (grad_M * beta.unsqueeze(-2)) @ X.mT) * _causal_mask(C, True, q)
+        grad_beta = (grad_M * X).sum(-2) + (grad_A_kk * scores_kk).sum(-1)
+        (grad_k, grad_q), grad_b = _bounded_scores_backward((k, q), (grad_A_kk * beta.unsqueeze(-1), grad_A_qk),
+                                                            factors)
+        grad_G = (k * (grad_k - grad_b) + q * grad_q + decay_q * grad_decay_q + decay_k * grad_decay_k
+                  - k_to_end * grad_k_to_end)
+        grad_G[:, -1] += (k_to_end * grad_k_to_end).sum(-2) + decay_to_end[..., 0] * (entering * grad_leaving).sum(-1)
+        grad_g = _causal_mask(C, False, q).mT @ grad_G  # dg_t = Σ_{r ≥ t} dG_r
+        grad_q = grad_q + decay * grad_decay_q
+        grad_k = grad_k + grad_b + decay * grad_decay_k + to_end * grad_k_to_end
+        return (*(per_head(x) for x in (grad_q, grad_k, grad_v, grad_g, grad_beta)), grad_initial, None, None)
+
+
 def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
     """Steps 1–8 for a group of consecutive chunks of every head, q, k, g ``[B·H, n, C, K]``, v
     ``[B·H, n, C, V]``, beta ``[B·H, n, C]`` (None for GLA), state ``[B·H, K, V]`` entering the group's first
@@ -317,6 +454,8 @@ def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
     per_head = lambda x: None if x is None else x.unflatten(0, (heads, n))  # [B·H, n, C, ·]
     if lower_bound is not None:
         g = g.clamp(min=lower_bound)  # the guarantee, enforced: a step below L would overflow a factor
+        if beta is not None:  # KDA with a bounded gate, K3's: the backward written out
+            return _BoundedKDAChunks.apply(q, k, v, g, beta, state, scale, _bounded_sub_chunk(lower_bound, C))
     G = g.double().cumsum(-2)  # step 1, inclusive; float64 (see above)
     q, k, v, G, beta = (chunks(x) for x in (q, k, v, G, beta))
     decay = _decay_weight(G, q)  # Γ = e^G ≤ 1

@@ -150,12 +150,12 @@ def _bounded_factors(b, G, S: int):
     return row_factor, column_factor, bridge, columns.view(L * blocks, C + pad, K)
 
 
-def _bounded_rows(operands, row_factor) -> torch.Tensor:
-    """The n operands ``[L, C, K]`` times their row factor e^{G_r − G_p}, stacked per sub-chunk:
-    ``[L·NC, n·S, K]``, the left side of one batched product."""
+def _bounded_rows(operands, row_factor) -> list:
+    """The operands ``[L, C, K]`` times their row factor e^{G_r − G_p} (``[L, NC, S, K]``), one sub-chunk per
+    batch entry: n tensors ``[L·NC, S, K]``, the left sides of the batched products."""
     L, blocks, S, K = row_factor.shape
-    rows = torch.stack([_pad_tokens(x, blocks * S - x.shape[1]).view(L, blocks, S, K) for x in operands], dim=2)
-    return (rows * row_factor.unsqueeze(2)).view(L * blocks, len(operands) * S, K)
+    row_factor = row_factor.view(L * blocks, S, K)
+    return [_pad_tokens(x, blocks * S - x.shape[1]).reshape(L * blocks, S, K) * row_factor for x in operands]
 
 
 def _bounded_scores(operands, b, G, strict: bool, S: int) -> list:
@@ -170,40 +170,49 @@ def _bounded_scores(operands, b, G, strict: bool, S: int) -> list:
     For c < a the bridge is ≤ 1 (a difference ≤ 0, floored at ``DECAY_FLOOR``); on the diagonal (c = a) it is
     e^{G_{p_a} − G_{e_a}} ≤ e^{(S − 1)·|L|} ≤ e^75, and the row and column factors are ≥ e^−75: every factor is a
     normal float32 (:func:`_bounded_factors`). The bridge scales the columns once per row sub-chunk
-    ``[L, NC, C, K]``, so the scores of all operands are one batched product, [n·S rows] × [C columns] per
-    sub-chunk of every chunk (the n operands stacked). Masked entries (i > r, up to e^75 · a·b) are dropped by
+    ``[L, NC, C, K]``, so the scores of each operand are one batched product, [S rows] × [C columns] per
+    sub-chunk of every chunk (:func:`_bounded_products`). Masked entries (i > r, up to e^75 · a·b) are dropped by
     ``torch.where``. operands: n tensors ``[L, C, K]``; b, G ``[L, C, K]`` -> n tensors ``[L, C, C]``.
     """
-    L, C, K = b.shape
-    row_factor, _, _, columns = _bounded_factors(b, G, S)
-    blocks, padded, n = row_factor.shape[1], columns.shape[1], len(operands)
-    products = torch.bmm(_bounded_rows(operands, row_factor), columns.mT).view(L, blocks, n, S, padded)
-    keep = _causal_mask(padded, strict, b).bool().view(blocks, S, padded)
-    return [torch.where(keep, products[:, :, i], 0.0).view(L, padded, padded)[:, :C, :C] for i in range(n)]
+    factors = _bounded_factors(b, G, S)
+    return _bounded_products(_bounded_rows(operands, factors[0]), factors[3], b.shape[1], (strict,) * len(operands))
 
 
-def _bounded_scores_backward(operands, grads, factors) -> tuple:
+def _bounded_products(rows, columns, C: int, strict: tuple) -> list:
+    """The scores of :func:`_bounded_scores` from its factors: rows n tensors ``[L·NC, S, K]``
+    (:func:`_bounded_rows`), bridged columns ``[L·NC, C, K]`` (:func:`_bounded_factors`); operand j masked
+    strictly if ``strict[j]``. Returns n tensors ``[L, C, C]``."""
+    padded = columns.shape[1]
+    return [torch.where(_causal_mask(padded, s, columns).bool(), torch.bmm(x, columns.mT).view(-1, padded, padded),
+                        0.0)[:, :C, :C] for x, s in zip(rows, strict)]
+
+
+def _bounded_scores_backward(rows, grads, factors) -> tuple:
     """The gradients of :func:`_bounded_scores`' A_j[r, i] = Σ_d a_jrd b_id e^{G_rd − G_id} (j over the
     operands) for upstream gradients dA_j ``[L, C, C]`` that are zero where A_j is masked, through the same
-    factors (:func:`_bounded_factors`), as two batched products:
+    factors (:func:`_bounded_factors`, :func:`_bounded_rows`), in batched products:
 
         da_jr = e^{G_r − G_p} Σ_i dA_j[r, i] (bridged column i),
         db_i  = e^{G_e − G_i} Σ_a bridge[a, c] Σ_{j, r ∈ a} dA_j[r, i] a_jr e^{G_r − G_p}.
 
     The gradient of G follows without them: dG = Σ_j a_j ⊙ da_j − b ⊙ db. An intermediate reaches
-    |dA|·|a|·S·e^75, finite for |dA|·|a| up to ~5e4 (loss gradients are far smaller). operands: n tensors
-    ``[L, C, K]`` -> (n tensors da_j ``[L, C, K]``, db ``[L, C, K]``)."""
+    |dA|·|a|·S·e^75, finite for |dA|·|a| up to ~5e4 (loss gradients are far smaller). rows: n tensors
+    ``[L·NC, S, K]`` -> (n tensors da_j ``[L, C, K]``, db ``[L, C, K]``)."""
     row_factor, column_factor, bridge, columns = factors
     L, blocks, S, K = row_factor.shape
-    C, padded, n = operands[0].shape[1], columns.shape[1], len(operands)
+    C, padded = grads[0].shape[-1], columns.shape[1]
     if padded > C:
         grads = [torch.nn.functional.pad(x, (0, padded - C, 0, padded - C)) for x in grads]
-    grads = torch.stack([x.view(L, blocks, S, padded) for x in grads], dim=2).view(L * blocks, n * S, padded)
-    grad_rows = torch.bmm(grads, columns).view(L, blocks, n, S, K) * row_factor.unsqueeze(2)
-    grad_columns = torch.bmm(grads.mT, _bounded_rows(operands, row_factor)).view(L, blocks, blocks, S, K)
-    grad_b = (grad_columns * bridge.unsqueeze(-2)).sum(1) * column_factor  # [L, NC(c), S, K]
-    grad_rows = grad_rows.transpose(2, 1).reshape(L, n, padded, K)[:, :, :C]
-    return list(grad_rows.unbind(1)), grad_b.view(L, padded, K)[:, :C]
+    grads = [x.view(L * blocks, S, padded) for x in grads]  # the rows of each sub-chunk a
+    grad_rows = [(torch.bmm(x, columns).view(L, blocks, S, K) * row_factor).view(L, padded, K)[:, :C] for x in grads]
+    grad_columns = torch.bmm(grads[0].mT, rows[0])
+    for x, rows_x in zip(grads[1:], rows[1:]):
+        grad_columns = torch.baddbmm(grad_columns, x.mT, rows_x)
+    grad_columns = grad_columns.view(L, blocks, blocks, S, K)  # [L, NC(a), NC(c), S, K]
+    grad_b = grad_columns[:, 0] * bridge[:, 0, :, None]  # Σ_a bridge[a, c] (…), one row sub-chunk at a time
+    for a in range(1, blocks):
+        grad_b = torch.addcmul(grad_b, grad_columns[:, a], bridge[:, a, :, None])
+    return grad_rows, (grad_b * column_factor).view(L, padded, K)[:, :C]
 
 
 def _scalar_scores(a, b, G, strict: bool) -> torch.Tensor:
@@ -325,42 +334,48 @@ def _to_chunks(x, chunk_size: int) -> torch.Tensor:
 
 def _pass_states(W, U, k, G, state):
     """Steps 5 and 8, the only loop over chunks: per chunk, Ṽ = U − W S (GLA: Ṽ = U), then
-    S ← Diag(Γ_C) S + K̃ᵀṼ with K̃ = K ⊙ e^{G_C − G}. Everything that does not depend on the state (K̃ᵀ, Γ_C) is
-    formed for all chunks at once; the loop is two products per chunk, batched over the heads.
+    S ← Diag(Γ_C) S + K̃ᵀṼ with K̃ = K ⊙ e^{G_C − G}. Everything that does not depend on the state (K̃, Γ_C) is
+    formed for all chunks at once; the loop (:func:`_state_loop`) is two products per chunk, batched over the heads.
 
     W (None for GLA: no delta correction), U ``[..., N, C, ·]``; k ``[..., N, C, K]``; G ``[..., N, C, K]`` or
     ``[..., N, C, 1]`` (a gate shared by the channels); state ``[..., K, V]``. Returns the states entering each
     chunk ``[..., N, K, V]``, Ṽ ``[..., N, C, V]`` and the final state ``[..., K, V]``."""
+    decay_to_end = _decay_weight(G[..., -1:, :], k).mT  # Γ_C, [..., N, K, 1] (or [..., N, 1, 1])
+    k_to_end = k * _decay_weight(G[..., -1:, :] - G, k)  # K̃, [..., N, C, K]
+    return _state_loop(W, U, k_to_end, decay_to_end, state)
+
+
+def _state_loop(W, U, k_to_end, decay_to_end, state):
+    """The loop of :func:`_pass_states`, chunk after chunk: Ṽ = U − W S, S ← Diag(Γ_C) S + K̃ᵀṼ. Shapes as
+    there, with K̃ ``[..., N, C, K]`` and Γ_C ``[..., N, K, 1]`` given."""
     leading = state.shape[:-2]
     as_batch = (lambda x: None if x is None else x.reshape(-1, *x.shape[-3:]))  # [L, N, ·, ·]
-    decay_to_end = as_batch(_decay_weight(G[..., -1:, :], k).mT)  # Γ_C, [L, N, K, 1] (or [L, N, 1, 1])
-    k_to_end = as_batch((k * _decay_weight(G[..., -1:, :] - G, k)).mT)  # K̃ᵀ, [L, N, K, C]
-    W, U, state = as_batch(W), as_batch(U), state.reshape(-1, *state.shape[-2:])
+    W, U, k_to_end, decay_to_end = (as_batch(x) for x in (W, U, k_to_end, decay_to_end))
+    state = state.reshape(-1, *state.shape[-2:])
     entering, corrected = [], []
-    for n, (chunk_decay, chunk_keys) in enumerate(zip(decay_to_end.unbind(1), k_to_end.unbind(1))):
+    for n in range(U.shape[1]):
         entering.append(state)
         v_new = U[:, n] if W is None else torch.baddbmm(U[:, n], W[:, n], state, alpha=-1.0)  # Ṽ = U − W S
         corrected.append(v_new)
-        state = torch.baddbmm(chunk_decay * state, chunk_keys, v_new)  # Diag(Γ_C) S + K̃ᵀṼ
+        state = torch.baddbmm(decay_to_end[:, n] * state, k_to_end[:, n].mT, v_new)  # Diag(Γ_C) S + K̃ᵀṼ
     entering, corrected = torch.stack(entering, dim=1), torch.stack(corrected, dim=1)  # [L, N, K, V], [L, N, C, V]
     return (entering.reshape(*leading, *entering.shape[1:]), corrected.reshape(*leading, *corrected.shape[1:]),
             state.reshape(*leading, *state.shape[1:]))
 
 
-def _pass_state_gradients(grad_v_part, grad_s_part, W, k_to_end, decay_to_end, grad_state):
-    """The backward of steps 5 and 8, chunks in reverse: with dS the gradient of the state leaving chunk n,
-    dṼ = (dṼ from the outputs) + K̃ dS, then the state entering it gets dS ← (dS from the outputs) + Diag(Γ_C) dS
-    − Wᵀ dṼ, which is dS for chunk n − 1. Two products per chunk, batched over the heads.
+def _state_loop_backward(grad_v_part, grad_s_part, W, k_to_end, decay_to_end, grad_state):
+    """The backward of :func:`_state_loop`, chunks in reverse: with dS' the gradient of the state leaving chunk n,
+    dṼ = (dṼ from the outputs) + K̃ dS', and the state entering it gets dS = (dS from the outputs)
+    + Diag(Γ_C) dS' − Wᵀ dṼ, which is dS' for chunk n − 1. Two products per chunk, batched over the heads.
 
-    grad_v_part ``[L, N, C, V]`` (s·A_qkᵀ dO), grad_s_part ``[L, N, K, V]`` (s·(Γ ⊙ Q)ᵀ dO), W, k_to_end (K̃)
-    ``[L, N, C, K]``, decay_to_end (Γ_C) ``[L, N, K, 1]``, grad_state ``[L, K, V]`` (of the final state).
-    Returns dṼ ``[L, N, C, V]``, the gradients of the states leaving each chunk ``[L, N, K, V]`` and of the state
-    entering the first ``[L, K, V]``."""
+    grad_v_part ``[L, N, C, V]``, grad_s_part ``[L, N, K, V]``, W, k_to_end (K̃) ``[L, N, C, K]``, decay_to_end
+    (Γ_C) ``[L, N, K, 1]``, grad_state ``[L, K, V]`` (of the final state). Returns dṼ ``[L, N, C, V]``, dS' for
+    every chunk ``[L, N, K, V]`` and the gradient of the state entering the first ``[L, K, V]``."""
     chunks = W.shape[1]
     grad_v_new, grad_leaving = [None] * chunks, [None] * chunks
     for n in reversed(range(chunks)):
         grad_leaving[n] = grad_state
-        grad_v_new[n] = torch.baddbmm(grad_v_part[:, n], k_to_end[:, n], grad_state)  # dṼ
+        grad_v_new[n] = torch.baddbmm(grad_v_part[:, n], k_to_end[:, n], grad_state)
         grad_state = torch.baddbmm(torch.addcmul(grad_s_part[:, n], decay_to_end[:, n], grad_state),
                                    W[:, n].mT, grad_v_new[n], alpha=-1.0)
     return torch.stack(grad_v_new, dim=1), torch.stack(grad_leaving, dim=1), grad_state
@@ -368,18 +383,25 @@ def _pass_state_gradients(grad_v_part, grad_s_part, W, k_to_end, decay_to_end, g
 
 class _BoundedKDAChunks(torch.autograd.Function):
     """Steps 1–8 for a group of chunks (:func:`_chunk_group`) of KDA with a bounded channel gate, with the
-    backward written out. The forward keeps the factors of the scores, A_qk, A_kk, X = (I + A_kk)^{-1}, W, Ṽ
-    and the states entering each chunk. The backward, per chunk (s the scale, S the state entering, dS' the
-    gradient of the state leaving, K̃ = K ⊙ e^{G_C − G}, R = V − (Γ ⊙ K) S so that Ṽ = M R):
+    backward written out: autograd through the forward would replay its ~300 small operations in reverse and
+    keep all their temporaries; this backward is ~14 batched products and a few elementwise operations.
+
+    The forward keeps Γ ⊙ Q, Γ ⊙ K, the factors of the scores, D = strict_tril(DS(K, K)) (A_kk = Diag(β) D),
+    A_qk, X = (I + A_kk)^{-1}, W, Ṽ, K̃ = K ⊙ e^{G_C − G} and the states. The backward, per chunk (s the
+    scale, S the state entering, S' leaving, dS' its gradient; M = X Diag(β), R = V − (Γ ⊙ K) S, so Ṽ = M R):
 
         dṼ = s·A_qkᵀ dO + K̃ dS',   dS = s·(Γ ⊙ Q)ᵀ dO + Diag(Γ_C) dS' − Wᵀ dṼ   (chunks in reverse)
-        dA_qk = s·tril(dO Ṽᵀ),  d(Γ ⊙ Q) = s·dO Sᵀ,  dK̃ = Ṽ dS'ᵀ,  dR = Mᵀ dṼ = dV,  d(Γ ⊙ K) = −dR Sᵀ
-        dM = dṼ Rᵀ,  dX = dM Diag(β),  dA_kk = −strict_tril(Xᵀ dX Xᵀ),  dβ = colsum(dM ⊙ X) + rowsum(dA_kk ⊙ A_kk)/β
+        dA_qk = s·tril(dO Ṽᵀ),  d(Γ ⊙ Q) = s·dO Sᵀ,  dK̃ = Ṽ dS'ᵀ
+        Y = Xᵀ dṼ:  dV = dR = Mᵀ dṼ = Diag(β) Y,  d(Γ ⊙ K) = −dR Sᵀ = −Diag(β) Y Sᵀ,
+                    dA_kk = −strict_tril(Xᵀ dM Mᵀ) = −strict_tril(Y Ṽᵀ)   (dM = dṼ Rᵀ, M R = Ṽ),
+                    dβ_i = Σ_r dM_ri X_ri + Σ_j dA_kk,ij D_ij = Σ_v R_iv Y_iv + Σ_j dA_kk,ij D_ij
 
-    then the scores' gradients (:func:`_bounded_scores_backward`), and dG from every place G enters:
-    dG = Q ⊙ dQ_A + K ⊙ dK_A − K ⊙ dK_B (the scores) + (Γ ⊙ Q) ⊙ d(Γ ⊙ Q) + (Γ ⊙ K) ⊙ d(Γ ⊙ K) − K̃ ⊙ dK̃, and at
-    the chunk's last row Σ_r K̃ ⊙ dK̃ + Γ_C ⊙ Σ_v S ⊙ dS'; dg is dG summed from each row to the chunk's end.
-    Inputs and outputs as :func:`_chunk_group`'s (g already clamped); sub_chunk: :func:`_bounded_sub_chunk`."""
+    with Σ_v R ⊙ Y = Σ_v V ⊙ Y − Σ_d (Γ ⊙ K) ⊙ (Y Sᵀ); then the scores' gradients with dD = Diag(β) dA_kk
+    (:func:`_bounded_scores_backward`), and G's from every place it enters: dG = Q ⊙ dQ + K ⊙ (dK_+ − dK_−) with
+    dK = dK_+ + dK_− split into the parts where G enters with a + sign (the scores' rows, Γ ⊙ K) and a − sign (the
+    scores' columns, K̃), and at the chunk's last row dG_C = Σ_v S' ⊙ dS' (K̃'s and Γ_C's share,
+    Σ_v (Γ_C S + K̃ᵀṼ) ⊙ dS'). dg is dG summed from each row to the chunk's end. Inputs and outputs as
+    :func:`_chunk_group`'s (g already clamped); sub_chunk: :func:`_bounded_sub_chunk`."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, scale, sub_chunk):
@@ -389,55 +411,52 @@ class _BoundedKDAChunks(torch.autograd.Function):
         G = g.double().cumsum(-2)  # step 1, in float64 (see _chunk_group)
         q, k, v, G, beta = (chunks(x) for x in (q, k, v, G, beta))
         decay = _decay_weight(G, q)  # Γ
+        decay_q, decay_k = decay * q, decay * k
         factors = _bounded_factors(k, G, sub_chunk)
-        products = torch.bmm(_bounded_rows((k, q), factors[0]), factors[3].mT)  # steps 2 and 6 share one product
-        padded = factors[3].shape[1]
-        products = products.view(-1, padded // sub_chunk, 2, sub_chunk, padded).transpose(1, 2)
-        products = products.reshape(-1, 2, padded, padded)[:, :, :C, :C]
-        # masked entries (up to e^75 · k·k) dropped by where; A_kk strictly lower
-        scores_kk, A_qk = (torch.where(_causal_mask(C, strict, q).bool(), products[:, i], 0.0)
-                           for i, strict in ((0, True), (1, False)))
+        rows = _bounded_rows((k, q), factors[0])
+        scores_kk, A_qk = _bounded_products(rows, factors[3], C, (True, False))  # steps 2 and 6: D and A_qk
         X = _unit_lower_inverse(scores_kk * beta.unsqueeze(-1))  # step 3
         M = X * beta.unsqueeze(-2)
-        W, U = M @ (decay * k), M @ v  # step 4
-        entering, v_new, state = _pass_states(per_head(W), per_head(U), per_head(k), per_head(G), state)  # 5, 8
+        W, U = M @ decay_k, M @ v  # step 4
+        to_end = _decay_weight(G[:, -1:] - G, k)  # e^{G_C − G}
+        k_to_end, decay_to_end = k * to_end, _decay_weight(G[:, -1:], k).mT  # K̃, Γ_C [L, K, 1]
+        entering, v_new, state = _state_loop(*(per_head(x) for x in (W, U, k_to_end, decay_to_end)), state)  # 5, 8
         entering, v_new = chunks(entering), chunks(v_new)
-        o = torch.baddbmm(A_qk @ v_new, decay * q, entering, beta=scale, alpha=scale)  # step 7
-        ctx.save_for_backward(q, k, v, beta, G, decay, *factors, scores_kk, A_qk, X, W, v_new, entering)
-        ctx.scale, ctx.heads = scale, heads
+        o = torch.baddbmm(A_qk @ v_new, decay_q, entering, beta=scale, alpha=scale)  # step 7
+        ctx.save_for_backward(q, k, v, beta, decay, decay_q, decay_k, *factors, *rows, scores_kk, A_qk, X, W,
+                              v_new, entering, state, to_end, k_to_end, decay_to_end)
+        ctx.scale = scale
         return per_head(o), state
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_o, grad_state):
-        q, k, v, beta, G, decay, *factors, scores_kk, A_qk, X, W, v_new, entering = ctx.saved_tensors
-        per_head = lambda x: x.unflatten(0, (ctx.heads, -1))
-        C = q.shape[1]
-        grad_o = grad_o.flatten(0, 1) * ctx.scale  # s·dO, [L, C, V]
-        to_end = _decay_weight(G[:, -1:] - G, k)  # e^{G_C − G}
-        k_to_end, decay_to_end = k * to_end, _decay_weight(G[:, -1], k).unsqueeze(-1)  # K̃, Γ_C [L, K, 1]
-        decay_q, decay_k = decay * q, decay * k
-        grad_v_new, grad_leaving, grad_initial = _pass_state_gradients(
+        (q, k, v, beta, decay, decay_q, decay_k, *factors, rows_k, rows_q, scores_kk, A_qk, X, W, v_new, entering,
+         final, to_end, k_to_end, decay_to_end) = ctx.saved_tensors
+        heads, C = final.shape[0], q.shape[1]
+        per_head = lambda x: x.unflatten(0, (heads, -1))
+        grad_o = grad_o.reshape(v_new.shape) * ctx.scale  # s·dO, [L, C, V]
+        grad_v_new, grad_leaving, grad_initial = _state_loop_backward(
             per_head(A_qk.mT @ grad_o), per_head(decay_q.mT @ grad_o), per_head(W), per_head(k_to_end),
             per_head(decay_to_end), grad_state)
         grad_v_new, grad_leaving = grad_v_new.flatten(0, 1), grad_leaving.flatten(0, 1)
         grad_A_qk = (grad_o @ v_new.mT) * _causal_mask(C, False, q)
-        grad_decay_q = grad_o @ entering.mT
-        grad_k_to_end = v_new @ grad_leaving.mT
-        grad_v = beta.unsqueeze(-1) * (X.mT @ grad_v_new)  # dR = Mᵀ dṼ, M = X Diag(β)
-        grad_decay_k = -(grad_v @ entering.mT)
-        grad_M = grad_v_new @ torch.baddbmm(v, decay_k, entering, alpha=-1.0).mT  # dṼ Rᵀ
-        grad_A_kk = -(X.mT @ (grad_M * beta.unsqueeze(-2)) @ X.mT) * _causal_mask(C, True, q)
-        grad_beta = (grad_M * X).sum(-2) + (grad_A_kk * scores_kk).sum(-1)
-        (grad_k, grad_q), grad_b = _bounded_scores_backward((k, q), (grad_A_kk * beta.unsqueeze(-1), grad_A_qk),
-                                                            factors)
-        grad_G = (k * (grad_k - grad_b) + q * grad_q + decay_q * grad_decay_q + decay_k * grad_decay_k
-                  - k_to_end * grad_k_to_end)
-        grad_G[:, -1] += (k_to_end * grad_k_to_end).sum(-2) + decay_to_end[..., 0] * (entering * grad_leaving).sum(-1)
-        grad_g = _causal_mask(C, False, q).mT @ grad_G  # dg_t = Σ_{r ≥ t} dG_r
-        grad_q = grad_q + decay * grad_decay_q
-        grad_k = grad_k + grad_b + decay * grad_decay_k + to_end * grad_k_to_end
-        return (*(per_head(x) for x in (grad_q, grad_k, grad_v, grad_g, grad_beta)), grad_initial, None, None)
+        Y = X.mT @ grad_v_new
+        grad_v = beta.unsqueeze(-1) * Y
+        Z = Y @ entering.mT  # Y Sᵀ
+        grad_A_kk = (Y @ v_new.mT) * -_causal_mask(C, True, q)
+        grad_beta = ((v * Y).sum(-1) - (decay_k * Z).sum(-1) + (grad_A_kk * scores_kk).sum(-1))
+        (grad_k_rows, grad_q), grad_k_columns = _bounded_scores_backward(
+            (rows_k, rows_q), (grad_A_kk * beta.unsqueeze(-1), grad_A_qk), factors)
+        grad_q = torch.addcmul(grad_q, decay, grad_o @ entering.mT)  # + Γ ⊙ d(Γ ⊙ Q)
+        grad_k_plus = torch.addcmul(grad_k_rows, decay * beta.unsqueeze(-1), Z, value=-1.0)  # + Γ ⊙ d(Γ ⊙ K)
+        grad_k_minus = torch.addcmul(grad_k_columns, to_end, v_new @ grad_leaving.mT)  # + e^{G_C − G} ⊙ dK̃
+        leaving = torch.cat([entering.unflatten(0, (heads, -1))[:, 1:], final.unsqueeze(1)], dim=1).flatten(0, 1)
+        grad_G = torch.addcmul(q * grad_q, k, grad_k_plus - grad_k_minus)
+        reverse_sum = _causal_mask(C, False, q).mT.expand(grad_G.shape[0], C, C)  # dg_t = Σ_{r ≥ t} dG_r + dG_C
+        grad_g = torch.baddbmm((leaving * grad_leaving).sum(-1).unsqueeze(-2), reverse_sum, grad_G)
+        return (*(per_head(x) for x in (grad_q, grad_k_plus + grad_k_minus, grad_v, grad_g, grad_beta)),
+                grad_initial, None, None)
 
 
 def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):

@@ -207,7 +207,7 @@ def _bounded_scores_backward(rows, grads, factors) -> tuple:
     grad_rows = [(torch.bmm(x, columns).view(L, blocks, S, K) * row_factor).view(L, padded, K)[:, :C] for x in grads]
     grad_columns = torch.bmm(grads[0].mT, rows[0])
     for x, rows_x in zip(grads[1:], rows[1:]):
-        grad_columns = torch.baddbmm(grad_columns, x.mT, rows_x)
+        grad_columns.baddbmm_(x.mT, rows_x)
     grad_columns = grad_columns.view(L, blocks, blocks, S, K)  # [L, NC(a), NC(c), S, K]
     grad_b = grad_columns[:, 0] * bridge[:, 0, :, None]  # Σ_a bridge[a, c] (…), one row sub-chunk at a time
     for a in range(1, blocks):
@@ -298,6 +298,9 @@ def ut_transform(A_kk, beta) -> torch.Tensor:
     return _UnitLowerInverse.apply(A_kk) * beta.unsqueeze(-2)
 
 
+_PACKAGE_UT_TRANSFORM = ut_transform  # a learner's ut_transform swapped in (lessons.parts) takes the autograd path
+
+
 def kda_chunk_step(q, k, v, g, beta, state):
     """One chunk of KDA, steps 1–8 above, for a single chunk (q already scaled).
 
@@ -383,10 +386,11 @@ def _state_loop_backward(grad_v_part, grad_s_part, W, k_to_end, decay_to_end, gr
 
 class _BoundedKDAChunks(torch.autograd.Function):
     """Steps 1–8 for a group of chunks (:func:`_chunk_group`) of KDA with a bounded channel gate, with the
-    backward written out: autograd through the forward would replay its ~300 small operations in reverse and
-    keep all their temporaries; this backward is ~14 batched products and a few elementwise operations.
+    backward written out: autograd through the forward would replay its hundreds of small operations in reverse
+    and keep all their temporaries; this backward is a dozen batched products, two per chunk in the reverse loop
+    over the chunks, and a few elementwise operations.
 
-    The forward keeps Γ ⊙ Q, Γ ⊙ K, the factors of the scores, D = strict_tril(DS(K, K)) (A_kk = Diag(β) D),
+    The forward keeps Γ ⊙ Q, Γ ⊙ K, the scores' factors and rows, D = strict_tril(DS(K, K)) (A_kk = Diag(β) D),
     A_qk, X = (I + A_kk)^{-1}, W, Ṽ, K̃ = K ⊙ e^{G_C − G} and the states. The backward, per chunk (s the
     scale, S the state entering, S' leaving, dS' its gradient; M = X Diag(β), R = V − (Γ ⊙ K) S, so Ṽ = M R):
 
@@ -422,7 +426,7 @@ class _BoundedKDAChunks(torch.autograd.Function):
         k_to_end, decay_to_end = k * to_end, _decay_weight(G[:, -1:], k).mT  # K̃, Γ_C [L, K, 1]
         entering, v_new, state = _state_loop(*(per_head(x) for x in (W, U, k_to_end, decay_to_end)), state)  # 5, 8
         entering, v_new = chunks(entering), chunks(v_new)
-        o = torch.baddbmm(A_qk @ v_new, decay_q, entering, beta=scale, alpha=scale)  # step 7
+        o = (A_qk @ v_new).baddbmm_(decay_q, entering, beta=scale, alpha=scale)  # step 7
         ctx.save_for_backward(q, k, v, beta, decay, decay_q, decay_k, *factors, *rows, scores_kk, A_qk, X, W,
                               v_new, entering, state, to_end, k_to_end, decay_to_end)
         ctx.scale = scale
@@ -445,7 +449,7 @@ class _BoundedKDAChunks(torch.autograd.Function):
         grad_v = beta.unsqueeze(-1) * Y
         Z = Y @ entering.mT  # Y Sᵀ
         grad_A_kk = (Y @ v_new.mT) * -_causal_mask(C, True, q)
-        grad_beta = ((v * Y).sum(-1) - (decay_k * Z).sum(-1) + (grad_A_kk * scores_kk).sum(-1))
+        grad_beta = (v * Y).sum(-1) - (decay_k * Z).sum(-1) + (grad_A_kk * scores_kk).sum(-1)
         (grad_k_rows, grad_q), grad_k_columns = _bounded_scores_backward(
             (rows_k, rows_q), (grad_A_kk * beta.unsqueeze(-1), grad_A_qk), factors)
         grad_q = torch.addcmul(grad_q, decay, grad_o @ entering.mT)  # + Γ ⊙ d(Γ ⊙ Q)
@@ -463,7 +467,9 @@ def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
     """Steps 1–8 for a group of consecutive chunks of every head, q, k, g ``[B·H, n, C, K]``, v
     ``[B·H, n, C, V]``, beta ``[B·H, n, C]`` (None for GLA), state ``[B·H, K, V]`` entering the group's first
     chunk. Returns ``(o [B·H, n, C, V], state leaving the group)``. The query scale is applied to the output of
-    step 7 (o is linear in q); g is clamped at ``lower_bound`` when one is given.
+    step 7 (o is linear in q); g is clamped at ``lower_bound`` when one is given. KDA with a lower bound (K3's
+    path) runs as :class:`_BoundedKDAChunks`, whose backward is written out, unless a learner's ``ut_transform``
+    is swapped in (``lessons.parts``): then, as every other path, through autograd.
 
     G is summed in float64 (then only exponents are formed from it): a chunk of 64 tokens at g = −5 reaches
     G = −320, where a float32 cumulative sum is off by ~3e-5, and every weight e^{G_r − G_i} would inherit that
@@ -473,7 +479,7 @@ def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
     per_head = lambda x: None if x is None else x.unflatten(0, (heads, n))  # [B·H, n, C, ·]
     if lower_bound is not None:
         g = g.clamp(min=lower_bound)  # the guarantee, enforced: a step below L would overflow a factor
-        if beta is not None:  # KDA with a bounded gate, K3's: the backward written out
+        if beta is not None and ut_transform is _PACKAGE_UT_TRANSFORM:  # K3's path: the backward written out
             return _BoundedKDAChunks.apply(q, k, v, g, beta, state, scale, _bounded_sub_chunk(lower_bound, C))
     G = g.double().cumsum(-2)  # step 1, inclusive; float64 (see above)
     q, k, v, G, beta = (chunks(x) for x in (q, k, v, G, beta))

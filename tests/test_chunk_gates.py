@@ -330,6 +330,16 @@ def test_bounded_backward_with_a_gate_below_the_bound_beta_zero_and_many_groups(
         assert (got[3][gates < BOUND] == 0).all()
 
 
+def test_bounded_backward_called_under_autocast_computes_in_fp32():
+    """Forward and backward inside a bf16 autocast region: the same gradients as without it (the op keeps its
+    products in float32, its backward too)."""
+    tensors = inputs("layer", scalar_gate=False, T=70, seed=4)
+    want = gradients_through(kda_chunk, tensors, True, True, chunk_size=32, lower_bound=BOUND)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gradients_through(kda_chunk, tensors, True, True, chunk_size=32, lower_bound=BOUND)
+    assert_gradients_close(got, want, 1e-6, "under autocast")
+
+
 def test_bounded_backward_passes_gradcheck_in_fp64():
     """Finite differences in fp64, two chunks of 8 and a padded third, g inside (−5, 0) (at the bound the clamp
     has a kink)."""

@@ -435,32 +435,33 @@ class _BoundedKDAChunks(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_o, grad_state):
-        (q, k, v, beta, decay, decay_q, decay_k, *factors, rows_k, rows_q, scores_kk, A_qk, X, W, v_new, entering,
-         final, to_end, k_to_end, decay_to_end) = ctx.saved_tensors
-        heads, C = final.shape[0], q.shape[1]
-        per_head = lambda x: x.unflatten(0, (heads, -1))
-        grad_o = grad_o.reshape(v_new.shape) * ctx.scale  # s·dO, [L, C, V]
-        grad_v_new, grad_leaving, grad_initial = _state_loop_backward(
-            per_head(A_qk.mT @ grad_o), per_head(decay_q.mT @ grad_o), per_head(W), per_head(k_to_end),
-            per_head(decay_to_end), grad_state)
-        grad_v_new, grad_leaving = grad_v_new.flatten(0, 1), grad_leaving.flatten(0, 1)
-        grad_A_qk = (grad_o @ v_new.mT) * _causal_mask(C, False, q)
-        Y = X.mT @ grad_v_new
-        grad_v = beta.unsqueeze(-1) * Y
-        Z = Y @ entering.mT  # Y Sᵀ
-        grad_A_kk = (Y @ v_new.mT) * -_causal_mask(C, True, q)
-        grad_beta = (v * Y).sum(-1) - (decay_k * Z).sum(-1) + (grad_A_kk * scores_kk).sum(-1)
-        (grad_k_rows, grad_q), grad_k_columns = _bounded_scores_backward(
-            (rows_k, rows_q), (grad_A_kk * beta.unsqueeze(-1), grad_A_qk), factors)
-        grad_q = torch.addcmul(grad_q, decay, grad_o @ entering.mT)  # + Γ ⊙ d(Γ ⊙ Q)
-        grad_k_plus = torch.addcmul(grad_k_rows, decay * beta.unsqueeze(-1), Z, value=-1.0)  # + Γ ⊙ d(Γ ⊙ K)
-        grad_k_minus = torch.addcmul(grad_k_columns, to_end, v_new @ grad_leaving.mT)  # + e^{G_C − G} ⊙ dK̃
-        leaving = torch.cat([entering.unflatten(0, (heads, -1))[:, 1:], final.unsqueeze(1)], dim=1).flatten(0, 1)
-        grad_G = torch.addcmul(q * grad_q, k, grad_k_plus - grad_k_minus)
-        reverse_sum = _causal_mask(C, False, q).mT.expand(grad_G.shape[0], C, C)  # dg_t = Σ_{r ≥ t} dG_r + dG_C
-        grad_g = torch.baddbmm((leaving * grad_leaving).sum(-1).unsqueeze(-2), reverse_sum, grad_G)
-        return (*(per_head(x) for x in (grad_q, grad_k_plus + grad_k_minus, grad_v, grad_g, grad_beta)),
-                grad_initial, None, None)
+        with float32_recurrence(grad_o.device):  # a backward called under autocast still computes in float32
+            (q, k, v, beta, decay, decay_q, decay_k, *factors, rows_k, rows_q, scores_kk, A_qk, X, W, v_new, entering,
+             final, to_end, k_to_end, decay_to_end) = ctx.saved_tensors
+            heads, C = final.shape[0], q.shape[1]
+            per_head = lambda x: x.unflatten(0, (heads, -1))
+            grad_o = grad_o.reshape(v_new.shape) * ctx.scale  # s·dO, [L, C, V]
+            grad_v_new, grad_leaving, grad_initial = _state_loop_backward(
+                per_head(A_qk.mT @ grad_o), per_head(decay_q.mT @ grad_o), per_head(W), per_head(k_to_end),
+                per_head(decay_to_end), grad_state)
+            grad_v_new, grad_leaving = grad_v_new.flatten(0, 1), grad_leaving.flatten(0, 1)
+            grad_A_qk = (grad_o @ v_new.mT) * _causal_mask(C, False, q)
+            Y = X.mT @ grad_v_new
+            grad_v = beta.unsqueeze(-1) * Y
+            Z = Y @ entering.mT  # Y Sᵀ
+            grad_A_kk = (Y @ v_new.mT) * -_causal_mask(C, True, q)
+            grad_beta = (v * Y).sum(-1) - (decay_k * Z).sum(-1) + (grad_A_kk * scores_kk).sum(-1)
+            (grad_k_rows, grad_q), grad_k_columns = _bounded_scores_backward(
+                (rows_k, rows_q), (grad_A_kk * beta.unsqueeze(-1), grad_A_qk), factors)
+            grad_q = torch.addcmul(grad_q, decay, grad_o @ entering.mT)  # + Γ ⊙ d(Γ ⊙ Q)
+            grad_k_plus = torch.addcmul(grad_k_rows, decay * beta.unsqueeze(-1), Z, value=-1.0)  # + Γ ⊙ d(Γ ⊙ K)
+            grad_k_minus = torch.addcmul(grad_k_columns, to_end, v_new @ grad_leaving.mT)  # + e^{G_C − G} ⊙ dK̃
+            leaving = torch.cat([per_head(entering)[:, 1:], final.unsqueeze(1)], dim=1).flatten(0, 1)  # S' per chunk
+            grad_G = torch.addcmul(q * grad_q, k, grad_k_plus - grad_k_minus)
+            reverse_sum = _causal_mask(C, False, q).mT.expand(grad_G.shape[0], C, C)  # dg_t = Σ_{r ≥ t} dG_r + dG_C
+            grad_g = torch.baddbmm((leaving * grad_leaving).sum(-1).unsqueeze(-2), reverse_sum, grad_G)
+            return (*(per_head(x) for x in (grad_q, grad_k_plus + grad_k_minus, grad_v, grad_g, grad_beta)),
+                    grad_initial, None, None)
 
 
 def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):

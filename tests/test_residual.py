@@ -246,3 +246,49 @@ def test_visible_sources_matches_what_the_stream_attends(block_size):
         assert (grid[read, : read + 1] >= 0).all() and (grid[read, read + 1:] == -1).all()
     with pytest.raises(ValueError, match="block_size must be a positive int or None"):
         visible_sources(L, 0)
+
+
+def _depth_attention_through_keys(query, sources, eps):
+    """The textbook form autograd differentiates: keys RMSNorm(v_i) materialised, softmax over depth."""
+    keys = torch.nn.functional.rms_norm(sources, (sources.shape[-1],), eps=eps)
+    weights = torch.softmax(keys @ query, dim=0)
+    return (weights.unsqueeze(-1) * sources).sum(0), weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_depth_attention_closed_form_backward_equals_autograd_through_the_keys(dtype):
+    """Sources of very different scales (1, 30, 1e-3) and an all-zero source (its key is 0, its logit 0)."""
+    gen = torch.Generator().manual_seed(3)
+    scales = torch.tensor([1.0, 30.0, 1e-3, 0.0], dtype=dtype).view(4, 1, 1, 1)
+    sources = (torch.randn(4, B, T, D, generator=gen, dtype=dtype) * scales).requires_grad_()
+    query = torch.randn(D, generator=gen, dtype=dtype).requires_grad_()
+    grad_h = torch.randn(B, T, D, generator=gen, dtype=dtype)
+    h, weights = depth_attention(query, sources, eps=1e-6)
+    h_ref, weights_ref = _depth_attention_through_keys(query, sources, 1e-6)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h, h_ref, **tol)
+    torch.testing.assert_close(weights, weights_ref, **tol)
+    grads = torch.autograd.grad(h, (query, sources), grad_h)
+    grads_ref = torch.autograd.grad(h_ref, (query, sources), grad_h)
+    for got, want in zip(grads, grads_ref):
+        torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * 30)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_depth_attention_gradcheck():
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(D, generator=gen, dtype=torch.float64, requires_grad=True)
+    sources = torch.randn(3, 2, 3, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, s: depth_attention(q, s)[0], (query, sources))
+
+
+def test_depth_attention_keeps_bf16_sources_in_their_dtype_and_computes_in_fp32():
+    gen = torch.Generator().manual_seed(5)
+    sources = torch.randn(3, B, T, D, generator=gen).bfloat16().requires_grad_()
+    query = torch.randn(D, generator=gen, requires_grad=True)
+    h, weights = depth_attention(query, sources)
+    assert h.dtype == torch.bfloat16 and weights.dtype == torch.float32
+    h.float().sum().backward()
+    assert sources.grad.dtype == torch.bfloat16 and query.grad.dtype == torch.float32
+    h_ref, _ = _depth_attention_through_keys(query.detach(), sources.detach().float(), 1e-6)
+    torch.testing.assert_close(h.float(), h_ref, rtol=1e-2, atol=1e-2)

@@ -34,14 +34,47 @@ def depth_attention(query: torch.Tensor, sources: torch.Tensor,
                     eps: float = NORM_EPS) -> tuple[torch.Tensor, torch.Tensor]:
     """h = Σ_i softmax_i(queryᵀ RMSNorm(v_i)) v_i, per token; the softmax runs over depth (the sources).
 
-    query: [D]; sources: [N, B, T, D] -> (h [B, T, D], weights [N, B, T]). Computed in fp32 or wider.
+    query: [D]; sources: [N, B, T, D] -> (h [B, T, D], weights [N, B, T]). Computed in fp32 or wider, with the
+    closed-form backward of :class:`_DepthAttention`.
     """
     wide = torch.promote_types(sources.dtype, torch.float32)
-    values = sources.to(wide)
-    keys = F.rms_norm(values, (values.shape[-1],), eps=eps)                  # [N, B, T, D]
-    weights = torch.softmax(keys @ query.to(wide), dim=0)                    # [N, B, T]
-    h = (weights.unsqueeze(-1) * values).sum(dim=0)                        # Σ_i α_i v_i
+    h, weights = _DepthAttention.apply(query.to(wide), sources.to(wide), eps)
     return h.to(sources.dtype), weights
+
+
+class _DepthAttention(torch.autograd.Function):
+    """Depth attention without materialising the keys RMSNorm(v_i) ``[N, B, T, D]``.
+
+    The logit of source i at a token is s_i = r_i (v_i · w), r_i = (mean_d v_i² + ε)^{-1/2}: one dot product and
+    one norm per token. Backward, with α = softmax(s) and upstream ∂L/∂h:
+        ∂L/∂s_i = α_i (∂L/∂α_i − Σ_j α_j ∂L/∂α_j),  ∂L/∂α_i = v_i · ∂L/∂h,
+        ∂L/∂v_i = α_i ∂L/∂h + c_i (w − s_i r_i v_i / D)  with c_i = r_i ∂L/∂s_i  (∂s_i/∂v_i = r_i w − s_i r_i² v_i / D),
+        ∂L/∂w = Σ_i Σ_tokens c_i v_i.
+    Three passes over the sources forward and four backward, where autograd through the RMSNorm keys takes twice
+    as many."""
+
+    @staticmethod
+    def forward(ctx, query, sources, eps):
+        D = sources.shape[-1]
+        inv_rms = torch.rsqrt(torch.linalg.vector_norm(sources, dim=-1).square_().div_(D).add_(eps))  # r, [N, B, T]
+        logits = (sources @ query).mul_(inv_rms)  # s, [N, B, T]
+        weights = torch.softmax(logits, dim=0)  # α
+        h = (weights.unsqueeze(-1) * sources).sum(0)  # [B, T, D]
+        ctx.save_for_backward(query, sources, inv_rms, logits, weights)
+        ctx.mark_non_differentiable(weights)
+        return h, weights
+
+    @staticmethod
+    def backward(ctx, grad_h, _):
+        query, sources, inv_rms, logits, weights = ctx.saved_tensors
+        grad_weights = torch.linalg.vecdot(sources, grad_h)  # ∂L/∂α, [N, B, T]
+        grad_logits = weights * (grad_weights - (weights * grad_weights).sum(0))
+        c = grad_logits * inv_rms
+        grad_query = c.reshape(1, -1) @ sources.reshape(-1, sources.shape[-1])  # [1, D]
+        grad_sources = weights.unsqueeze(-1) * grad_h  # α_i ∂L/∂h
+        grad_sources.addcmul_(c.unsqueeze(-1), query)
+        grad_sources.addcmul_((c * logits * inv_rms).div_(-sources.shape[-1]).unsqueeze(-1), sources)
+        return grad_query.view(-1), grad_sources, None
 
 
 def block_sources(embedding: torch.Tensor, outputs: list[torch.Tensor], block_size: int) -> torch.Tensor:

@@ -252,23 +252,25 @@ def decayed_scores(a, b, G, strict: bool, lower_bound: float | None = None):
 
 
 def _unit_lower_inverse(A) -> torch.Tensor:
-    """(I + A)^{-1} for strictly lower A ``[..., c, c]``, by forward substitution.
+    """(I + A)^{-1} for strictly lower A ``[..., c, c]``, by forward substitution (no autograd: see
+    :class:`_UnitLowerInverse`).
 
-    Up to ``UT_BLOCK`` rows (or c odd), row by row: X_r = e_r − Σ_{i<r} A_ri X_i. Larger, in two block rows:
-    X_1 = (I + A_11)^{-1} and X_2 = (I + A_22)^{-1} (both diagonal blocks at once, the same way), then the
+    Up to ``UT_BLOCK`` rows (or c odd), row by row in place: X_r = e_r − Σ_{i<r} A_ri X_i. Larger, in two block
+    rows: X_1 = (I + A_11)^{-1} and X_2 = (I + A_22)^{-1} (both diagonal blocks at once, the same way), then the
     second block row's substitution X_21 = −X_2 A_21 X_1, so X = [[X_1, 0], [X_21, X_2]].
     """
     c = A.shape[-1]
     if c > UT_BLOCK and c % 2 == 0:
         h = c // 2
         X_1, X_2 = _unit_lower_inverse(torch.stack([A[..., :h, :h], A[..., h:, h:]]))
-        X_21 = -(X_2 @ A[..., h:, :h] @ X_1)
-        return torch.cat([torch.cat([X_1, torch.zeros_like(X_1)], dim=-1), torch.cat([X_21, X_2], dim=-1)], dim=-2)
-    eye = torch.eye(c, dtype=A.dtype, device=A.device).expand(*A.shape[:-2], c, c)
-    rows = [eye[..., :1, :]]  # row r of X, each [..., 1, c]
-    for r in range(1, c):
-        rows.append(eye[..., r:r + 1, :] - A[..., r:r + 1, :r] @ torch.cat(rows, dim=-2))
-    return torch.cat(rows, dim=-2)
+        X = A.new_zeros(A.shape)
+        X[..., :h, :h], X[..., h:, h:] = X_1, X_2
+        X[..., h:, :h] = -(X_2 @ A[..., h:, :h] @ X_1)
+        return X
+    X = torch.eye(c, dtype=A.dtype, device=A.device).expand(A.shape).clone()
+    for r in range(1, c):  # row r from the rows above it (X is lower triangular: only its first r columns)
+        X[..., r:r + 1, :r] -= A[..., r:r + 1, :r] @ X[..., :r, :r]
+    return X
 
 
 class _UnitLowerInverse(torch.autograd.Function):

@@ -340,6 +340,20 @@ def test_bounded_backward_called_under_autocast_computes_in_fp32():
     assert_gradients_close(got, want, 1e-6, "under autocast")
 
 
+def test_bounded_path_gives_the_same_outputs_with_and_without_a_gradient():
+    """Without a gradient the bounded path runs the plain forward (no tensors kept for a backward), with one the
+    hand-written autograd function: the same outputs to fp32 rounding."""
+    tensors = inputs("layer", scalar_gate=False, T=100, seed=6)
+    with torch.no_grad():
+        plain = kda_chunk(*tensors[:5], initial_state=tensors[5], output_final_state=True, chunk_size=32,
+                          lower_bound=BOUND)
+    leaves = [x.clone().requires_grad_() for x in tensors]
+    by_hand = kda_chunk(*leaves[:5], initial_state=leaves[5], output_final_state=True, chunk_size=32,
+                        lower_bound=BOUND)
+    assert type(by_hand[0].grad_fn).__name__ != "NoneType" and plain[0].grad_fn is None
+    assert_all_close([x.detach() for x in by_hand], list(plain), "with vs without a gradient")
+
+
 def test_bounded_backward_passes_gradcheck_in_fp64():
     """Finite differences in fp64, two chunks of 8 and a padded third, g inside (−5, 0) (at the bound the clamp
     has a kink)."""

@@ -471,8 +471,9 @@ def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
     ``[B·H, n, C, V]``, beta ``[B·H, n, C]`` (None for GLA), state ``[B·H, K, V]`` entering the group's first
     chunk. Returns ``(o [B·H, n, C, V], state leaving the group)``. The query scale is applied to the output of
     step 7 (o is linear in q); g is clamped at ``lower_bound`` when one is given. KDA with a lower bound (K3's
-    path) runs as :class:`_BoundedKDAChunks`, whose backward is written out, unless a learner's ``ut_transform``
-    is swapped in (``lessons.parts``): then, as every other path, through autograd.
+    path) runs as :class:`_BoundedKDAChunks`, whose backward is written out, when a gradient will be taken and
+    the UT transform is the package's (a learner's, swapped in by ``lessons.parts``, is differentiated by
+    autograd like every other path; without a gradient the plain forward below keeps no tensors for it).
 
     G is summed in float64 (then only exponents are formed from it): a chunk of 64 tokens at g = −5 reaches
     G = −320, where a float32 cumulative sum is off by ~3e-5, and every weight e^{G_r − G_i} would inherit that
@@ -482,7 +483,9 @@ def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
     per_head = lambda x: None if x is None else x.unflatten(0, (heads, n))  # [B·H, n, C, ·]
     if lower_bound is not None:
         g = g.clamp(min=lower_bound)  # the guarantee, enforced: a step below L would overflow a factor
-        if beta is not None and ut_transform is _PACKAGE_UT_TRANSFORM:  # K3's path: the backward written out
+        by_hand = (beta is not None and ut_transform is _PACKAGE_UT_TRANSFORM and torch.is_grad_enabled()
+                   and any(x.requires_grad for x in (q, k, v, g, beta, state)))  # K3's path, trained
+        if by_hand:
             return _BoundedKDAChunks.apply(q, k, v, g, beta, state, scale, _bounded_sub_chunk(lower_bound, C))
     G = g.double().cumsum(-2)  # step 1, inclusive; float64 (see above)
     q, k, v, G, beta = (chunks(x) for x in (q, k, v, G, beta))

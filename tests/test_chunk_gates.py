@@ -268,9 +268,10 @@ def test_bounded_path_in_bf16_and_fp64():
 # --- the bounded path's hand-written backward (chunk._BoundedKDAChunks) ----------------------------------------
 
 def gradients_through(op, tensors, with_initial: bool, with_final: bool, **options):
-    """``[dq, dk, dv, dg, dbeta]`` (+ ``dinitial_state``) of a fixed random weighting of o (+ the final state)."""
+    """``[dq, dk, dv, dg, dbeta]`` (+ ``dinitial_state``) of a fixed random weighting of o (+ the final state;
+    without it, the op is not asked for the final state)."""
     leaves = [x.clone().requires_grad_() for x in tensors[:5 + with_initial]]
-    o, final = op(*leaves[:5], initial_state=leaves[5] if with_initial else None, output_final_state=True,
+    o, final = op(*leaves[:5], initial_state=leaves[5] if with_initial else None, output_final_state=with_final,
                   **options)
     gen = torch.Generator().manual_seed(7)
     loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()

@@ -23,7 +23,6 @@ With ``record=True`` a stream keeps the depth-attention weights of each read, fo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3course.ops.norm import NORM_EPS

@@ -345,9 +345,16 @@ def _pass_states(W, U, k, G, state):
     W (None for GLA: no delta correction), U ``[..., N, C, ·]``; k ``[..., N, C, K]``; G ``[..., N, C, K]`` or
     ``[..., N, C, 1]`` (a gate shared by the channels); state ``[..., K, V]``. Returns the states entering each
     chunk ``[..., N, K, V]``, Ṽ ``[..., N, C, V]`` and the final state ``[..., K, V]``."""
-    decay_to_end = _decay_weight(G[..., -1:, :], k).mT  # Γ_C, [..., N, K, 1] (or [..., N, 1, 1])
-    k_to_end = k * _decay_weight(G[..., -1:, :] - G, k)  # K̃, [..., N, C, K]
+    _, k_to_end, decay_to_end = _decays_to_chunk_end(k, G)
     return _state_loop(W, U, k_to_end, decay_to_end, state)
+
+
+def _decays_to_chunk_end(k, G):
+    """What the state passing needs of G, formed for all chunks at once: e^{G_C − G} ``[..., C, K]``, K̃ = K ⊙
+    e^{G_C − G} ``[..., C, K]`` and Γ_C = e^{G_C} ``[..., K, 1]`` (``[..., 1, 1]`` for a gate shared by the
+    channels). k ``[..., C, K]``, G ``[..., C, K]`` or ``[..., C, 1]``."""
+    to_end = _decay_weight(G[..., -1:, :] - G, k)
+    return to_end, k * to_end, _decay_weight(G[..., -1:, :], k).mT
 
 
 def _state_loop(W, U, k_to_end, decay_to_end, state):
@@ -424,8 +431,7 @@ class _BoundedKDAChunks(torch.autograd.Function):
         X = _unit_lower_inverse(scores_kk * beta.unsqueeze(-1))  # step 3
         M = X * beta.unsqueeze(-2)
         W, U = M @ decay_k, M @ v  # step 4
-        to_end = _decay_weight(G[:, -1:] - G, k)  # e^{G_C − G}
-        k_to_end, decay_to_end = k * to_end, _decay_weight(G[:, -1:], k).mT  # K̃, Γ_C [L, K, 1]
+        to_end, k_to_end, decay_to_end = _decays_to_chunk_end(k, G)  # e^{G_C − G}, K̃, Γ_C [L, K, 1]
         entering, v_new, state = _state_loop(*(per_head(x) for x in (W, U, k_to_end, decay_to_end)), state)  # 5, 8
         entering, v_new = chunks(entering), chunks(v_new)
         o = (A_qk @ v_new).baddbmm_(decay_q, entering, beta=scale, alpha=scale)  # step 7

@@ -291,6 +291,43 @@ def test_activations_match_reference():
     assert situ_glu(gate, up).abs().max() < 4 * 25  # the caps hold
 
 
+
+def _situ_by_autograd(gate, up, beta1=4.0, beta2=25.0):
+    """SiTU-GLU as the plain expression, differentiated by autograd: what the written-out backward must equal."""
+    return beta1 * torch.tanh(gate / beta1) * torch.sigmoid(gate) * (beta2 * torch.tanh(up / beta2))
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0, 1e3])  # near 0, typical, both caps biting, saturated
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_situ_glu_backward_equals_autograd_through_the_expression(scale, dtype):
+    generator = torch.Generator().manual_seed(11)
+    gate, up, weight = (scale * torch.randn(3, 40, 24, generator=generator, dtype=torch.float64) for _ in range(3))
+    runs = []
+    for fn in (situ_glu, _situ_by_autograd):
+        g, u = (x.to(dtype).requires_grad_() for x in (gate, up))
+        y = fn(g, u, 3.0, 20.0)
+        runs.append((y, *torch.autograd.grad((y * weight.to(dtype)).sum(), (g, u))))
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-6  # of the largest entry
+    for name, got, want in zip(("y", "d gate", "d up"), *runs):
+        assert torch.isfinite(got).all(), name
+        assert (got - want).abs().max() <= tolerance * want.abs().max(), name
+
+
+def test_situ_glu_gradcheck_and_its_limits():
+    generator = torch.Generator().manual_seed(12)
+    gate, up = (3 * torch.randn(6, 5, generator=generator, dtype=torch.float64) for _ in range(2))
+    assert torch.autograd.gradcheck(situ_glu, (gate.requires_grad_(), up.requires_grad_()))
+    with pytest.raises(RuntimeError):  # the backward is written out once: no silent zero second derivative
+        (grad_gate,) = torch.autograd.grad(situ_glu(gate, up).sum(), gate, create_graph=True)
+        torch.autograd.grad(grad_gate.sum(), gate)
+    with pytest.raises(ValueError, match="gate and up"):
+        situ_glu(torch.ones(4, 3), torch.ones(3))
+    empty = torch.zeros(0, 8, requires_grad=True)
+    situ_glu(empty, empty).sum().backward()
+    assert empty.grad.shape == (0, 8)
+    half = situ_glu(torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16())
+    assert half.dtype == torch.bfloat16
+
 def test_router_learns_through_weights_and_bias_gets_no_gradient():
     layer = LatentMoE(32, 8, 2, n_shared=1, d_expert=16, generator=torch.Generator().manual_seed(10))
     layer(torch.randn(40, 32, generator=torch.Generator().manual_seed(11))).square().sum().backward()

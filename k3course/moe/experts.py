@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from k3course.debug import profiler_range
@@ -27,8 +28,42 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = SITU_BETA1,
 
     A SwiGLU whose gate and up branches are soft-capped by tanh (|gate branch| < β₁, |up branch| < β₂), which
     bounds the activations that reach the down projection. Near 0 it equals SwiGLU. K3: β₁ = 4, β₂ = 25.
+    gate, up: the same shape. One autograd node whose backward is written out (:class:`_SiTUGLU`).
     """
-    return beta1 * torch.tanh(gate / beta1) * torch.sigmoid(gate) * (beta2 * torch.tanh(up / beta2))
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    return _SiTUGLU.apply(gate, up, float(beta1), float(beta2))
+
+
+class _SiTUGLU(torch.autograd.Function):
+    """y = a ⊙ b with the gate branch a = β₁ t₁ ⊙ s and the up branch b = β₂ t₂, where t₁ = tanh(gate/β₁),
+    s = σ(gate), t₂ = tanh(up/β₂). The backward reuses a, b, s, t₁, t₂ (no tanh is recomputed):
+
+        ∂y/∂up   = a (1 − t₂²),
+        ∂y/∂gate = b [s (1 − t₁²) + a (1 − s)]     (∂a/∂gate = s (1 − t₁²) + β₁ t₁ s (1 − s)).
+
+    Autograd through the expression above keeps a node per operation (nine) and runs about twice as many
+    elementwise passes backward; torch's CPU tanh is ~9x slower than its sigmoid, so no tanh is formed twice."""
+
+    @staticmethod
+    def forward(ctx, gate, up, beta1: float, beta2: float):
+        s = torch.sigmoid(gate)
+        t1 = torch.mul(gate, 1.0 / beta1).tanh_()
+        t2 = torch.mul(up, 1.0 / beta2).tanh_()
+        gate_branch = torch.mul(t1, s).mul_(beta1)  # a
+        up_branch = torch.mul(t2, beta2)  # b
+        ctx.save_for_backward(s, t1, t2, gate_branch, up_branch)
+        return gate_branch * up_branch
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        s, t1, t2, gate_branch, up_branch = ctx.saved_tensors
+        grad_a = grad * gate_branch
+        grad_up = torch.addcmul(grad_a, grad_a, t2.square(), value=-1.0)  # g a (1 − t₂²)
+        slope = torch.addcmul(s, s, t1.square(), value=-1.0).add_(gate_branch)  # s (1 − t₁²) + a
+        slope = torch.addcmul(slope, gate_branch, s, value=-1.0)  # − a s
+        return slope.mul_(grad).mul_(up_branch), grad_up, None, None
 
 
 ACTIVATIONS = {"swiglu": swiglu, "situ_glu": situ_glu}

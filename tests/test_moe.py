@@ -313,6 +313,20 @@ def test_situ_glu_backward_equals_autograd_through_the_expression(scale, dtype):
         assert (got - want).abs().max() <= tolerance * want.abs().max(), name
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tanh_by_expm1_is_tanh_to_a_few_ulp_for_every_sign_and_size(dtype):
+    from k3course.moe.experts import _tanh_by_expm1
+
+    generator = torch.Generator().manual_seed(13)
+    x = torch.cat([s * torch.randn(4000, generator=generator, dtype=torch.float64) for s in (1e-6, 1e-2, 1, 10, 1e4)])
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1e-300, 80.0, -80.0, 1e300, -1e300])]).to(dtype)
+    got, want = _tanh_by_expm1(x, 0.25).double(), torch.tanh(x.double() * 0.25)
+    relative = ((got - want).abs() / want.abs().clamp_min(torch.finfo(dtype).tiny)).max()
+    assert relative <= 4 * torch.finfo(dtype).eps, f"{dtype}: {relative:.2e}"
+    special = _tanh_by_expm1(torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=dtype), 1.0)
+    assert special[:2].tolist() == [1.0, -1.0] and special[2].isnan()
+
 def test_situ_glu_gradcheck_and_its_limits():
     generator = torch.Generator().manual_seed(12)
     gate, up = (3 * torch.randn(6, 5, generator=generator, dtype=torch.float64) for _ in range(2))

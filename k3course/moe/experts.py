@@ -66,7 +66,6 @@ class _SiTUGLU(torch.autograd.Function):
         return slope.mul_(grad).mul_(up_branch), grad_up, None, None
 
 
-
 TANH_CAP = 40.0  # 2x above which tanh(x) is 1 in float64 (1 − tanh 20 ≈ 8.5e-18): expm1 is capped there
 
 
@@ -78,6 +77,7 @@ def _tanh_by_expm1(x: torch.Tensor, scale: float) -> torch.Tensor:
     0.6 vs 1.15 ms). NaN stays NaN; ±∞ give ±1."""
     e = torch.mul(x, 2.0 * scale).clamp_(max=TANH_CAP).expm1_()
     return e.div_(e + 2.0)
+
 
 ACTIVATIONS = {"swiglu": swiglu, "situ_glu": situ_glu}
 

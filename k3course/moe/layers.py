@@ -204,7 +204,7 @@ class MoE(nn.Module):
         with profiler_range("moe.combine"):
             weights = (self.route_scale * weights).to(x.dtype)  # routing ran in fp32
             if self.d_latent is None:
-                y = (weights.unsqueeze(-1) * out_slots).sum(1)  # Σ_i p_ti E_i, as in latent_combine
+                y = torch.einsum("mk,mkd->md", weights, out_slots)
             else:
                 y = latent_combine(out_slots, weights, self.up_proj, self.latent_norm, self.eps)
         if self.shared is not None:

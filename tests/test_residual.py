@@ -280,6 +280,9 @@ def test_depth_attention_gradcheck():
     query = torch.randn(D, generator=gen, dtype=torch.float64, requires_grad=True)
     sources = torch.randn(3, 2, 3, D, generator=gen, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda q, s: depth_attention(q, s)[0], (query, sources))
+    (grad_query,) = torch.autograd.grad(depth_attention(query, sources)[0].sum(), query, create_graph=True)
+    with pytest.raises(RuntimeError):  # the backward is written once: no silently wrong second derivative
+        torch.autograd.grad(grad_query.sum(), sources)
 
 
 def test_depth_attention_keeps_bf16_sources_in_their_dtype_and_computes_in_fp32():

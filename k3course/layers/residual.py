@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from k3course.ops.norm import NORM_EPS
 from k3course.params import no_weight_decay
@@ -50,7 +51,8 @@ class _DepthAttention(torch.autograd.Function):
         ∂L/∂v_i = α_i ∂L/∂h + c_i (w − s_i r_i v_i / D)  with c_i = r_i ∂L/∂s_i  (∂s_i/∂v_i = r_i w − s_i r_i² v_i / D),
         ∂L/∂w = Σ_i Σ_tokens c_i v_i.
     Three passes over the sources forward and four backward, where autograd through the RMSNorm keys takes twice
-    as many."""
+    as many. The backward is written once: a second derivative raises (it would silently miss r, s and α's
+    dependence on the sources)."""
 
     @staticmethod
     def forward(ctx, query, sources, eps):
@@ -64,6 +66,7 @@ class _DepthAttention(torch.autograd.Function):
         return h, weights
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_h, _):
         query, sources, inv_rms, logits, weights = ctx.saved_tensors
         grad_weights = torch.linalg.vecdot(sources, grad_h)  # ∂L/∂α, [N, B, T]

@@ -99,9 +99,8 @@ class K3Model(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
-        kind = "block" if cfg.residual == "block_attnres" else "standard"
-        block_size = cfg.attnres_block_size if kind == "block" else None
-        self.residual = make_residual(kind, 2 * cfg.n_layers, cfg.d_model, block_size)
+        block_size = cfg.attnres_block_size if cfg.residual == "block_attnres" else None
+        self.residual = make_residual(cfg.residual, 2 * cfg.n_layers, cfg.d_model, block_size)
         self.final_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         no_weight_decay(self.final_norm.weight)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

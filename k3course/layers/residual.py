@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from k3course.ops.norm import NORM_EPS
 from k3course.params import no_weight_decay
+from k3course.parts import part
 
 
 def depth_attention(query: torch.Tensor, sources: torch.Tensor,
@@ -197,7 +198,8 @@ class _DepthStream(_Stream):
         raise NotImplementedError
 
     def _attend(self, index: int) -> torch.Tensor:
-        h, weights = depth_attention(self.scheme.queries[index], self.sources(), self.scheme.eps)
+        attend = part("depth_attention", depth_attention)  # a learner's, while k3course.parts holds one
+        h, weights = attend(self.scheme.queries[index], self.sources(), self.scheme.eps)
         if self.record:
             self.weights.append(weights.detach())
         return h

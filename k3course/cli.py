@@ -144,7 +144,7 @@ def _generate(args) -> int:
         if args.pretrained is not None:
             import torch
 
-            from k3course.lessons.kimi_linear import pretrained_text
+            from k3course.pretrained_generation import pretrained_text
 
             pieces = pretrained_text(args.pretrained, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                                      args.seed, args.device, getattr(torch, args.dtype), args.trust_remote_code)

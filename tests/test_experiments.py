@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from k3course import accounting, data, train
+from k3course import accounting, baselines, data, train
 from k3course.cli import main
 from k3course.config import K3Config
 from k3course.lessons import claims, experiments
@@ -304,7 +304,7 @@ def test_run_variant_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="stop_after"):
         claims.run_variant(claims.SMALL, claims.TEXT_TRAIN, 0, stop_after=claims.TEXT_TRAIN.steps + 1)
     with pytest.raises(ValueError, match="make: the width does not change"):
-        claims.solve_width(lambda w: claims.SMALL, claims.active_params, 10)
+        baselines.solve_width(lambda w: claims.SMALL, baselines.active_params, 10)
 
 
 def test_spread_summarises_each_variant_over_its_seeds():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 
-from k3course.lessons import experiments
+from k3course.lessons import experiments, seed_statistics
 from k3course.lessons.quoted.markers import Pair, plus_minus, quoted, span
 
 
@@ -26,7 +26,7 @@ def _result(name: str) -> dict:
     result = _saved(name)["result"]
     if name == "mqar-sweep":
         return experiments.sweep_comparison(result)
-    return experiments.last_steps_mean(result, "max_violation", 20) if name in _LATE_VIOLATION else result
+    return seed_statistics.last_steps_mean(result, "max_violation", 20) if name in _LATE_VIOLATION else result
 
 
 def _key(name: str) -> str:
@@ -43,15 +43,15 @@ def _values(name: str, variant: str, metric: str) -> list[float]:
 
 @quoted
 def claim(name: str, variant: str, metric: str = "val_bpb") -> Pair:
-    """mean ± sample std over the seeds of a saved claim's variant (``experiments.spread``)."""
-    row = experiments.spread(_result(name), metric, _key(name))[variant]
+    """mean ± sample std over the seeds of a saved claim's variant (``seed_statistics.spread``)."""
+    row = seed_statistics.spread(_result(name), metric, _key(name))[variant]
     return plus_minus(row["mean"], row["std"])
 
 
 @quoted
 def claim_stat(name: str, variant: str, metric: str, stat: str) -> float:
     """One of "mean", "std", "min", "max" over the seeds of a saved claim's variant."""
-    return experiments.spread(_result(name), metric, _key(name))[variant][stat]
+    return seed_statistics.spread(_result(name), metric, _key(name))[variant][stat]
 
 
 @quoted
@@ -62,8 +62,8 @@ def claim_range(name: str, variant: str, metric: str = "val_bpb") -> Pair:
 
 
 def _paired(name: str, better: str, worse: str, metric: str) -> dict:
-    """:func:`k3course.lessons.experiments.paired` of a saved claim (accuracy: higher is better)."""
-    return experiments.paired(_result(name), better, worse, metric, _key(name),
+    """:func:`k3course.lessons.seed_statistics.paired` of a saved claim (accuracy: higher is better)."""
+    return seed_statistics.paired(_result(name), better, worse, metric, _key(name),
                               higher_is_better=metric == "accuracy")
 
 
@@ -97,7 +97,8 @@ def claim_agreeing_seeds(name: str, better: str, worse: str, metric: str = "val_
 
 @quoted
 def claim_verdict(name: str, better: str, worse: str, metric: str = "val_bpb") -> str:
-    """"reproduced", "reversed" or "undecided" by chapter 12's rule (:func:`k3course.lessons.experiments.paired`)."""
+    """"reproduced", "reversed" or "undecided" by chapter 12's rule
+    (:func:`k3course.lessons.seed_statistics.paired`)."""
     return _paired(name, better, worse, metric)["verdict"]
 
 
@@ -136,8 +137,8 @@ def solved_seeds(name: str, variant: str, threshold: float = 0.9) -> str:
 @quoted
 def claim_cpu_hours(*names: str) -> float:
     """CPU-hours the saved claims (or the MQAR sweep) ``names`` took to train together: their runs' seconds summed
-    (:func:`k3course.lessons.experiments.cpu_seconds`; one thread per run)."""
-    return sum(experiments.cpu_seconds(_saved(name)["result"]) for name in names) / 3600
+    (:func:`k3course.lessons.seed_statistics.cpu_seconds`; one thread per run)."""
+    return sum(seed_statistics.cpu_seconds(_saved(name)["result"]) for name in names) / 3600
 
 
 @quoted

@@ -74,7 +74,7 @@ H100_SHARED_BYTES = 232448  # the most shared memory one program (CTA) may use o
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # set by this process
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compiled, not interpreted
     run = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, timeout=600, env=env)
     if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr.lower():
         pytest.skip("this Triton install has no ptxas to compile for a GPU")

@@ -107,3 +107,16 @@ def test_importing_every_module_changes_no_environment_variable_and_no_torch_set
     """Every k3course module, the kernel modules (which choose Triton's mode) included, imported in one fresh
     interpreter with TRITON_INTERPRET unset."""
     loaded_after(IMPORT_EVERY_MODULE)
+
+
+def test_a_layer_forced_onto_triton_chooses_the_mode_when_it_first_runs():
+    """Nothing chooses at import: a KDA layer told to use the Triton kernels (``K3COURSE_KERNELS=triton``) loads
+    them on its first call, after choosing the mode (the interpreter on a CPU), and the environment stays as it was."""
+    pytest.importorskip("triton")
+    statement = ("import sys, torch\nfrom k3course.layers import KimiDeltaAttention\n"
+                 "assert not [m for m in sys.modules if m.startswith('k3course.kernels.') or m == 'triton']\n"
+                 "layer = KimiDeltaAttention(32, 2, 16)\n"
+                 "with torch.no_grad():\n    y = layer(torch.randn(1, 8, 32))[0]\n"
+                 "assert y.shape == (1, 8, 32)")
+    report = loaded_after(statement, env={"K3COURSE_KERNELS": "triton"})
+    assert "k3course.kernels.kda" in report["modules"] and report["interpret"] is None

@@ -27,6 +27,7 @@ import torch
 from k3course import accounting, kernels
 from k3course.config import K3Config
 from k3course.model import K3Model
+from k3course.pretrained import CONFIG_FILE, read_json_object
 
 # A tiny model's sizes, in transformers' config keys (shared by both model types)
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=2,
@@ -162,12 +163,28 @@ def decode_needs(cfg: K3Config, dtype_bytes: int = 2, context: int = 0) -> Decod
 def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
     """The checkpoint's own tokenizer through transformers' AutoTokenizer (local files only, nothing downloaded),
     or None when the folder holds no tokenizer files. The released Kimi checkpoints ship their tokenizer as code
-    (``tokenization_kimi.py``): loading it runs that code, so it needs ``trust_remote_code=True``."""
+    (``tokenization_kimi.py``): loading it runs that code, so it needs ``trust_remote_code=True``. A
+    ``tokenizer.json`` that is not JSON is named; a config.json of a model type transformers does not know (Kimi
+    K2's ``kimi_k2``) is not consulted (:func:`tokenizer_options`)."""
     path = Path(path)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tiktoken.model")):
         return None
-    auto = transformers().AutoTokenizer
-    return auto.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    if (path / "tokenizer.json").exists():
+        read_json_object(path / "tokenizer.json")
+    return transformers().AutoTokenizer.from_pretrained(path, **tokenizer_options(path, trust_remote_code))
+
+
+def tokenizer_options(path: Path, trust_remote_code: bool) -> dict:
+    """AutoTokenizer's options for folder ``path``: local files only; and when config.json names a model type
+    transformers has no config class for (``kimi_k2``), an empty config in its place, so that the tokenizer class
+    comes from tokenizer_config.json as the release intends (transformers' own lookup of that config fails with an
+    AttributeError, with or without trust_remote_code)."""
+    hf = transformers()
+    options = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    model_type = read_json_object(path / CONFIG_FILE).get("model_type") if (path / CONFIG_FILE).is_file() else None
+    if model_type not in hf.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        options["config"] = hf.PreTrainedConfig()
+    return options
 
 
 def pretrained_text(path: Path | str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
@@ -179,9 +196,9 @@ def pretrained_text(path: Path | str, prompt: str, max_new_tokens: int = 64, tem
     then the continuation as it grows (text held back while it ends in an incomplete character, U+FFFD)."""
     tokenizer = load_tokenizer(path, trust_remote_code)
     model = K3Model.from_pretrained(path, device=device, dtype=dtype)
-    if tokenizer is None and model.cfg.vocab_size < 256:
-        raise ValueError(f"path: {path} holds no tokenizer and its vocabulary ({model.cfg.vocab_size}) is too small "
-                         f"for bytes")
+    if tokenizer is None and model.cfg.vocab_size != 256:
+        raise ValueError(f"path: {path} holds no tokenizer, and its vocabulary ({model.cfg.vocab_size} tokens) is not "
+                         "the 256 byte values that text is read as without one")
     encode = (lambda text: tokenizer(text)["input_ids"]) if tokenizer else (lambda text: list(text.encode()))
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else \
         (lambda ids: bytes(ids).decode(errors="replace"))

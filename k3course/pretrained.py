@@ -12,8 +12,10 @@ released    the config.json keys and tensor names of the published checkpoints (
 transformers  the names its config classes and modules use (``layer_types``, ``rope_parameters``; fused
             ``experts.gate_up_proj``, ``conv1d``, ``forget_gate.*``)
 
-Multi-token-prediction layers (index ≥ ``num_hidden_layers``) are skipped. What the course cannot express (FP8
-block scales or INT4 weights, another routing function or activation, attention biases, another RoPE type) is
+Multi-token-prediction layers (index ≥ ``num_hidden_layers``) are skipped. FP8 releases (DeepSeek-V3, Kimi K2:
+e4m3 weights with a ``weight_scale_inv`` per 128 × 128 block, ``quantization_config``) are dequantized tensor by
+tensor as they are read (:func:`dequantize_fp8`); every tensor's dtype is checked. What the course cannot express
+(INT4 compressed-tensors weights, another routing function or activation, attention biases, another RoPE type) is
 refused with :class:`UnsupportedCheckpoint` naming it. :func:`kimi_linear_config` and :func:`hf_layer_tensors`
 write the released Kimi Linear layout (which transformers reads) for a :class:`K3Config` Kimi Linear can express.
 

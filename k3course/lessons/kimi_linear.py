@@ -7,8 +7,9 @@ The one lesson that uses transformers (the ``oracle`` extra, imported inside the
     transformers                         the package, imported after the Triton mode is chosen
     relative_error                       max |ours − theirs| / max |theirs|
     decode_needs                         what a preset needs to decode: bf16 weights, FLOPs and weight bytes per token
-    load_tokenizer, pretrained_text      a checkpoint's own tokenizer (AutoTokenizer, local files only) and the
-                                         text K3Model.from_pretrained generates with it (`k3course generate
+    load_tokenizer, pretrained_text      a checkpoint's own tokenizer (AutoTokenizer, local files only; for Kimi
+                                         K2's kimi_k2 by tokenizer_config.json: tokenizer_options) and the text
+                                         K3Model.from_pretrained generates with it (`k3course generate
                                          --pretrained PATH`)
 """
 

@@ -119,13 +119,15 @@ class K3Model(nn.Module):
         ``kimi_linear`` or ``deepseek_v3`` model (:mod:`k3course.pretrained` says what is read and refused).
 
         Built on the meta device, then filled one layer at a time with tensors read from the memory-mapped files
-        and converted to this model's layout, so the weights are never held twice. Parameters in ``dtype`` on
-        ``device``; the MoE selection biases stay fp32. Returned in eval mode.
+        and converted to this model's layout, so the weights are never held twice; an FP8 release's block-scaled
+        e4m3 weights are dequantized to ``dtype`` as they are read. Every tensor's dtype is checked (floating, or
+        FP8 with its scales); the head is untied when the folder stores one that differs from the embedding.
+        Parameters in ``dtype`` on ``device``; the MoE selection biases stay fp32. Returned in eval mode.
         """
         checkpoint = pretrained.Checkpoint(path)
         model = cls.from_config(checkpoint.config, device="meta")
         device = torch.device(device or "cpu")
-        for part in checkpoint.k3_tensors():
+        for part in checkpoint.k3_tensors(dtype):
             for name, tensor in part.items():
                 model._assign(name, tensor, device, dtype)
         model._materialize(device)

@@ -4,6 +4,7 @@ generates with it. transformers (the ``oracle`` extra) is imported only inside t
 
     import_transformers   the package, imported after the Triton mode is chosen
     load_tokenizer        a checkpoint's own tokenizer (AutoTokenizer, local files only), or None
+    tokenizer_options     AutoTokenizer's options for a folder (Kimi K2's ``kimi_k2``: by tokenizer_config.json)
     pretrained_text       the prompt and its continuation, piece by piece as tokens arrive
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from k3course import kernels
 from k3course.model import K3Model
+from k3course.pretrained import CONFIG_FILE, read_json_object
 
 
 def import_transformers():
@@ -34,12 +36,38 @@ def import_transformers():
 def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
     """The checkpoint's own tokenizer through transformers' AutoTokenizer (local files only, nothing downloaded),
     or None when the folder holds no tokenizer files. The released Kimi checkpoints ship their tokenizer as code
-    (``tokenization_kimi.py``): loading it runs that code, so it needs ``trust_remote_code=True``."""
+    (``tokenization_kimi.py``): loading it runs that code, so it needs ``trust_remote_code=True``. A
+    ``tokenizer.json`` that is not JSON is named; a config.json of a model type transformers does not know (Kimi
+    K2's ``kimi_k2``) is not consulted (:func:`tokenizer_options`)."""
     path = Path(path)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tiktoken.model")):
         return None
+    if (path / "tokenizer.json").exists():
+        read_json_object(path / "tokenizer.json")
     auto = import_transformers().AutoTokenizer
-    return auto.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    return auto.from_pretrained(path, **tokenizer_options(path, trust_remote_code))
+
+
+def tokenizer_options(path: Path, trust_remote_code: bool) -> dict:
+    """AutoTokenizer's options for folder ``path``: local files only; and when config.json names a model type
+    transformers has no config class for (``kimi_k2``), an empty config in its place, so that the tokenizer class
+    comes from tokenizer_config.json as the release intends (transformers' own lookup of that config fails with an
+    AttributeError, with or without trust_remote_code)."""
+    hf = import_transformers()
+    options = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    model_type = read_json_object(path / CONFIG_FILE).get("model_type") if (path / CONFIG_FILE).is_file() else None
+    if model_type not in hf.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        options["config"] = hf.PreTrainedConfig()
+    return options
+
+
+def _check_byte_vocabulary(path: Path) -> None:
+    """Without a tokenizer text is read as UTF-8 bytes: the vocabulary must be the 256 byte values (checked from
+    config.json before any weight is read)."""
+    vocab = read_json_object(path / CONFIG_FILE).get("vocab_size") if (path / CONFIG_FILE).is_file() else None
+    if vocab != 256:
+        raise ValueError(f"path: {path} holds no tokenizer, and its vocabulary ({vocab} tokens) is not the 256 byte "
+                         "values that text is read as without one")
 
 
 def pretrained_text(path: Path | str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
@@ -50,10 +78,9 @@ def pretrained_text(path: Path | str, prompt: str, max_new_tokens: int = 64, tem
     its vocabulary holds the 256 byte values (a course model saved with ``save_pretrained``). Yields the prompt,
     then the continuation as it grows (text held back while it ends in an incomplete character, U+FFFD)."""
     tokenizer = load_tokenizer(path, trust_remote_code)
+    if tokenizer is None:
+        _check_byte_vocabulary(Path(path))
     model = K3Model.from_pretrained(path, device=device, dtype=dtype)
-    if tokenizer is None and model.cfg.vocab_size < 256:
-        raise ValueError(f"path: {path} holds no tokenizer and its vocabulary ({model.cfg.vocab_size}) is too small "
-                         f"for bytes")
     encode = (lambda text: tokenizer(text)["input_ids"]) if tokenizer else (lambda text: list(text.encode()))
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else \
         (lambda ids: bytes(ids).decode(errors="replace"))

@@ -19,7 +19,7 @@ import torch
 
 from k3course import kernels
 from k3course.model import K3Model
-from k3course.pretrained import CONFIG_FILE, read_json_object
+from k3course.pretrained import CONFIG_FILE, Checkpoint, read_json_object
 
 
 def import_transformers():
@@ -61,15 +61,6 @@ def tokenizer_options(path: Path, trust_remote_code: bool) -> dict:
     return options
 
 
-def _check_byte_vocabulary(path: Path) -> None:
-    """Without a tokenizer text is read as UTF-8 bytes: the vocabulary must be the 256 byte values (checked from
-    config.json before any weight is read)."""
-    vocab = read_json_object(path / CONFIG_FILE).get("vocab_size") if (path / CONFIG_FILE).is_file() else None
-    if vocab != 256:
-        raise ValueError(f"path: {path} holds no tokenizer, and its vocabulary ({vocab} tokens) is not the 256 byte "
-                         "values that text is read as without one")
-
-
 def pretrained_text(path: Path | str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
                     top_k: int | None = None, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
                     trust_remote_code: bool = False) -> Iterator[str]:
@@ -77,9 +68,11 @@ def pretrained_text(path: Path | str, prompt: str, max_new_tokens: int = 64, tem
     and decoded with the checkpoint's tokenizer (:func:`load_tokenizer`), or as UTF-8 bytes when it has none and
     its vocabulary holds the 256 byte values (a course model saved with ``save_pretrained``). Yields the prompt,
     then the continuation as it grows (text held back while it ends in an incomplete character, U+FFFD)."""
+    vocab = Checkpoint(path).config.vocab_size  # the folder, its config and its files checked before any weight
     tokenizer = load_tokenizer(path, trust_remote_code)
-    if tokenizer is None:
-        _check_byte_vocabulary(Path(path))
+    if tokenizer is None and vocab != 256:
+        raise ValueError(f"path: {path} holds no tokenizer, and its vocabulary ({vocab} tokens) is not the 256 byte "
+                         "values that text is read as without one")
     model = K3Model.from_pretrained(path, device=device, dtype=dtype)
     encode = (lambda text: tokenizer(text)["input_ids"]) if tokenizer else (lambda text: list(text.encode()))
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else \

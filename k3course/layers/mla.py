@@ -272,12 +272,12 @@ def attend_sdpa(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor
     """The same causal attention as :func:`attend_softmax`, through ``F.scaled_dot_product_attention``.
 
     q = [q_nope ; q_rope] and k = [k_nope ; k_rope] per head, so q·k = q_nope·k_nope + q_rope·k_rope. The fused
-    kernels (flash on CPU and CUDA) do not store the [T, S] scores but want one head width for q, k and v, so the
-    narrower side is padded with zeros to w = max(n + e, v): zero query/key columns add nothing to q·k (the
-    scale is passed, not derived from w), zero value columns give zero outputs, sliced off. With no cache
-    prefix (start = 0) the mask is SDPA's is_causal (s ≤ t); a prefix shifts the diagonal, so the mask
-    :func:`visible_keys` is passed explicitly; when every query sees every key (start ≥ S − 1: one new token
-    after the prefix) there is none. Shapes as :func:`attend_softmax`; returns o [B, T, H, v].
+    kernels (flash on a CPU; flash or memory-efficient on CUDA) do not store the [T, S] scores but want one head
+    width for q, k and v, so the narrower side is padded with zeros to w = max(n + e, v): zero query/key columns
+    add nothing to q·k (the scale is passed, not derived from w), zero value columns give zero outputs, sliced
+    off. With no cache prefix (start = 0) the mask is SDPA's is_causal (s ≤ t); a prefix shifts the diagonal,
+    so the mask :func:`visible_keys` is passed explicitly; when every query sees every key (start ≥ S − 1: one
+    new token after the prefix) there is none. Shapes as :func:`attend_softmax`; returns o [B, T, H, v].
     """
     n_queries, n_keys, value_width = q_nope.shape[1], k_nope.shape[1], values.shape[-1]
     shared_rope = k_rope[:, :, None, :].expand(-1, -1, k_nope.shape[2], -1)             # [B, S, H, e]

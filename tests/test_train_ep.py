@@ -8,11 +8,14 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
+from helpers import ROOT
 
 from k3course import checkpoint, train
 from k3course.cli import main
@@ -116,3 +119,19 @@ def test_extend_to_on_ep_ranks_and_a_one_process_resume_of_an_ep_checkpoint(tmp_
     for ep_record, one_record in zip(records["ep"][4:], records["one"][4:]):
         assert ep_record["lr"] == one_record["lr"]
         assert ep_record["loss"] == pytest.approx(one_record["loss"], rel=1e-3)
+
+
+def test_torchrun_ranks_run_the_same_loop_and_extend_a_run(tmp_path, run_toml):
+    """``torchrun -m k3course.train``: two ranks evaluate and checkpoint on schedule, then extend the run."""
+    out = tmp_path / "run"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "-m", "k3course.train", "--ep", "2", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for argv in (["--config", str(run_toml), "--set", "eval_every=2", "checkpoint_every=2"], ["--extend-to", "6"]):
+        done = subprocess.run([*launch, *argv], capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 6: loss" in done.stdout
+    records = checkpoint.read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records if "val_bpb" in r] == [2, 4, 6]
+    assert [step for step, _ in checkpoint.checkpoints(out)] == [2, 4, 6]

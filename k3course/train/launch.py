@@ -109,10 +109,11 @@ def train_rank(rank: int, world_size: int, config: RunConfig, out: str, start: S
 
 def main(argv: list[str] | None = None) -> int:
     """``torchrun --standalone --nproc-per-node P -m k3course.train --ep P --preset tiny [--steps N]``: one rank
-    of an expert-parallel run (gloo on CPU; NCCL with rank r on GPU r when every rank has a GPU); ``--out``,
-    ``--set``, ``--resume`` and ``--extend-to`` as in ``k3course train``."""
+    of an expert-parallel run (gloo on CPU; NCCL with rank r on GPU r when every rank has a GPU); ``--config``,
+    ``--out``, ``--set``, ``--resume`` and ``--extend-to`` as in ``k3course train``."""
     parser = argparse.ArgumentParser(prog="python -m k3course.train", description=main.__doc__)
     parser.add_argument("--preset", default=None)
+    parser.add_argument("--config", default=None, metavar="TOML")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--out", default=None)
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     steps = [] if args.steps is None else [("--steps", "train.steps", args.steps)]
     try:
-        config, out, start = configure(args.preset, args.out, flags=steps, sets=args.set, resume=args.resume,
-                                       extend_to=args.extend_to)
+        config, out, start = configure(args.preset, args.out, args.config, steps, args.set, args.resume,
+                                       args.extend_to)
         train_run(config, out, start or find_start(out, resume=False), extend=args.extend_to is not None,
                   device=device, progress=rank == 0, expert_parallel=True)
     except TrainingInterrupted as stopped:

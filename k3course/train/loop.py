@@ -11,12 +11,12 @@ run on to more steps on a new schedule tail. SIGINT / SIGTERM stop it at a step 
 (:class:`TrainingInterrupted`).
 
 On P expert-parallel ranks (the default process group: ``k3course train --ep P`` or torchrun) every rank runs
-this same loop with its block of routed experts and its 1/P of every micro-batch; rank 0 does all the writing.
-Every rank scores every validation window (the experts' forward is a collective; the replicated parts are
-computed P times). A checkpoint is always a one-process checkpoint: the experts' blocks and their optimizer
-moments are gathered from all ranks, and a resume on P ranks cuts them again, so a run may be continued on
-any number of ranks. A signal stops every rank at the same step: each step the ranks agree by an all-reduce
-(max) of the signal each received, on the model's device.
+this same loop with its block of routed experts and its 1/P of every micro-batch, and scores its share of the
+validation windows (:func:`k3course.train.evaluate`); rank 0 does all the writing. A checkpoint is always a
+one-process checkpoint: the experts' blocks and their optimizer moments are gathered from all ranks, and a
+resume on P ranks cuts them again, so a run may be continued on any number of ranks. A signal stops every rank
+at the same step: each step the ranks agree by an all-reduce (max) of the signal each received, on the model's
+device.
 """
 
 from __future__ import annotations

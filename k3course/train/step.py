@@ -127,20 +127,43 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int,
     """Mean next-byte cross-entropy (nats per byte) over ``windows`` [N, T + 1], in eval mode (bias frozen),
     the forward under ``autocast`` when given. Computed from the logits (in float32), so auxiliary balancing
     losses never enter a validation number.
+
+    With expert-parallel experts every rank calls it together with the same windows: the chunks of
+    ``batch_size`` windows are dealt out to the ranks in turn (chunk i to rank i mod P; a rank with no chunk
+    left in a round joins the experts' exchange with one window it does not count), and the sums of
+    cross-entropies and bytes are all-reduced, so every rank returns the mean over all the windows.
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for chunk in windows.split(batch_size):
-        chunk = chunk.to(device)
-        with forward_precision(device, autocast):
-            logits, _, _ = model(chunk[:, :-1])
-        total += F.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="sum").item()
-        count += chunk[:, 1:].numel()
+    chunks = windows.split(batch_size)
+    if distributed.expert_parallel_layers(model):
+        group = distributed.expert_group(model)
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        rounds = [chunks[i: i + world_size] for i in range(0, len(chunks), world_size)]
+        sums = [_cross_entropy_sum(model, mine[rank] if rank < len(mine) else mine[0][:1], device, autocast)
+                for mine in rounds]
+        counted = [total for total, mine in zip(sums, rounds) if rank < len(mine)]
+        totals = torch.tensor([sum(t for t, _ in counted), sum(c for _, c in counted)], dtype=torch.float64,
+                              device=device)
+        dist.all_reduce(totals, group=group)
+        total, count = totals.tolist()
+    else:
+        total, count = 0.0, 0
+        for chunk in chunks:
+            chunk_total, chunk_count = _cross_entropy_sum(model, chunk, device, autocast)
+            total, count = total + chunk_total, count + chunk_count
     model.train(was_training)
     return total / count
 
+
+def _cross_entropy_sum(model: torch.nn.Module, chunk: torch.Tensor, device, autocast) -> tuple[float, int]:
+    """(Σ next-byte cross-entropy in nats, number of predicted bytes) of the windows ``chunk`` [b, T + 1]."""
+    chunk = chunk.to(device)
+    with forward_precision(device, autocast):
+        logits, _, _ = model(chunk[:, :-1])
+    total = F.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="sum").item()
+    return total, chunk[:, 1:].numel()
 
 
 def compile_for_training(model: torch.nn.Module, train: TrainConfig, **compile_options) -> torch.nn.Module:

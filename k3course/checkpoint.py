@@ -1,5 +1,7 @@
-"""Checkpoints: one folder per optimizer step, written under a temporary name and renamed when complete.
+"""Run folders: checkpoints, one folder per optimizer step, written under a temporary name and renamed when
+complete, and the run's metrics.jsonl (:class:`MetricsLog`, :func:`read_metrics`).
 
+    out/metrics.jsonl       one JSON object per optimizer step: {"step", "loss", "lr", ..., "val_bpb" when evaluated}
     out/step-000600/
         model.safetensors   the weights and buffers (MoE balancing biases included), by name
         config.json         {"model": K3Config fields, "train": TrainConfig fields, "step": 600}
@@ -18,6 +20,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import safetensors.torch
@@ -124,12 +127,16 @@ def load_weights(folder: Path, model: torch.nn.Module) -> None:
                               f"unexpected {sorted(unexpected)}")
 
 
-def load_state(folder: Path, optimizer, scheduler) -> int:
-    """Restore optimizer, scheduler and RNG state from state.pt; returns the step to continue from."""
+def load_state(folder: Path, optimizer, scheduler, shard: Callable[[dict], dict] | None = None) -> int:
+    """Restore optimizer, scheduler and RNG state from state.pt; returns the step to continue from.
+
+    ``shard`` maps the saved (one-process) optimizer state to ``optimizer``'s: with expert-parallel experts,
+    :func:`k3course.distributed.shard_optimizer_state` keeps this rank's block of every expert's moments.
+    """
     folder = _require_complete(Path(folder))
     try:
         state = torch.load(folder / "state.pt", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(state["optimizer"] if shard is None else shard(state["optimizer"]))
         scheduler.load_state_dict(state["scheduler"])
     except (RuntimeError, OSError, KeyError, ValueError) as error:
         raise CheckpointError(f"checkpoint: {folder}/state.pt is corrupt or from another optimizer: {error}") from error
@@ -144,3 +151,24 @@ def _require_complete(folder: Path) -> Path:
     if missing:
         raise CheckpointError(f"checkpoint: {folder} is not a checkpoint folder (missing {', '.join(missing)})")
     return folder
+
+
+class MetricsLog:
+    """Writes ``out``/metrics.jsonl, one JSON object per line. Opening it keeps the records of steps ≤
+    ``keep_until`` (a resumed run drops those after its checkpoint; 0: a fresh file)."""
+
+    def __init__(self, out: Path | str, keep_until: int = 0):
+        self.path = Path(out) / "metrics.jsonl"
+        kept = [r for r in read_metrics(out) if r["step"] <= keep_until] if keep_until else []
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def write(self, record: dict) -> None:
+        """Append ``record`` as one line."""
+        with self.path.open("a") as stream:
+            stream.write(json.dumps(record) + "\n")
+
+
+def read_metrics(out: Path | str) -> list[dict]:
+    """The records of ``out``/metrics.jsonl, in order ([] when there is no such file)."""
+    path = Path(out) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

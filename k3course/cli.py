@@ -102,10 +102,8 @@ def _train(args) -> int:
         if args.print_config:
             print(configure(args.preset, args.out, **options)[0].toml(), end="")
             return 0
-        if args.ep > 1:
-            return _train_expert_parallel(args, options)
         summary = train_command(args.preset, args.out, device=args.device, notice=print, compile=args.compile,
-                                **options)
+                                ep=args.ep, **options)
     except TrainingInterrupted as stopped:
         print(stopped, file=sys.stderr)
         return 128 + stopped.signum
@@ -116,23 +114,9 @@ def _train(args) -> int:
         print(f"{summary['out']} is finished (step {summary['step']}): nothing to resume; --extend-to N trains it "
               "further")
         return 0
-    trigram = summary["baselines"]["trigram"]
-    print(f"step {summary['step']}: validation {summary['val_bpb']:.3f} bits/byte (byte trigram {trigram:.3f}) "
+    trigram, ranks = summary["baselines"]["trigram"], f" on {args.ep} expert-parallel ranks" if args.ep > 1 else ""
+    print(f"step {summary['step']}{ranks}: validation {summary['val_bpb']:.3f} bits/byte (byte trigram {trigram:.3f}) "
           f"in {summary['seconds'] / 60:.1f} min; checkpoints, metrics.jsonl and loss.png in {summary['out']}")
-    return 0
-
-
-def _train_expert_parallel(args, options: dict) -> int:
-    from k3course.train import configure, train_expert_parallel
-
-    if args.resume or args.extend_to is not None or args.device != "cpu" or args.compile:
-        print("--ep runs P local gloo processes on the CPU from scratch, eager (no --resume, --extend-to, --device "
-              "or --compile; on GPUs use torchrun --standalone -m k3course.train)", file=sys.stderr)
-        return 2
-    out = args.out or f"runs/{args.preset or 'tiny'}-ep{args.ep}"
-    summary = train_expert_parallel(configure(args.preset, out, **options)[0], args.ep, out)
-    print(f"step {summary['step']} on {args.ep} expert-parallel ranks: loss {summary['loss']:.4f}; "
-          f"one-process checkpoint and metrics.jsonl in {summary['out']}")
     return 0
 
 
@@ -250,7 +234,8 @@ def _add_train(sub) -> None:
     option("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     option("--compile", action="store_true", help="torch.compile the model: the first step compiles (minutes on a "
                                                   "CPU), later steps run the compiled graphs (default: off)")
-    option("--ep", type=int, default=1, help="expert-parallel ranks: spawn P local gloo processes (default: 1)")
+    option("--ep", type=_positive_int, default=1, help="expert-parallel ranks: spawn P local processes, gloo on the "
+                                                       "CPU, NCCL for --device cuda (default: 1)")
     train.set_defaults(run=_train)
 
 

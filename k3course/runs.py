@@ -68,7 +68,7 @@ def run_config(out: Path | str) -> train.RunConfig:
 
 def run_summary(out: Path | str) -> dict:
     """One row of ``k3course runs``: a run folder's model, progress, data and numbers (from metrics.jsonl)."""
-    records = train._Metrics.read(out)
+    records = checkpoint.read_metrics(out)
     if not records:
         raise FileNotFoundError(f"runs: {out} has no metrics.jsonl records (not a k3course run folder)")
     config = run_config(out)
@@ -110,7 +110,7 @@ def plot_runs(outs: list[Path | str], path: Path | str) -> Path:
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     for index, out in enumerate(outs):
-        records, color = train._Metrics.read(out), f"C{index % 10}"
+        records, color = checkpoint.read_metrics(out), f"C{index % 10}"
         axes.plot([r["step"] for r in records], [r["loss"] / train.LN2 for r in records], color=color, lw=0.6,
                   alpha=0.35)
         evals = [r for r in records if "val_bpb" in r]

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from k3course import accounting, baselines, data, train
+from k3course import accounting, baselines, checkpoint, data, train
 from k3course.cli import main
 from k3course.config import K3Config
 from k3course.lessons import claims, experiments, seed_statistics
@@ -275,7 +275,7 @@ def test_the_saved_default_run_replays(tmp_path):
     replay = train_config.replace(steps=2, eval_bytes=0, checkpoint_every=0)  # warmup: rates independent of steps
     with experiments.torch_threads(saved["torch_threads"]):
         train.run(model_config, replay, tmp_path / "replay", corpus=corpus, progress=False)
-    losses = [r["loss"] for r in train._Metrics.read(tmp_path / "replay")]
+    losses = [r["loss"] for r in checkpoint.read_metrics(tmp_path / "replay")]
     _replayed(losses, [r["loss"] for r in saved["metrics"][:2]], saved_file.get("machine", "unknown"))
 
 

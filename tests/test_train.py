@@ -81,7 +81,7 @@ def test_a_step_updates_weights_and_the_balancing_bias(corpus):
     optimizer, scheduler = train.make_optimizer(model, FAST)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     moe = model.moe_layers()[0]
-    record = train.train_step(model, optimizer, scheduler, train._micro_batches(corpus.train, 0, FAST, "cpu"), 1.0)
+    record = train.train_step(model, optimizer, scheduler, train.text_batches(corpus.train, FAST, "cpu")(0), 1.0)
     assert record["lr"] == pytest.approx(FAST.lr / FAST.warmup_steps)
     assert math.isfinite(record["loss"]) and record["max_violation"] >= 0
     assert len(record["max_violation_per_layer"]) == SMALL.n_moe_layers
@@ -102,7 +102,7 @@ def test_resume_from_the_middle_checkpoint_is_exact(tmp_path, corpus):
     resumed = _run(resumed_out, corpus, resume=True)
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
-    losses = lambda out: [r["loss"] for r in train._Metrics.read(out)]
+    losses = lambda out: [r["loss"] for r in checkpoint.read_metrics(out)]
     assert losses(resumed_out)[-2:] == losses(tmp_path / "straight")[-2:]
     state = lambda out: torch.load(checkpoint.step_dir(out, 4) / "state.pt", weights_only=True)["optimizer"]
     for key, moments in state(tmp_path / "straight")["state"].items():
@@ -112,7 +112,7 @@ def test_resume_from_the_middle_checkpoint_is_exact(tmp_path, corpus):
 def test_a_run_writes_metrics_plot_and_checkpoints(tmp_path, corpus):
     out = tmp_path / "run"
     _run(out, corpus)
-    records = train._Metrics.read(out)
+    records = checkpoint.read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert "val_bpb" in records[1] and "val_bpb" not in records[2] and records[-1]["val_bpb"] > 0
     assert records[-1]["val_bpb"] == pytest.approx(records[-1]["val_loss"] / math.log(2))
@@ -276,7 +276,7 @@ def test_a_run_on_a_folder_of_text_trains_evaluates_and_generates(tmp_path, monk
     assert train.resolve_config(config_file=f"{run}/config.toml") == train.saved_run_config(checkpoint.step_dir(run, 4))
     assert main(["eval", "--checkpoint", run]) == 0
     report = capsys.readouterr().out
-    final = train._Metrics.read(run)[-1]["val_bpb"]
+    final = checkpoint.read_metrics(run)[-1]["val_bpb"]
     assert f"{'model':<10}{final:8.3f} bits/byte" in report and "trigram" in report and "lzma-9" in report
     assert main(["eval", "--checkpoint", run, "--data", str(other), "--eval-bytes", "256"]) == 0
     assert "3 file(s)" in capsys.readouterr().out
@@ -359,7 +359,7 @@ def test_extend_to_continues_on_a_new_schedule_tail(tmp_path, corpus, capsys):
     _run(tmp_path / "run", corpus)
     longer = FAST.replace(steps=8)
     train.run(SMALL, longer, tmp_path / "run", corpus=corpus, progress=False, extend=True)
-    records = train._Metrics.read(tmp_path / "run")
+    records = checkpoint.read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == list(range(1, 9))
     assert records[4]["lr"] == pytest.approx(FAST.lr * train.lr_factor(4, FAST.warmup_steps, 8, FAST.min_lr_ratio))
     saved = checkpoint.read_config(checkpoint.step_dir(tmp_path / "run", 8))
@@ -404,7 +404,7 @@ def test_resume_refuses_changed_files(tmp_path, monkeypatch):
 def test_bfloat16_runs_the_forward_in_bf16_and_keeps_weights_and_kda_states_fp32(corpus):
     model = train.build_model(SMALL, seed=0)
     optimizer, scheduler = train.make_optimizer(model, FAST)
-    batches = train._micro_batches(corpus.train, 0, FAST, "cpu")
+    batches = train.text_batches(corpus.train, FAST, "cpu")(0)
     record = train.train_step(model, optimizer, scheduler, batches, FAST.grad_clip, torch.bfloat16)
     assert math.isfinite(record["loss"]) and all(p.dtype == torch.float32 for p in model.parameters())
     assert all(s["exp_avg"].dtype == torch.float32 for s in optimizer.state.values())
@@ -440,7 +440,7 @@ def _compiled_steps(corpus, steps: int, **compile_options):
     train.compile_for_training(model, FAST, **compile_options)
     losses, graphs = [], []
     for step in range(steps):
-        batches = train._micro_batches(corpus.train, step, FAST, "cpu")
+        batches = train.text_batches(corpus.train, FAST, "cpu")(step)
         losses.append(train.train_step(model, optimizer, scheduler, batches, FAST.grad_clip)["loss"])
         graphs.append(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
@@ -455,7 +455,7 @@ def test_the_compiled_step_has_no_graph_break_and_no_recompile_after_step_one(co
     assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 4, graphs
     model = train.build_model(SMALL, seed=0)
     optimizer, scheduler = train.make_optimizer(model, FAST)
-    eager = [train.train_step(model, optimizer, scheduler, train._micro_batches(corpus.train, step, FAST, "cpu"),
+    eager = [train.train_step(model, optimizer, scheduler, train.text_batches(corpus.train, FAST, "cpu")(step),
                               FAST.grad_clip)["loss"] for step in range(5)]
     assert losses == pytest.approx(eager, rel=1e-5)
 
@@ -485,7 +485,7 @@ def test_a_compiled_run_trains_as_the_eager_run_and_the_cli_refuses_it_with_expe
     compiled = train.run(SMALL, short, tmp_path / "compiled", corpus=corpus, progress=False, compile=True)
     torch._dynamo.reset()
     train.run(SMALL, short, tmp_path / "eager", corpus=corpus, progress=False)
-    losses = lambda out: [r["loss"] for r in train._Metrics.read(out)]
+    losses = lambda out: [r["loss"] for r in checkpoint.read_metrics(out)]
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
     assert "_orig_mod" not in "".join(compiled.state_dict())
     train.load_model(tmp_path / "compiled")

@@ -8,6 +8,7 @@ from k3course.distributed.data_parallel import (
     expert_group,
     gather_optimizer_state,
     gather_state_dict,
+    shard_optimizer_state,
 )
 from k3course.distributed.ep import AllToAllDispatch, expert_parallel_layers, keep_experts, parallelize_experts
 from k3course.distributed.exchange import all_to_all, exchange, exchange_counts
@@ -27,4 +28,4 @@ __all__ = ["AllToAllDispatch", "RankFailed", "all_to_all", "average_gradients", 
            "clip_global_grad_norm", "combine", "dedup_pairs", "dispatch_permutation", "exchange", "exchange_counts",
            "expert_group", "expert_parallel_layers", "expert_ranges", "gather_optimizer_state", "gather_state_dict",
            "inverse_permutation", "keep_experts", "parallelize_experts", "rank_of_expert", "run_ranks",
-           "split_sizes", "traffic_bytes"]
+           "shard_optimizer_state", "split_sizes", "traffic_bytes"]

@@ -98,18 +98,16 @@ def failing(rank: int, world_size: int, how: str) -> None:
 
 
 def expert_parallel_steps(rank: int, world_size: int, case: dict) -> dict:
-    """``case["train"].steps`` calls of :func:`k3course.train.train_step` on a K3Model preset with expert-parallel
-    experts, on ``case["batches"]``, each rank reading its 1/P of every micro-batch, the model in
-    ``case["dtype"]`` (default float32). Returns the per-step records and the gathered single-process state dict."""
+    """``case["train"].steps`` steps of the one training step (:class:`k3course.train.Stepper`, expert-parallel)
+    of a K3Model preset, on ``case["batches"]`` (step i: a list of micro-batches), each rank reading its 1/P of
+    every micro-batch, the model in ``case["dtype"]`` (default float32). Returns the per-step records and the
+    gathered single-process state dict."""
     model_config, train_config = case["model"], case["train"]
-    model = train.build_model(model_config, train_config.seed).to(case.get("dtype", torch.float32))
-    model = parallelize_experts(model)
-    optimizer, scheduler = train.make_optimizer(model, train_config)
-    records = []
-    for step in range(train_config.steps):
-        shards = train.rank_shards(case["batches"][step], rank, world_size)
-        records.append(train.train_step(model, optimizer, scheduler, shards, train_config.grad_clip))
-    return {"records": records, "state": gather_state_dict(model)}
+    in_dtype = lambda config, seed, device: train.build_model(config, seed, device).to(case.get("dtype", torch.float32))
+    stepper = train.Stepper(model_config, train_config, case["batches"].__getitem__, expert_parallel=True,
+                            model_factory=in_dtype)
+    records = [stepper() for _ in range(train_config.steps)]
+    return {"records": records, "state": gather_state_dict(stepper.model)}
 
 
 def exchange_labels(rank: int, world_size: int, counts: list[list[int]]) -> list[tuple[int, int]]:

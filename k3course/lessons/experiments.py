@@ -302,13 +302,14 @@ def train_config(train: dict) -> TrainConfig:
 def summarise_run(out: Path, prompt: str = "def ", max_new_tokens: int = 300) -> dict:
     """What a finished ``k3course train`` run in ``out`` shows: its metrics, the corpus it read, the baselines of
     that corpus, and a sample from its last checkpoint (temperature 0.8, top-k 20, seed 0)."""
-    from k3course import data, train
+    from k3course import checkpoint, data, train
 
     corpus = data.stdlib_corpus()
     model = train.load_model(out)
     sample = train.generate_text(model, prompt, max_new_tokens, temperature=0.8, top_k=20, seed=0)
-    return {"metrics": train._Metrics.read(out), "corpus": {"key": corpus.meta["key"], "python": corpus.meta["python"],
-            "splits": corpus.meta["splits"]}, "baselines": data.baselines(corpus), "prompt": prompt, "sample": sample,
+    return {"metrics": checkpoint.read_metrics(out),
+            "corpus": {"key": corpus.meta["key"], "python": corpus.meta["python"], "splits": corpus.meta["splits"]},
+            "baselines": data.baselines(corpus), "prompt": prompt, "sample": sample,
             "torch_threads": torch.get_num_threads()}
 
 

@@ -8,8 +8,11 @@ import torch
 
 from k3course import debug
 from k3course.moe import (
+    LatentMoE,
+    MoE,
     bias_from_histogram,
     expert_load,
+    histogram_quantile_bias,
     load_entropy,
     load_statistics,
     max_violation,
@@ -144,3 +147,51 @@ def test_bad_balancing_input_names_the_argument():
         switch_aux_loss(torch.full((2, 4), float("nan")), torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="rule must be"):
         simulate_balancing("adam", 1)
+
+
+def _recording(calls: list):
+    """A reduction over one holder that records (op, shape) of each call."""
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        calls.append((op, tuple(tensor.shape)))
+        return tensor
+    return reduce
+
+
+def test_histogram_routine_reduces_the_range_and_counts_once_and_the_tokens_only_when_not_given():
+    scores = router_scores(seeded(200, 8, 11))
+    bias, calls = 0.1 * seeded(1, 8, 12)[0], []
+    got = histogram_quantile_bias(scores, bias, 2, 32, _recording(calls), tokens=200)
+    assert calls == [("max", (2,)), ("sum", (8, 32))]
+    assert torch.equal(got, quantile_balance_bias_from_histograms(list(scores.split([50, 150])), bias, 2, 32))
+    calls.clear()
+    assert torch.equal(histogram_quantile_bias(scores, bias, 2, 32, _recording(calls)), got)
+    assert calls == [("sum", ()), ("max", (2,)), ("sum", (8, 32))]
+
+
+def test_histogram_routine_with_every_expert_chosen_centres_the_bias_without_reducing():
+    scores, bias, calls = router_scores(seeded(30, 6, 13)), seeded(1, 6, 14)[0], []
+    got = histogram_quantile_bias(scores, bias, 6, reduce=_recording(calls))
+    assert torch.equal(got, bias - bias.mean()) and calls == []
+    assert torch.equal(quantile_balance_bias_from_histograms([scores[:0], scores], bias, 6), got)
+    with pytest.raises(ValueError, match="at least one token"):
+        histogram_quantile_bias(scores[:0], bias, 2)
+
+
+def test_histogram_routine_builds_every_tensor_on_the_scores_device():
+    scores, bias = router_scores(seeded(64, 8, 15)), seeded(1, 8, 16)[0]
+    want = histogram_quantile_bias(scores, bias, 3, 16)
+    with torch.device("meta"):  # a tensor made without device= would land on meta and mix with the CPU scores
+        got = histogram_quantile_bias(scores, bias, 3, 16)
+    assert got.device == scores.device and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("latent", [False, True])
+@pytest.mark.parametrize("balancing", ["quantile", "sign"])
+def test_moe_forward_backward_and_update_bias_run_on_the_meta_device(latent, balancing):
+    cls = LatentMoE if latent else MoE
+    layer = cls(16, 8, 2, n_shared=1, d_expert=8, balancing=balancing, backend="torch",
+                device="meta").bfloat16().train()  # torch's grouped GEMM: no host read of the block sizes
+    y = layer(torch.empty(5, 16, device="meta", dtype=torch.bfloat16))
+    y.sum().backward()
+    assert y.shape == (5, 16) and y.device.type == "meta"
+    assert layer.update_bias() and layer.bias.device.type == "meta" and layer.bias.dtype == torch.float32

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3course.distributed.balancing import pooled_quantile_bias
+from k3course.distributed.balancing import all_reduce_over
 from k3course.distributed.exchange import all_to_all, exchange, exchange_counts
 from k3course.distributed.plan import (
     dedup_pairs,
@@ -34,7 +34,7 @@ from k3course.distributed.plan import (
     rank_of_expert,
     split_sizes,
 )
-from k3course.moe.balancing import HISTOGRAM_BINS, expert_load
+from k3course.moe.balancing import HISTOGRAM_BINS, expert_load, histogram_quantile_bias
 from k3course.moe.dispatch import sort_by_expert, unsort
 from k3course.moe.experts import RoutedExperts
 from k3course.moe.layers import MoE
@@ -135,17 +135,17 @@ class AllToAllDispatch:
         return returned.index_select(0, inverse_permutation(order)).view(m, k, z.shape[1])
 
     def pool_counts(self, tokens: int, load: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(M, load [n]) summed over the ranks: all-reduces of integers, exact and equal on every rank."""
-        load = load.clone()
-        dist.all_reduce(load, group=self.group)
-        total = torch.tensor(tokens, device=load.device)
-        dist.all_reduce(total, group=self.group)
-        return int(total), load
+        """(M, load [n]) summed over the ranks: one all-reduce of [load, tokens] (integers: exact and equal on
+        every rank)."""
+        packed = torch.cat([load, load.new_tensor([tokens])])  # [n + 1] int64
+        dist.all_reduce(packed, group=self.group)
+        return int(packed[-1]), packed[:-1]
 
-    def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-        """The quantile step on the tokens of all ranks from this rank's scores [m_r, n]: within one bin width of
-        the exact step on the concatenated scores, equal on every rank (:func:`pooled_quantile_bias`)."""
-        return pooled_quantile_bias(scores, bias, k, self.histogram_bins, self.group)
+    def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int, tokens: int) -> torch.Tensor:
+        """The quantile step on the M = ``tokens`` tokens of all ranks (M from :meth:`pool_counts`) from this
+        rank's scores [m_r, n]: :func:`~k3course.moe.balancing.histogram_quantile_bias` with all-reduces, within
+        one bin width of the exact step on the concatenated scores and equal on every rank."""
+        return histogram_quantile_bias(scores, bias, k, self.histogram_bins, all_reduce_over(self.group), tokens)
 
     def _dispatch(self, z: torch.Tensor, expert_idx: torch.Tensor, order: torch.Tensor):
         """Exchange split sizes, then send every slot's row to the rank owning its expert.

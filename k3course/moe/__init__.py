@@ -3,6 +3,7 @@
 from k3course.moe.balancing import (
                                     bias_from_histogram,
                                     expert_load,
+                                    histogram_quantile_bias,
                                     margin_histogram,
                                     quantile_balance_bias,
                                     quantile_balance_bias_from_histograms,
@@ -20,6 +21,7 @@ from k3course.moe.stats import load_entropy, load_statistics, max_violation
 
 __all__ = ["GLUFFN", "LatentMoE", "LocalDispatch", "MoE", "RoutedExperts", "all_to_all_bytes_per_token",
            "latent_combine", "moe_flops_per_token", "rms_norm", "bias_from_histogram", "expert_load", "grouped_mm",
+           "histogram_quantile_bias",
            "load_entropy", "load_statistics", "margin_histogram", "max_violation", "quantile_balance_bias",
            "quantile_balance_bias_from_histograms", "router_scores", "router_z_loss", "sign_rule_update",
            "situ_glu", "sort_by_expert", "swiglu", "switch_aux_loss", "token_cutoffs", "topk_route", "unsort"]

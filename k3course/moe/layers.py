@@ -50,7 +50,7 @@ class LocalDispatch:
 
         expert_outputs(experts, z, expert_idx)   E_{idx_ti}(z_t) for every token-slot: sort, bank, unsort
         pool_counts(tokens, load)                (M, load) of all tokens: here this process's own
-        quantile_bias(scores, bias, k)           the quantile step on the scores of all tokens: here exact
+        quantile_bias(scores, bias, k, tokens)   the quantile step on the scores of all M = tokens: here exact
     """
 
     def expert_outputs(self, experts: RoutedExperts, z: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
@@ -65,8 +65,9 @@ class LocalDispatch:
         """(M, load [n]) over all tokens: on one process the recorded ones, unchanged."""
         return tokens, load
 
-    def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-        """:func:`~k3course.moe.quantile_balance_bias` on the scores [M, n] of all tokens -> new bias [n]."""
+    def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int, tokens: int) -> torch.Tensor:
+        """:func:`~k3course.moe.quantile_balance_bias` on the scores [M, n] of all tokens (here M = ``tokens``
+        are all on this process) -> new bias [n]."""
         return quantile_balance_bias(scores, bias, k)
 
 
@@ -287,7 +288,7 @@ class MoE(nn.Module):
         if tokens == 0 or self.balancing not in ("quantile", "sign"):
             return False
         if self.balancing == "quantile":
-            self.bias.copy_(self.dispatcher.quantile_bias(statistics["scores"], self.bias, self.top_k))
+            self.bias.copy_(self.dispatcher.quantile_bias(statistics["scores"], self.bias, self.top_k, tokens))
         else:
             self.bias.copy_(sign_rule_update(self.bias, load, self.gamma))
         return True

@@ -116,7 +116,10 @@ def test_dedup_gives_identical_results(world):
             for name, grad in r[naive]["grads"].items():
                 assert torch.allclose(r[dedup]["grads"][name], grad, rtol=1e-5, atol=1e-6), name
     sent = [sum(r[index]["traffic"]["dispatch"] for r in results) for index in (0, 1)]
-    assert sent[1] < sent[0]  # with k = 3 of 8 experts some tokens have two experts on one rank
+    if P == 1:
+        assert sent == [0, 0]  # one rank: no row crosses to another
+    else:
+        assert sent[1] < sent[0]  # with k = 3 of 8 experts some tokens have two experts on one rank
 
 
 def test_counted_bytes_equal_the_accounting(world):
@@ -151,7 +154,7 @@ def test_bias_identical_on_every_rank_and_equal_to_the_pooled_histogram(world):
         assert float((results[0][QUANTILE]["bias_after"][step] - exact).abs().max()) <= bin_width
         load = sum(r[SIGN]["load"][step] for r in results)
         sign_before = results[0][SIGN]["bias_before"][step]
-        expected = sign_rule_update(sign_before, load, build_layer(cases[SIGN]).gamma)
+        expected = sign_rule_update(sign_before, load, build_layer(cases[SIGN]).balancer.gamma)
         assert torch.equal(results[0][SIGN]["bias_after"][step], expected)
 
 

@@ -129,7 +129,7 @@ def test_acceptance_quantile_balances_in_five_steps_sign_rule_not_in_a_hundred(s
 
 
 def test_aux_loss_alone_balances_the_router_by_moving_its_weights():
-    violations = simulate_balancing("aux", steps=30, m=512, n_experts=16, k=2, lr=10.0)
+    violations = simulate_balancing("aux_loss", steps=30, m=512, n_experts=16, k=2, lr=10.0)
     assert violations[0] > 2 and violations[-1] < 0.5 * violations[0]
 
 
@@ -189,7 +189,7 @@ def test_histogram_routine_builds_every_tensor_on_the_scores_device():
 @pytest.mark.parametrize("balancing", ["quantile", "sign"])
 def test_moe_forward_backward_and_update_bias_run_on_the_meta_device(latent, balancing):
     cls = LatentMoE if latent else MoE
-    layer = cls(16, 8, 2, n_shared=1, d_expert=8, balancing=balancing, backend="torch",
+    layer = cls(16, 8, 2, n_shared_experts=1, expert_dim=8, balancing=balancing, grouped_mm_impl="torch",
                 device="meta").bfloat16().train()  # torch's grouped GEMM: no host read of the block sizes
     y = layer(torch.empty(5, 16, device="meta", dtype=torch.bfloat16))
     y.sum().backward()

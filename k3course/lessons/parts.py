@@ -26,8 +26,8 @@ import torch
 
 # part name -> (module, attribute) the model looks the function up in at call time
 PARTS: dict[str, tuple[str, str]] = {
-    "topk_route": ("k3course.moe.layers", "topk_route"),
-    "router_scores": ("k3course.moe.layers", "router_scores"),
+    "topk_route": ("k3course.moe.router", "topk_route"),
+    "router_scores": ("k3course.moe.router", "router_scores"),
     "ut_transform": ("k3course.ops.chunk", "ut_transform"),
     "kda_step": ("k3course.ops.recurrent", "kda_step"),
     "depth_attention": ("k3course.layers.residual", "depth_attention"),

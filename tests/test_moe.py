@@ -562,3 +562,14 @@ def test_group_limited_routing_picks_top_k_inside_the_best_groups():
         topk_route(scores, 7, bias, n_expert_groups=4, topk_groups=2)
     with pytest.raises(ValueError, match="n_expert_groups must divide n_routed_experts"):
         MoE(12, 12, 2, n_expert_groups=5)
+
+
+def test_the_split_layer_keeps_its_checkpoint_names_and_parameter_order():
+    """Router, bank and balancer are parts of the layer, not new owners of its tensors: checkpoints, the pretrained
+    name maps and optimizer states (kept by parameter position) written before the split load unchanged."""
+    layer = LatentMoE(16, 8, 2, n_shared_experts=1, expert_dim=8, device="meta")
+    assert list(layer.state_dict()) == ["router", "down_proj", "up_proj", "latent_norm", "bias", "experts.gate_up",
+                                        "experts.down", "shared.gate", "shared.up", "shared.down"]
+    assert [name for name, _ in layer.named_parameters()] == ["router", "down_proj", "up_proj", "latent_norm",
+                                                             "experts.gate_up", "experts.down", "shared.gate",
+                                                             "shared.up", "shared.down"]

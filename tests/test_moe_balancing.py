@@ -9,6 +9,7 @@ import torch
 from k3course import debug
 from k3course.moe import (
     LatentMoE,
+    LocalDispatch,
     MoE,
     bias_from_histogram,
     expert_load,
@@ -195,3 +196,35 @@ def test_moe_forward_backward_and_update_bias_run_on_the_meta_device(latent, bal
     y.sum().backward()
     assert y.shape == (5, 16) and y.device.type == "meta"
     assert layer.update_bias() and layer.bias.device.type == "meta" and layer.bias.dtype == torch.float32
+
+
+class _CountingDispatch(LocalDispatch):
+    """The one-process dispatcher, counting its pooling reductions."""
+
+    def __init__(self):
+        self.pools = 0
+
+    def pool_counts(self, tokens, load):
+        self.pools += 1
+        return super().pool_counts(tokens, load)
+
+
+@pytest.mark.parametrize("balancing", ["quantile", "sign"])
+def test_a_step_pools_the_token_count_once_for_the_statistics_and_the_rule(balancing):
+    layer = MoE(16, 8, 2, balancing=balancing, generator=torch.Generator().manual_seed(3)).train()
+    layer.dispatcher = _CountingDispatch()
+    plain = MoE(16, 8, 2, balancing=balancing, generator=torch.Generator().manual_seed(3)).train()
+    x = seeded(30, 16, 4)
+    for step in range(2):
+        layer(x[:10])
+        assert layer.load_statistics()["tokens"] == 10  # pools
+        layer(x[10:])  # a new forward: the pooled counts are stale
+        statistics = layer.load_statistics()
+        assert statistics["tokens"] == 30 and int(statistics["load"].sum()) == 60
+        statistics["load"].zero_()  # the caller's copy: the rule reads its own
+        assert layer.update_bias()
+        assert layer.dispatcher.pools == 2 * (step + 1)  # the rule reused the second pooling
+        plain(x[:10])
+        plain(x[10:])
+        plain.update_bias()  # no statistics read: pools inside the rule
+        assert torch.equal(layer.bias, plain.bias) and plain.bias.abs().sum() > 0

@@ -64,6 +64,7 @@ def parallelize_experts(module: nn.Module, group=None, dedup: bool = False,
         dispatcher = AllToAllDispatch(layer.n_routed_experts, group, dedup, histogram_bins)
         keep_experts(layer.experts, *dispatcher.local_expert_range)
         layer.dispatcher = dispatcher
+        layer.balancer.pooled = None  # counts pooled by the old dispatcher: this process's only
     return module
 
 

@@ -55,6 +55,7 @@ class Balancer(nn.Module):
         # quantile balancing: the detached scores of the recorded tokens in rows [0, recorded_tokens), a buffer
         # that grows only when a step brings more tokens than it holds (reserve sizes it up front)
         self.register_buffer("recorded_scores", torch.zeros(0, n_routed_experts, device=device), persistent=False)
+        self.pooled: tuple[int, torch.Tensor] | None = None  # (M, load) of the record over all ranks, once pooled
 
     def _apply(self, fn, recurse=True):
         """As for any module, except that the recorded scores stay fp32 or wider (see :func:`keep_fp32`)."""
@@ -66,8 +67,10 @@ class Balancer(nn.Module):
         """This micro-batch's (z-loss, Switch loss or None) with grad, and its routing added to the record
         (detached, no host read). logits, scores [m, n], expert_idx [m, k].
 
-        With zero tokens the losses are 0 (a mean over no tokens would be NaN) and nothing is added.
+        With zero tokens the losses are 0 (a mean over no tokens would be NaN) and nothing is added. Every call
+        drops the pooled counts (on every rank alike, zero tokens included, so the ranks pool again together).
         """
+        self.pooled = None
         m = logits.shape[0]
         if m == 0:
             zero = logits.sum()  # 0, still connected to the router for backward
@@ -106,25 +109,34 @@ class Balancer(nn.Module):
         """Clear the record."""
         self.recorded_load.zero_()
         self.recorded_tokens = 0
+        self.pooled = None
+
+    def pooled_counts(self, dispatcher) -> tuple[int, torch.Tensor]:
+        """(M, load [n]) of the record over all ranks, pooled by ``dispatcher`` once per record: the statistics
+        and the rule of one step share one reduction."""
+        if self.pooled is None:
+            self.pooled = dispatcher.pool_counts(self.recorded_tokens, self.recorded_load.clone())
+        return self.pooled
 
     @torch.no_grad()
     def new_bias(self, bias: torch.Tensor, dispatcher) -> torch.Tensor | None:
-        """The rule on the record pooled by ``dispatcher`` (M and the load in one reduction), then the record is
-        cleared. quantile: ``dispatcher.quantile_bias`` on the scores of all M tokens; sign:
-        b − γ sign(load − mean load). None when nothing moves (aux_loss, none, or no token on any rank)."""
-        statistics = self.statistics()
+        """The rule on the record pooled by ``dispatcher`` (M and the load in one reduction, shared with
+        :meth:`load_statistics`), then the record is cleared. quantile: ``dispatcher.quantile_bias`` on the
+        scores of all M tokens; sign: b − γ sign(load − mean load). None when nothing moves (aux_loss, none, or
+        no token on any rank)."""
+        tokens, load = self.pooled_counts(dispatcher)
+        scores = self.statistics()["scores"]
         self.reset()
-        tokens, load = dispatcher.pool_counts(statistics["tokens"], statistics["load"])
         if tokens == 0 or self.balancing not in ("quantile", "sign"):
             return None
         if self.balancing == "quantile":
-            return dispatcher.quantile_bias(statistics["scores"], bias, self.top_k, tokens)
+            return dispatcher.quantile_bias(scores, bias, self.top_k, tokens)
         return sign_rule_update(bias, load, self.gamma)
 
     def load_statistics(self, dispatcher) -> dict:
         """{'load', 'max_violation', 'entropy', 'tokens'} of the record pooled by ``dispatcher``
         (:func:`k3course.moe.stats.load_statistics`)."""
-        tokens, load = dispatcher.pool_counts(self.recorded_tokens, self.recorded_load.clone())
+        tokens, load = self.pooled_counts(dispatcher)
         if tokens == 0:
             raise RuntimeError("load_statistics needs a forward in training mode since the last update_bias()")
-        return {**load_statistics(load), "tokens": tokens}
+        return {**load_statistics(load.clone()), "tokens": tokens}

@@ -4,9 +4,8 @@
 
 :class:`Router` holds the routing settings and runs these three steps; the weight W_r [d, n] and the selection
 bias b [n] stay on the :class:`~k3course.moe.MoE` that owns them (their checkpoint names are ``router`` and
-``bias``). ``router_scores`` and ``topk_route`` are called once each, as the functions of
-:mod:`k3course.moe.routing` that chapter 01 writes, so a learner's versions fit
-(:mod:`k3course.lessons.parts`).
+``bias``). ``router_scores`` and ``topk_route`` are called once each, through the registry :mod:`k3course.parts`
+(the functions of :mod:`k3course.moe.routing` unless a learner's chapter-01 versions are in use).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import torch
 
 from k3course.config import ROUTER_SCORES
 from k3course.moe.routing import router_scores, topk_route
+from k3course.parts import part
 
 
 class Router:
@@ -46,8 +46,9 @@ class Router:
         expert groups ``topk_route`` is called exactly as chapter 01 writes it."""
         wide = torch.promote_types(x.dtype, torch.float32)
         logits = x.to(wide) @ weight.to(wide)
-        scores = router_scores(logits, self.router_score)
+        scores = part("router_scores", router_scores)(logits, self.router_score)
         groups = {} if self.n_expert_groups == 1 else {"n_expert_groups": self.n_expert_groups,
                                                        "topk_groups": self.topk_groups}
-        expert_idx, weights = topk_route(scores, self.top_k, bias, self.renormalize, **groups)
+        route = part("topk_route", topk_route)
+        expert_idx, weights = route(scores, self.top_k, bias, self.renormalize, **groups)
         return logits, scores, expert_idx, weights

@@ -250,8 +250,8 @@ def test_sort_based_gradients_match_the_per_token_loop(name):
         x_ = x.clone().requires_grad_()
         forward(x_).backward(grad)
         grads.append([x_.grad] + [p.grad for p in layer.parameters()])
-    for got, want in zip(*grads):
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+    for got, want in zip(*grads):  # fp32 sums in another order: to 1e-5 of the largest entry, whatever the threads
+        assert torch.allclose(got, want, rtol=1e-4, atol=max(1e-6, 1e-5 * want.abs().max().item()))
     if "hot_expert" in case:  # the other experts saw no token: zero gradient, not a missing one
         others = [j for j in range(8) if j != case["hot_expert"]]
         assert (layer.experts.gate_up.grad[others] == 0).all() and layer.experts.gate_up.grad[5].abs().sum() > 0

@@ -125,7 +125,7 @@ def tiny_deepseek_v3(path: Path | str, seed: int = 0) -> tuple[torch.nn.Module, 
 @dataclass(frozen=True)
 class DecodeNeeds:
     """What decoding one token needs: ``weight_bytes`` (all weights stored), ``flops_per_token`` and
-    ``read_bytes_per_token`` (the active weights read once per step, the embedding row aside)."""
+    ``read_bytes_per_token`` (the active weights one decode step of one sequence reads: the embedding's one row)."""
 
     weight_bytes: int
     flops_per_token: int
@@ -137,8 +137,9 @@ def decode_needs(cfg: K3Config, dtype_bytes: int = 2, context: int = 0) -> Decod
 
         weight_bytes          = total parameters · dtype_bytes
         flops_per_token       = accounting.decode_flops_per_token(cfg, context)   (2 per active weight + attention)
-        read_bytes_per_token  = (active parameters − embedding) · dtype_bytes     (a lookup reads one row)
+        read_bytes_per_token  = accounting.decode_weight_params(cfg, 1) · dtype_bytes   (the course's one
+                                convention, lesson 14's: a lookup reads its row; a tied head reads the table)
     """
-    count = accounting.param_count(cfg)
-    read = (count.active - count.components["embedding"][1]) * dtype_bytes
-    return DecodeNeeds(count.total * dtype_bytes, accounting.decode_flops_per_token(cfg, context), read)
+    read = accounting.decode_weight_params(cfg, 1) * dtype_bytes
+    return DecodeNeeds(accounting.param_count(cfg).total * dtype_bytes, accounting.decode_flops_per_token(cfg, context),
+                       int(read))

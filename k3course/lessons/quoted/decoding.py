@@ -171,3 +171,14 @@ def _decode_bench() -> dict:
 def decode_slope_ratio(schedule: str = "hybrid 3:1", batch: int = 1, statistic: str = "median") -> float:
     """The saved decode benchmark's TPOT slope of ``schedule`` over all-MLA's."""
     return _decode_bench()["slopes"][str(batch)][statistic]["over_all_mla"][schedule]
+
+
+KIMI_LINEAR_TPOT_SPEEDUP = 6.3  # Kimi Linear's published TPOT speed-up over full attention at 1M tokens (†)
+
+
+@quoted
+def published_tpot_gap(against: str = "tpot") -> float:
+    """The published 6.3× over the roofline's ratio on Kimi Linear 48B at 1M tokens: ``against`` "tpot" (equal
+    batch) or "throughput" (each schedule at the batch its memory holds)."""
+    ratio = roofline_tpot_ratio(1, MILLION, "kimi-linear-48b") if against == "tpot" else capacity_throughput_ratio()
+    return KIMI_LINEAR_TPOT_SPEEDUP / ratio

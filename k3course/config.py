@@ -43,7 +43,7 @@ class K3Config:
     MoE: ``n_routed_experts`` experts, ``top_k`` chosen per token, ``n_shared_experts`` always on. Each
     routed expert is a gated MLP ``expert_in → expert_dim → expert_in`` where ``expert_in`` is
     ``latent_dim`` (latent MoE: tokens are projected down to ℓ before dispatch) or ``d_model`` when
-    ``latent_dim`` is None. The shared experts are one fused gated MLP ``d_model → n_shared·expert_dim``.
+    ``latent_dim`` is None. The shared experts are one fused gated MLP ``d_model → n_shared_experts·expert_dim``.
     Group-limited routing (DeepSeek-V3): the experts form ``n_expert_groups`` equal groups, a group scores the
     sum of its two best biased scores, and a token picks its ``top_k`` among the ``topk_groups`` best groups.
 

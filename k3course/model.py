@@ -338,7 +338,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
 # --- which parameter belongs to which component (accounting) ----------------------------------------------
 
 def _component_of(model: K3Model, name: str, numel: int) -> tuple[str, int]:
-    """(component, active numel) of parameter ``name``: routed experts are active top_k / n_routed of the time."""
+    """(component, active numel) of parameter ``name``: routed experts are active top_k / n_routed_experts
+    of the time."""
     head = name.split(".")[0]
     if head in ("embed", "lm_head"):
         return ("embedding" if head == "embed" else "lm_head"), numel
@@ -350,7 +351,7 @@ def _component_of(model: K3Model, name: str, numel: int) -> tuple[str, int]:
     if layer.ffn_kind == "dense":
         return "dense_ffn", numel
     if ".ffn.experts." in name:
-        return "routed_experts", numel // layer.ffn.n_routed * layer.ffn.top_k
+        return "routed_experts", numel // layer.ffn.n_routed_experts * layer.ffn.top_k
     if ".ffn.shared." in name:
         return "shared_experts", numel
     if name.endswith("ffn.router"):

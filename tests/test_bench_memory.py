@@ -48,7 +48,7 @@ def test_keep_freed_memory_lets_freed_tensors_be_reused_without_page_faults():
 def test_the_benchmarks_report_page_faults_and_the_allocator_setting(bench):
     small = {"kda": ["--lengths", "32", "64", "--recurrent-length", "32", "--heads", "1", "--dim", "8",
                      "--repeats", "1", "--rounds", "1", "--chunk-size", "16"],
-             "moe": ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--d-expert", "16",
+             "moe": ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--expert-dim", "16",
                      "--repeats", "1", "--rounds", "1", "--loop-tokens", "8"]}[bench]
     for flag, setting in (([], "freed memory kept in the process"), (["--return-freed-memory"], "returned to the OS")):
         result = subprocess.run([sys.executable, "-m", "k3course.cli", "bench", bench, *small, *flag],

@@ -14,7 +14,7 @@ from k3course.bench.moe import main, stage_seconds, training_step
 from k3course.debug import profiler_range
 from k3course.moe import LatentMoE
 
-SMALL = ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--d-expert", "16", "--repeats", "1",
+SMALL = ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--expert-dim", "16", "--repeats", "1",
          "--rounds", "1", "--loop-tokens", "8", "--return-freed-memory"]  # in-process: leave pytest's allocator
 
 
@@ -44,7 +44,7 @@ def test_range_seconds_reads_the_ranges_in_order_without_double_counting_and_add
 
 
 def test_bench_moe_rows_are_the_layers_ranges(monkeypatch, capsys):
-    layer = LatentMoE(32, 8, 2, d_expert=16, generator=torch.Generator().manual_seed(0)).eval()
+    layer = LatentMoE(32, 8, 2, expert_dim=16, generator=torch.Generator().manual_seed(0)).eval()
     x = torch.randn(64, 32)
     with torch.no_grad():
         stages, profiled, gemms = stage_seconds(lambda: layer(x), 2)
@@ -64,7 +64,8 @@ def test_bench_moe_rows_are_the_layers_ranges(monkeypatch, capsys):
 
 @pytest.mark.parametrize("training", [False, True])
 def test_the_ranges_change_nothing_the_layer_computes(training):
-    layer = LatentMoE(32, 8, 2, n_shared=1, d_expert=16, generator=torch.Generator().manual_seed(1)).train(training)
+    layer = LatentMoE(32, 8, 2, n_shared_experts=1, expert_dim=16, generator=torch.Generator().manual_seed(1))
+    layer.train(training)
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(2), requires_grad=True)
     outputs = []
     for profiled in (False, True):

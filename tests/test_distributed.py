@@ -21,21 +21,24 @@ from k3course.distributed import (
 )
 from k3course.lessons.ep_workers import build_layer, failing, global_batch, run_cases
 from k3course.moe import MoE, quantile_balance_bias, quantile_balance_bias_from_histograms, sign_rule_update
-from k3course.moe.balancing import margin_range
+from k3course.moe.balancing import quantile_margins
 
 BASE = dict(kind="moe", d=16, n=8, k=3, d_expert=8, seed=0)
 
 
 def _cases(counts: list[int], hot: float = 0.0) -> list[dict]:
-    """MoE and LatentMoE, naive and deduplicated dispatch, then quantile and sign balancing, on these counts."""
+    """MoE and LatentMoE, naive and deduplicated dispatch, then quantile and sign balancing, on these counts, and
+    quantile balancing with every expert chosen (k = n, a bias that is not mean-centred)."""
     forward = [{**BASE, "kind": kind, "dedup": dedup, "counts": counts, "hot": hot}
                for kind in ("moe", "latent") for dedup in (False, True)]
     balancing = [{**BASE, "test": "balancing", "balancing": rule, "counts": counts, "steps": 2, "bins": 64}
                  for rule in ("quantile", "sign")]
-    return forward + balancing
+    every_expert = {**balancing[0], "k": BASE["n"], "hot": 0.5}
+    return forward + balancing + [every_expert]
 
 
-WORLDS = {2: _cases([9, 14]), 3: _cases([7, 0, 12], hot=0.5), 4: _cases([5, 11, 0, 8], hot=1.0)}
+WORLDS = {1: _cases([13]), 2: _cases([9, 14]), 3: _cases([7, 0, 12], hot=0.5), 4: _cases([5, 11, 0, 8], hot=1.0)}
+QUANTILE, SIGN, EVERY_EXPERT = 4, 5, 6  # the balancing cases' places in each world's list
 
 
 @pytest.fixture(scope="module", params=sorted(WORLDS), ids=lambda p: f"P={p}")
@@ -113,7 +116,10 @@ def test_dedup_gives_identical_results(world):
             for name, grad in r[naive]["grads"].items():
                 assert torch.allclose(r[dedup]["grads"][name], grad, rtol=1e-5, atol=1e-6), name
     sent = [sum(r[index]["traffic"]["dispatch"] for r in results) for index in (0, 1)]
-    assert sent[1] < sent[0]  # with k = 3 of 8 experts some tokens have two experts on one rank
+    if P == 1:
+        assert sent == [0, 0]  # one rank: no row crosses to another
+    else:
+        assert sent[1] < sent[0]  # with k = 3 of 8 experts some tokens have two experts on one rank
 
 
 def test_counted_bytes_equal_the_accounting(world):
@@ -127,41 +133,47 @@ def test_counted_bytes_equal_the_accounting(world):
 
 
 def test_bias_identical_on_every_rank_and_equal_to_the_pooled_histogram(world):
+    """Pooled over 1–4 gloo ranks (a rank without tokens included) = the one-process histogram routine on the
+    concatenated scores, bit for bit; k = n included."""
     P, cases, results = world
-    quantile, sign = len(cases) - 2, len(cases) - 1
     for step in range(2):
-        for index in (quantile, sign):
+        for index in (QUANTILE, SIGN, EVERY_EXPERT):
             biases = [r[index]["bias_after"][step] for r in results]
             assert all(torch.equal(b, biases[0]) for b in biases), (index, step)
-        before = results[0][quantile]["bias_before"][step]
-        shards = [r[quantile]["scores"][step] for r in results]
-        k, bins = BASE["k"], cases[quantile]["bins"]
-        pooled = quantile_balance_bias_from_histograms([s for s in shards if s.shape[0]], before, k, bins)
-        assert torch.equal(results[0][quantile]["bias_after"][step], pooled)
-        ranges = [margin_range(s, before, k) for s in shards if s.shape[0]]
-        bin_width = (max(r[1] for r in ranges) - min(r[0] for r in ranges)) / bins
-        exact = quantile_balance_bias(torch.cat(shards), before, k)
-        assert float((pooled - exact).abs().max()) <= bin_width
-        load = sum(r[sign]["load"][step] for r in results)
-        sign_before = results[0][sign]["bias_before"][step]
-        expected = sign_rule_update(sign_before, load, build_layer(cases[sign]).gamma)
-        assert torch.equal(results[0][sign]["bias_after"][step], expected)
+        for index in (QUANTILE, EVERY_EXPERT):
+            before = results[0][index]["bias_before"][step]
+            shards = [r[index]["scores"][step] for r in results]
+            k, bins = cases[index]["k"], cases[index]["bins"]
+            pooled = quantile_balance_bias_from_histograms(shards, before, k, bins)
+            assert torch.equal(results[0][index]["bias_after"][step], pooled), (index, step)
+        before = results[0][QUANTILE]["bias_before"][step]
+        scores = torch.cat([r[QUANTILE]["scores"][step] for r in results])
+        margins = quantile_margins(scores, before, BASE["k"])
+        bin_width = float(margins.max() - margins.min()) / cases[QUANTILE]["bins"]
+        exact = quantile_balance_bias(scores, before, BASE["k"])
+        assert float((results[0][QUANTILE]["bias_after"][step] - exact).abs().max()) <= bin_width
+        load = sum(r[SIGN]["load"][step] for r in results)
+        sign_before = results[0][SIGN]["bias_before"][step]
+        expected = sign_rule_update(sign_before, load, build_layer(cases[SIGN]).balancer.gamma)
+        assert torch.equal(results[0][SIGN]["bias_after"][step], expected)
 
 
 def test_bias_after_an_update_matches_one_process_on_the_concatenated_batch(world):
     P, cases, results = world
-    for index, tolerance in ((len(cases) - 2, "one bin"), (len(cases) - 1, "exact")):
+    for index, tolerance in ((QUANTILE, "one bin"), (SIGN, "exact"), (EVERY_EXPERT, "exact")):
         layer = build_layer(cases[index])
         layer(global_batch(cases[index])[0])
         layer.update_bias()
         got = results[0][index]["bias_after"][0]
-        if tolerance == "exact":  # the sign rule: integer loads, summed exactly
-            assert torch.equal(got, layer.bias)
+        if tolerance == "exact":  # the sign rule (integer loads, summed exactly), and k = n (b − mean b)
+            assert torch.equal(got, layer.bias), index
         else:
-            shards = [r[index]["scores"][0] for r in results if r[index]["scores"][0].shape[0]]
-            ranges = [margin_range(s, torch.zeros(BASE["n"]), BASE["k"]) for s in shards]
-            bin_width = (max(r[1] for r in ranges) - min(r[0] for r in ranges)) / cases[index]["bins"]
+            margins = quantile_margins(torch.cat([r[index]["scores"][0] for r in results]), torch.zeros(BASE["n"]),
+                                       BASE["k"])
+            bin_width = float(margins.max() - margins.min()) / cases[index]["bins"]
             assert float((got - layer.bias).abs().max()) <= bin_width
+    every_expert = results[0][EVERY_EXPERT]
+    assert not torch.equal(every_expert["bias_after"][0], every_expert["bias_before"][0])  # the bias was centred
 
 
 def test_split_sizes_permutation_and_combine():

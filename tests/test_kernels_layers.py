@@ -86,12 +86,12 @@ def test_grouped_mm_selects_the_triton_kernel_when_switched(monkeypatch, triton_
     monkeypatch.setenv("K3COURSE_KERNELS", "triton")
     torch.testing.assert_close(grouped_mm(x, weight, ends), want, rtol=1e-5, atol=1e-5)
     assert triton_calls["grouped_gemm"] == 1
-    torch.testing.assert_close(grouped_mm(x, weight, ends, backend="loop"), want, rtol=1e-5, atol=1e-5)
-    assert triton_calls["grouped_gemm"] == 1  # an explicit backend wins over the environment
+    torch.testing.assert_close(grouped_mm(x, weight, ends, impl="loop"), want, rtol=1e-5, atol=1e-5)
+    assert triton_calls["grouped_gemm"] == 1  # an explicit impl wins over the environment
 
 
 def test_moe_layer_forced_triton_matches_torch_forward_and_backward(monkeypatch, triton_calls):
-    layer = LatentMoE(32, 8, 2, d_expert=16, generator=torch.Generator().manual_seed(5)).to(DEVICE).eval()
+    layer = LatentMoE(32, 8, 2, expert_dim=16, generator=torch.Generator().manual_seed(5)).to(DEVICE).eval()
     x = torch.randn(24, 32, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     results = {}
     for switch in ("torch", "triton"):

@@ -34,9 +34,9 @@ def assert_close(got: torch.Tensor, want: np.ndarray, rtol: float = RTOL) -> Non
     assert np.abs(got - want).max() <= rtol * scale, f"max err {np.abs(got - want).max():.3g} vs scale {scale:.3g}"
 
 
-def seeded_scores(m: int, n: int, seed: int, score_fn: str = "sigmoid") -> torch.Tensor:
+def seeded_scores(m: int, n: int, seed: int, router_score: str = "sigmoid") -> torch.Tensor:
     logits = torch.randn(m, n, generator=torch.Generator().manual_seed(seed))
-    return router_scores(logits, score_fn)
+    return router_scores(logits, router_score)
 
 
 ROUTE_CASES = {
@@ -44,7 +44,7 @@ ROUTE_CASES = {
     "k=n-1": dict(m=37, n=8, k=7),
     "k=n": dict(m=37, n=8, k=8),
     "m=1": dict(m=1, n=5, k=2),
-    "softmax, no renormalize": dict(m=33, n=16, k=4, score_fn="softmax", renormalize=False),
+    "softmax, no renormalize": dict(m=33, n=16, k=4, router_score="softmax", renormalize=False),
     "with bias": dict(m=41, n=16, k=3, bias=True),
 }
 
@@ -53,7 +53,7 @@ ROUTE_CASES = {
 def test_topk_route_matches_reference(name):
     case = dict(ROUTE_CASES[name])
     m, n, k = case.pop("m"), case.pop("n"), case.pop("k")
-    scores = seeded_scores(m, n, seed=1, score_fn=case.pop("score_fn", "sigmoid"))
+    scores = seeded_scores(m, n, seed=1, router_score=case.pop("router_score", "sigmoid"))
     bias = 0.3 * torch.randn(n, generator=torch.Generator().manual_seed(2)) if case.pop("bias", False) else None
     renormalize = case.pop("renormalize", True)
     idx, weights = topk_route(scores, k, bias, renormalize)
@@ -114,39 +114,39 @@ def test_sort_by_expert_groups_slots_and_unsort_inverts():
     assert torch.equal(unsort(rows[order], order), rows)
 
 
-@pytest.mark.parametrize("backend", ["loop", "torch", "auto"])
-def test_grouped_mm_matches_per_row_products(backend):
-    if backend == "torch" and not hasattr(torch, "_grouped_mm"):
+@pytest.mark.parametrize("impl", ["loop", "torch", "auto"])
+def test_grouped_mm_matches_per_row_products(impl):
+    if impl == "torch" and not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
     generator = torch.Generator().manual_seed(6)
     x, weight = torch.randn(13, 8, generator=generator), torch.randn(4, 8, 4, generator=generator)
     offsets = torch.tensor([3, 3, 10, 13], dtype=torch.int32)  # expert 1 is empty
     owner = torch.repeat_interleave(torch.arange(4), torch.diff(offsets, prepend=torch.zeros(1, dtype=torch.int32)))
     want = torch.einsum("md,mde->me", x, weight[owner])
-    assert torch.allclose(grouped_mm(x, weight, offsets, backend), want, atol=1e-5)
+    assert torch.allclose(grouped_mm(x, weight, offsets, impl), want, atol=1e-5)
 
 
 def test_a_compiled_graph_never_launches_the_triton_grouped_gemm(monkeypatch):
     """Where the Triton kernel would run eagerly, a graph being traced by torch.compile takes torch's grouped GEMM
     or the loop operator: the kernel's grid depends on the block sizes (dynamo failed on it on an H200)."""
     import k3course.kernels
-    from k3course.moe.dispatch import grouped_mm_backend
+    from k3course.moe.dispatch import resolve_grouped_mm_impl
 
     monkeypatch.setattr(k3course.kernels, "use_triton", lambda device: True)
     x, weight = torch.randn(4, 8), torch.randn(2, 8, 4)
-    assert grouped_mm_backend(x, weight) == "triton"
+    assert resolve_grouped_mm_impl(x, weight) == "triton"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert grouped_mm_backend(x, weight) == "loop"  # fp32 on a CPU: no fast path for torch._grouped_mm
+    assert resolve_grouped_mm_impl(x, weight) == "loop"  # fp32 on a CPU: no fast path for torch._grouped_mm
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
 def test_layer_with_torch_grouped_mm_matches_the_loop_forward_and_backward():
     grads = {}
-    for backend in ("loop", "torch"):
-        layer = LatentMoE(32, 8, 2, d_expert=16, generator=torch.Generator().manual_seed(17), backend=backend)
+    for impl in ("loop", "torch"):
+        layer = LatentMoE(32, 8, 2, expert_dim=16, generator=torch.Generator().manual_seed(17), grouped_mm_impl=impl)
         y = layer(torch.randn(37, 32, generator=torch.Generator().manual_seed(18)))
         y.square().sum().backward()
-        grads[backend] = (y.detach(), layer.experts.gate_up.grad, layer.experts.down.grad, layer.router.grad)
+        grads[impl] = (y.detach(), layer.experts.gate_up.grad, layer.experts.down.grad, layer.router.grad)
     for loop_tensor, torch_tensor in zip(grads["loop"], grads["torch"]):
         assert torch.allclose(loop_tensor, torch_tensor, rtol=1e-5, atol=1e-5)
 
@@ -188,11 +188,11 @@ def test_grouped_mm_loop_gradients_match_per_row_products(name):
 # --- the layers against the reference loop ------------------------------------------------------------------
 
 LAYER_CASES = {
-    "latent, sigmoid, situ_glu, 2 shared": dict(latent=True, k=2, n_shared=2, activation="situ_glu"),
+    "latent, sigmoid, situ_glu, 2 shared": dict(latent=True, k=2, n_shared_experts=2, activation="situ_glu"),
     "latent, k=1": dict(latent=True, k=1),
     "latent, k=n-1": dict(latent=True, k=7),
     "latent, k=n": dict(latent=True, k=8),
-    "plain, softmax, swiglu, 1 shared": dict(latent=False, k=3, n_shared=1, score_fn="softmax"),
+    "plain, softmax, swiglu, 1 shared": dict(latent=False, k=3, n_shared_experts=1, router_score="softmax"),
     "plain, k=n-1, route_scale 2.5": dict(latent=False, k=7, route_scale=2.5),
     "one expert takes every token": dict(latent=True, k=1, hot_expert=3),
     "ties: zero router, all scores 0.5": dict(latent=True, k=3, zero_router=True),
@@ -205,7 +205,7 @@ def test_layer_matches_reference_loop(name):
     latent, k = case.pop("latent"), case.pop("k")
     hot_expert, zero_router = case.pop("hot_expert", None), case.pop("zero_router", False)
     generator = torch.Generator().manual_seed(7)
-    layer = MoE(32, 8, k, d_expert=16, d_latent=16 if latent else None, generator=generator, **case)
+    layer = MoE(32, 8, k, expert_dim=16, latent_dim=16 if latent else None, generator=generator, **case)
     with torch.no_grad():
         layer.latent_norm.copy_(1 + 0.1 * torch.randn(16, generator=generator)) if latent else None
         if hot_expert is not None:
@@ -214,7 +214,7 @@ def test_layer_matches_reference_loop(name):
             layer.router.zero_()
     x = torch.randn(37, 32, generator=generator)  # 37: divisible by nothing here
     y = layer(x)
-    want = ref.moe_forward(x.double().numpy(), layer.reference_params(), k, layer.score_fn,
+    want = ref.moe_forward(x.double().numpy(), layer.reference_params(), k, layer.routing.router_score,
                            case.get("activation", "swiglu"), layer.route_scale)
     assert_close(y, want)
     if hot_expert is not None:
@@ -237,7 +237,7 @@ def test_sort_based_gradients_match_the_per_token_loop(name):
 
     case = GRADIENT_CASES[name]
     generator = torch.Generator().manual_seed(32)
-    layer = LatentMoE(24, 8, case["k"], d_expert=12, d_latent=10, activation="situ_glu", backend="loop",
+    layer = LatentMoE(24, 8, case["k"], expert_dim=12, latent_dim=10, activation="situ_glu", grouped_mm_impl="loop",
                       generator=generator)
     if "hot_expert" in case:
         with torch.no_grad():
@@ -261,7 +261,7 @@ def test_bf16_layer_follows_the_fp32_layer_and_keeps_its_dtype():
     """bf16 weights and tokens: bf16 outputs and gradients, within bf16 rounding of the fp32 layer (RMSNorm
     runs in fp32; the GEMMs accumulate in fp32 inside torch)."""
     def build():
-        return LatentMoE(32, 8, 2, n_shared=1, d_expert=16, activation="situ_glu",
+        return LatentMoE(32, 8, 2, n_shared_experts=1, expert_dim=16, activation="situ_glu",
                          generator=torch.Generator().manual_seed(33))
 
     x = torch.randn(29, 32, generator=torch.Generator().manual_seed(34))
@@ -277,8 +277,8 @@ def test_bf16_layer_follows_the_fp32_layer_and_keeps_its_dtype():
 
 
 def test_latent_moe_defaults_to_half_width_and_keeps_input_shape():
-    layer = LatentMoE(64, 8, 2, n_shared=1, generator=torch.Generator().manual_seed(8))
-    assert layer.d_latent == 32 and layer.down_proj.shape == (64, 32)
+    layer = LatentMoE(64, 8, 2, n_shared_experts=1, generator=torch.Generator().manual_seed(8))
+    assert layer.latent_dim == 32 and layer.down_proj.shape == (64, 32)
     x = torch.randn(2, 5, 64)
     assert layer(x).shape == (2, 5, 64)
 
@@ -343,7 +343,7 @@ def test_situ_glu_gradcheck_and_its_limits():
     assert half.dtype == torch.bfloat16
 
 def test_router_learns_through_weights_and_bias_gets_no_gradient():
-    layer = LatentMoE(32, 8, 2, n_shared=1, d_expert=16, generator=torch.Generator().manual_seed(10))
+    layer = LatentMoE(32, 8, 2, n_shared_experts=1, expert_dim=16, generator=torch.Generator().manual_seed(10))
     layer(torch.randn(40, 32, generator=torch.Generator().manual_seed(11))).square().sum().backward()
     assert "bias" not in dict(layer.named_parameters()) and not layer.bias.requires_grad and layer.bias.grad is None
     assert layer.router.grad is not None and layer.router.grad.abs().sum() > 0
@@ -379,7 +379,7 @@ def test_bias_updates_in_training_and_is_frozen_in_eval():
     assert layer.update_bias() is False and torch.equal(layer.bias, frozen)
 
 
-@pytest.mark.parametrize("balancing", ["sign", "aux", None])
+@pytest.mark.parametrize("balancing", ["sign", "aux_loss", "none"])
 def test_other_balancing_modes(balancing):
     generator = torch.Generator().manual_seed(14)
     layer = MoE(16, 4, 2, generator=generator, balancing=balancing, gamma=0.01)
@@ -389,7 +389,7 @@ def test_other_balancing_modes(balancing):
     assert changed is (balancing == "sign")
     if balancing == "sign":
         assert set(layer.bias.abs().tolist()) <= {0.0, float(torch.tensor(0.01))}
-    if balancing == "aux":
+    if balancing == "aux_loss":
         assert layer.aux_loss.requires_grad and float(layer.aux_loss.detach()) > 0
 
 
@@ -400,15 +400,19 @@ def test_from_config_matches_the_config_parameter_count():
     for name in ("tiny", "small"):
         cfg = K3Config.preset(name)
         layer = MoE.from_config(cfg, generator=torch.Generator().manual_seed(19))
-        assert isinstance(layer, MoE) and layer.d_latent == cfg.latent_dim and layer.balancing == "quantile"
+        assert isinstance(layer, MoE) and layer.latent_dim == cfg.latent_dim and layer.balancer.balancing == "quantile"
         assert sum(p.numel() for p in layer.parameters()) == moe_layer_params(cfg)[0]
         x = torch.randn(2, 3, cfg.d_model)
         assert layer(x).shape == x.shape
 
 
-def test_config_spellings_of_balancing_are_accepted():
-    assert MoE(8, 4, 2, balancing="aux_loss").balancing == "aux"
-    assert MoE(8, 4, 2, balancing="none").balancing is None
+def test_balancing_takes_the_config_spellings_only():
+    from k3course.config import BALANCING
+
+    assert all(MoE(8, 4, 2, balancing=rule).balancer.balancing == rule for rule in BALANCING)
+    for old in ("aux", None):
+        with pytest.raises(ValueError, match="balancing must be one of"):
+            MoE(8, 4, 2, balancing=old)
 
 
 def test_bad_input_names_the_argument():
@@ -431,8 +435,8 @@ def test_bad_input_names_the_argument():
         MoE(8, 4, 2)(torch.zeros(3, 7))
     with pytest.raises(TypeError, match="x must be a floating-point tensor"):
         MoE(8, 4, 2)(torch.zeros(3, 8, dtype=torch.int64))
-    with pytest.raises(ValueError, match="score_fn must be"):
-        MoE(8, 4, 2, score_fn="relu")
+    with pytest.raises(ValueError, match="router_score must be one of"):
+        MoE(8, 4, 2, router_score="relu")
     with pytest.raises(ValueError, match="activation must be one of"):
         MoE(8, 4, 2, activation="gelu")
     with pytest.raises(ValueError, match="expert_idx entries must lie in"), debug.value_checks():
@@ -443,7 +447,7 @@ def test_bad_input_names_the_argument():
         grouped_mm(torch.zeros(4, 3), torch.zeros(2, 5, 6), torch.tensor([2, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"group_offsets must have shape \[E\] = \(2,\)"):
         grouped_mm(torch.zeros(4, 5), torch.zeros(2, 5, 6), torch.tensor([4], dtype=torch.int32))
-    with pytest.raises(ValueError, match="backend must be"):
+    with pytest.raises(ValueError, match="grouped_mm_impl must be one of"):
         grouped_mm(torch.zeros(4, 5), torch.zeros(2, 5, 6), torch.tensor([2, 4], dtype=torch.int32), "triton")
     with pytest.raises(ValueError, match="rows_sorted has 3 rows but order has 4 entries"):
         unsort(torch.zeros(3, 2), torch.arange(4))
@@ -465,13 +469,13 @@ def test_rms_norm_and_latent_combine_match_reference():
 
 
 def test_k3_dispatch_bytes_equal_k2s():
-    k3 = all_to_all_bytes_per_token(7168, 16, d_latent=3584)
+    k3 = all_to_all_bytes_per_token(7168, 16, latent_dim=3584)
     k2 = all_to_all_bytes_per_token(7168, 8)
     assert k3 == k2 == 2 * 16 * 3584 * 2
     assert all_to_all_bytes_per_token(7168, 16) == 2 * k3  # K3 without the latent would pay double
     # latent halves the routed FLOPs; the projections cost 2·2·d·ℓ
     full = moe_flops_per_token(7168, 896, 16, 3072)
-    latent = moe_flops_per_token(7168, 896, 16, 3072, d_latent=3584)
+    latent = moe_flops_per_token(7168, 896, 16, 3072, latent_dim=3584)
     assert full - latent == 2 * 16 * 3 * 3072 * 3584 - 2 * 2 * 7168 * 3584
 
 
@@ -479,12 +483,12 @@ def test_k3_dispatch_bytes_equal_k2s():
 def test_bench_runs_small(capsys, dtype):
     from k3course.bench.moe import main
 
-    options = ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--d-expert", "16",
+    options = ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--expert-dim", "16",
                "--repeats", "1", "--rounds", "1", "--loop-tokens", "8", "--dtype", dtype,
                "--return-freed-memory"]  # in-process: leave the test process's allocator alone
     assert main(options) == 0
     out = capsys.readouterr().out
-    assert f"situ_glu, {dtype}, backend=auto, 1 CPU thread(s)" in out
+    assert f"situ_glu, {dtype}, grouped_mm_impl=auto, 1 CPU thread(s)" in out
     assert "faster than the per-token loop" in out and "CPU: " in out and "bf16 " in out and "GFLOP/s" in out
     for row in ("forward", "training step"):
         assert f"{row}: sort-based MoE takes " in out
@@ -520,7 +524,7 @@ def test_bf16_layer_routes_in_fp32_with_an_fp32_bias():
     """A bf16 layer on bf16 tokens picks the experts of the fp32 layer for ≥ 99.5 % of the tokens (the `small`
     preset's router, 16 experts, top-2, biases of 1e-3); routing in bf16, with a bf16 bias, would miss 2 %.
     Given the same (bf16) numbers, it is exactly the fp32 routing."""
-    build = lambda: MoE(256, 16, 2, d_expert=8, balancing="sign", generator=torch.Generator().manual_seed(40))
+    build = lambda: MoE(256, 16, 2, expert_dim=8, balancing="sign", generator=torch.Generator().manual_seed(40))
     full = build()
     with torch.no_grad():
         full.bias.copy_(1e-3 * torch.randn(16, generator=torch.Generator().manual_seed(41)))
@@ -543,7 +547,7 @@ def test_group_limited_routing_picks_top_k_inside_the_best_groups():
     topk_groups groups are kept, the k experts are the best of the kept ones."""
     scores = torch.rand(50, 12, generator=torch.Generator().manual_seed(43))
     bias = 0.1 * torch.randn(12, generator=torch.Generator().manual_seed(44))
-    idx, weights = topk_route(scores, 3, bias, n_groups=4, topk_groups=2)
+    idx, weights = topk_route(scores, 3, bias, n_expert_groups=4, topk_groups=2)
     biased = scores + bias
     for t in range(50):
         group_scores = biased[t].view(4, 3).topk(2).values.sum(-1)
@@ -552,9 +556,20 @@ def test_group_limited_routing_picks_top_k_inside_the_best_groups():
         want = allowed[biased[t, allowed].topk(3).indices]
         assert set(idx[t].tolist()) == set(want.tolist())
     assert torch.allclose(weights, scores.gather(1, idx) / scores.gather(1, idx).sum(1, keepdim=True))
-    raw = topk_route(scores, 3, bias, renormalize=False, n_groups=4, topk_groups=2)[1]
+    raw = topk_route(scores, 3, bias, renormalize=False, n_expert_groups=4, topk_groups=2)[1]
     assert torch.equal(raw, scores.gather(1, idx))
     with pytest.raises(ValueError, match="k = 7 exceeds the 6 experts"):
-        topk_route(scores, 7, bias, n_groups=4, topk_groups=2)
-    with pytest.raises(ValueError, match="n_groups must divide n_routed"):
-        MoE(12, 12, 2, n_groups=5)
+        topk_route(scores, 7, bias, n_expert_groups=4, topk_groups=2)
+    with pytest.raises(ValueError, match="n_expert_groups must divide n_routed_experts"):
+        MoE(12, 12, 2, n_expert_groups=5)
+
+
+def test_the_split_layer_keeps_its_checkpoint_names_and_parameter_order():
+    """Router, bank and balancer are parts of the layer, not new owners of its tensors: checkpoints, the pretrained
+    name maps and optimizer states (kept by parameter position) written before the split load unchanged."""
+    layer = LatentMoE(16, 8, 2, n_shared_experts=1, expert_dim=8, device="meta")
+    assert list(layer.state_dict()) == ["router", "down_proj", "up_proj", "latent_norm", "bias", "experts.gate_up",
+                                        "experts.down", "shared.gate", "shared.up", "shared.down"]
+    assert [name for name, _ in layer.named_parameters()] == ["router", "down_proj", "up_proj", "latent_norm",
+                                                             "experts.gate_up", "experts.down", "shared.gate",
+                                                             "shared.up", "shared.down"]

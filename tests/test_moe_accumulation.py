@@ -14,7 +14,7 @@ from k3course.moe import LatentMoE, MoE, quantile_balance_bias
 def grid_layer(balancing: str, latent: bool = True, top_k: int = 2, seed: int = 0) -> MoE:
     """A small MoE whose router weights are multiples of 1/8, so router logits are exact whatever the batch."""
     generator = torch.Generator().manual_seed(seed)
-    layer = MoE(16, 8, top_k, n_shared=1, d_expert=8, d_latent=8 if latent else None, balancing=balancing,
+    layer = MoE(16, 8, top_k, n_shared_experts=1, expert_dim=8, latent_dim=8 if latent else None, balancing=balancing,
                 gamma=0.01, generator=generator)
     with torch.no_grad():
         layer.router.copy_(torch.randint(-4, 5, (16, 8), generator=generator) / 8)
@@ -70,12 +70,12 @@ def test_eval_records_nothing_and_reset_clears_the_record():
 
 
 def test_aux_and_z_loss_belong_to_the_last_micro_batch_and_carry_grad():
-    layer = grid_layer("aux")
+    layer = grid_layer("aux_loss")
     layer(grid_tokens(8, seed=2))
     first = layer.aux_loss
     layer(grid_tokens(8, seed=3))
     assert layer.aux_loss.requires_grad and layer.z_loss.requires_grad
-    fresh = grid_layer("aux")
+    fresh = grid_layer("aux_loss")
     fresh(grid_tokens(8, seed=3))
     assert torch.equal(layer.aux_loss, fresh.aux_loss) and not torch.equal(first, layer.aux_loss)
     (layer.aux_loss + layer.z_loss).backward()
@@ -127,5 +127,5 @@ def test_meta_build_is_fast_and_matches_the_config_count(preset):
 
 
 def test_device_argument_builds_real_weights_there():
-    layer = LatentMoE(16, 4, 2, n_shared=1, device="cpu", generator=torch.Generator().manual_seed(4))
+    layer = LatentMoE(16, 4, 2, n_shared_experts=1, device="cpu", generator=torch.Generator().manual_seed(4))
     assert layer.experts.down.device.type == "cpu" and layer.experts.down.abs().sum() > 0

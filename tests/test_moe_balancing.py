@@ -8,8 +8,12 @@ import torch
 
 from k3course import debug
 from k3course.moe import (
+    LatentMoE,
+    LocalDispatch,
+    MoE,
     bias_from_histogram,
     expert_load,
+    histogram_quantile_bias,
     load_entropy,
     load_statistics,
     max_violation,
@@ -126,7 +130,7 @@ def test_acceptance_quantile_balances_in_five_steps_sign_rule_not_in_a_hundred(s
 
 
 def test_aux_loss_alone_balances_the_router_by_moving_its_weights():
-    violations = simulate_balancing("aux", steps=30, m=512, n_experts=16, k=2, lr=10.0)
+    violations = simulate_balancing("aux_loss", steps=30, m=512, n_experts=16, k=2, lr=10.0)
     assert violations[0] > 2 and violations[-1] < 0.5 * violations[0]
 
 
@@ -144,3 +148,83 @@ def test_bad_balancing_input_names_the_argument():
         switch_aux_loss(torch.full((2, 4), float("nan")), torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="rule must be"):
         simulate_balancing("adam", 1)
+
+
+def _recording(calls: list):
+    """A reduction over one holder that records (op, shape) of each call."""
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        calls.append((op, tuple(tensor.shape)))
+        return tensor
+    return reduce
+
+
+def test_histogram_routine_reduces_the_range_and_counts_once_and_the_tokens_only_when_not_given():
+    scores = router_scores(seeded(200, 8, 11))
+    bias, calls = 0.1 * seeded(1, 8, 12)[0], []
+    got = histogram_quantile_bias(scores, bias, 2, 32, _recording(calls), tokens=200)
+    assert calls == [("max", (2,)), ("sum", (8, 32))]
+    assert torch.equal(got, quantile_balance_bias_from_histograms(list(scores.split([50, 150])), bias, 2, 32))
+    calls.clear()
+    assert torch.equal(histogram_quantile_bias(scores, bias, 2, 32, _recording(calls)), got)
+    assert calls == [("sum", ()), ("max", (2,)), ("sum", (8, 32))]
+
+
+def test_histogram_routine_with_every_expert_chosen_centres_the_bias_without_reducing():
+    scores, bias, calls = router_scores(seeded(30, 6, 13)), seeded(1, 6, 14)[0], []
+    got = histogram_quantile_bias(scores, bias, 6, reduce=_recording(calls))
+    assert torch.equal(got, bias - bias.mean()) and calls == []
+    assert torch.equal(quantile_balance_bias_from_histograms([scores[:0], scores], bias, 6), got)
+    with pytest.raises(ValueError, match="at least one token"):
+        histogram_quantile_bias(scores[:0], bias, 2)
+
+
+def test_histogram_routine_builds_every_tensor_on_the_scores_device():
+    scores, bias = router_scores(seeded(64, 8, 15)), seeded(1, 8, 16)[0]
+    want = histogram_quantile_bias(scores, bias, 3, 16)
+    with torch.device("meta"):  # a tensor made without device= would land on meta and mix with the CPU scores
+        got = histogram_quantile_bias(scores, bias, 3, 16)
+    assert got.device == scores.device and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("latent", [False, True])
+@pytest.mark.parametrize("balancing", ["quantile", "sign"])
+def test_moe_forward_backward_and_update_bias_run_on_the_meta_device(latent, balancing):
+    cls = LatentMoE if latent else MoE
+    layer = cls(16, 8, 2, n_shared_experts=1, expert_dim=8, balancing=balancing, grouped_mm_impl="torch",
+                device="meta").bfloat16().train()  # torch's grouped GEMM: no host read of the block sizes
+    y = layer(torch.empty(5, 16, device="meta", dtype=torch.bfloat16))
+    y.sum().backward()
+    assert y.shape == (5, 16) and y.device.type == "meta"
+    assert layer.update_bias() and layer.bias.device.type == "meta" and layer.bias.dtype == torch.float32
+
+
+class _CountingDispatch(LocalDispatch):
+    """The one-process dispatcher, counting its pooling reductions."""
+
+    def __init__(self):
+        self.pools = 0
+
+    def pool_counts(self, tokens, load):
+        self.pools += 1
+        return super().pool_counts(tokens, load)
+
+
+@pytest.mark.parametrize("balancing", ["quantile", "sign"])
+def test_a_step_pools_the_token_count_once_for_the_statistics_and_the_rule(balancing):
+    layer = MoE(16, 8, 2, balancing=balancing, generator=torch.Generator().manual_seed(3)).train()
+    layer.dispatcher = _CountingDispatch()
+    plain = MoE(16, 8, 2, balancing=balancing, generator=torch.Generator().manual_seed(3)).train()
+    x = seeded(30, 16, 4)
+    for step in range(2):
+        layer(x[:10])
+        assert layer.load_statistics()["tokens"] == 10  # pools
+        layer(x[10:])  # a new forward: the pooled counts are stale
+        statistics = layer.load_statistics()
+        assert statistics["tokens"] == 30 and int(statistics["load"].sum()) == 60
+        statistics["load"].zero_()  # the caller's copy: the rule reads its own
+        assert layer.update_bias()
+        assert layer.dispatcher.pools == 2 * (step + 1)  # the rule reused the second pooling
+        plain(x[:10])
+        plain(x[10:])
+        plain.update_bias()  # no statistics read: pools inside the rule
+        assert torch.equal(layer.bias, plain.bias) and plain.bias.abs().sum() > 0

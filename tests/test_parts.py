@@ -100,7 +100,7 @@ def test_the_parts_enter_through_the_registry_not_by_patching_modules(model):
     """Inside use_parts every module still holds the package's function; the registry holds yours, nested blocks
     give the innermost one, and each block restores what was held before it."""
     import k3course.layers.residual as residual_module
-    import k3course.moe.layers as moe_layers
+    import k3course.moe.router as moe_router
 
     def mine(*args, **kwargs):
         return routing.topk_route(*args, **kwargs)
@@ -109,7 +109,7 @@ def test_the_parts_enter_through_the_registry_not_by_patching_modules(model):
         return routing.topk_route(*args, **kwargs)
 
     with use_parts(topk_route=mine, depth_attention=depth_attention_uniform):
-        assert (moe_layers.topk_route, chunk.ut_transform, recurrent.kda_step, residual_module.depth_attention) == (
+        assert (moe_router.topk_route, chunk.ut_transform, recurrent.kda_step, residual_module.depth_attention) == (
             routing.topk_route, UT_TRANSFORM, KDA_STEP, depth_attention)
         assert registry.part("topk_route", routing.topk_route) is mine and registry.is_replaced("depth_attention")
         with use_parts(topk_route=also_mine):

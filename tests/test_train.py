@@ -465,15 +465,15 @@ def test_the_routing_record_has_a_fixed_shape_and_grows_only_when_a_step_brings_
 
     layer = MoE(8, 4, 2, balancing="quantile").train()
     layer.reserve_statistics(12)
-    buffer = layer.recorded_scores
+    buffer = layer.balancer.recorded_scores
     for _ in range(3):
         layer(torch.randn(4, 8))
-    assert layer.recorded_scores is buffer and buffer.shape == (12, 4)
+    assert layer.balancer.recorded_scores is buffer and buffer.shape == (12, 4)
     layer(torch.randn(5, 8))  # 17 tokens > 12: doubles
-    assert layer.recorded_scores.shape == (24, 4) and layer.balancing_statistics()["scores"].shape == (17, 4)
+    assert layer.balancer.recorded_scores.shape == (24, 4) and layer.balancing_statistics()["scores"].shape == (17, 4)
     with pytest.raises(ValueError, match="tokens"):
         layer.reserve_statistics(-1)
-    assert layer.bfloat16().recorded_scores.dtype == torch.float32  # routing statistics stay fp32
+    assert layer.bfloat16().balancer.recorded_scores.dtype == torch.float32  # routing statistics stay fp32
 
 
 def test_a_compiled_run_trains_as_the_eager_run_and_the_cli_refuses_it_with_expert_parallel(tmp_path, corpus,

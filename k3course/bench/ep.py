@@ -30,9 +30,9 @@ from k3course.moe import LatentMoE, MoE
 def _layer(opts: argparse.Namespace) -> MoE:
     generator = torch.Generator().manual_seed(0)
     if opts.latent:
-        return LatentMoE(opts.d, opts.n, opts.k, d_expert=opts.d_expert, d_latent=opts.latent,
+        return LatentMoE(opts.d, opts.n, opts.k, expert_dim=opts.expert_dim, latent_dim=opts.latent,
                          generator=generator).eval()
-    return MoE(opts.d, opts.n, opts.k, d_expert=opts.d_expert, generator=generator).eval()
+    return MoE(opts.d, opts.n, opts.k, expert_dim=opts.expert_dim, generator=generator).eval()
 
 
 def _tokens(opts: argparse.Namespace) -> torch.Tensor:
@@ -84,7 +84,7 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=4, help="active experts per token")
     parser.add_argument("--d", type=int, default=256, help="model width")
     parser.add_argument("--latent", type=int, default=128, help="latent width ℓ (0: a full-width MoE)")
-    parser.add_argument("--d-expert", type=int, default=128, help="expert inner width")
+    parser.add_argument("--expert-dim", type=int, default=128, help="expert inner width")
     parser.add_argument("--dedup", action="store_true", help="send each token once per destination rank")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="process-group backend")
     add_options(parser, threads=1, repeats=5)
@@ -100,7 +100,7 @@ def main(options: list[str]) -> int:
         one_process = best_seconds(lambda: layer(x), args.repeats, device)
     kind = f"latent MoE (ℓ = {args.latent})" if args.latent else "MoE (full width)"
     print(f"expert-parallel {kind} forward on {args.backend}: m={args.m} n={args.n} k={args.k} d={args.d} "
-          f"d_expert={args.d_expert}, fp32, dedup={args.dedup}; per process: {settings}")
+          f"expert_dim={args.expert_dim}, fp32, dedup={args.dedup}; per process: {settings}")
     print(f"one process, all {args.m} tokens: {one_process * 1e3:.2f} ms")
     for world_size in args.ranks:
         ranks = run_ranks(rank_timings, world_size, args, timeout_s=600, backend=args.backend)

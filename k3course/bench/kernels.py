@@ -292,7 +292,7 @@ def grouped_gemm_rows(work: Workload, experts: int, top_k: int, gpu: str) -> lis
     peer = (lambda: torch._grouped_mm(x, weights, offs=ends)) if hasattr(torch, "_grouped_mm") else None
     contenders = [("ours (one launch)", lambda: moe_grouped_gemm(x, weights, ends)),
                   ("torch._grouped_mm", peer),
-                  ("per-expert loop", lambda: grouped_mm(x, weights, ends, backend="loop"))]
+                  ("per-expert loop", lambda: grouped_mm(x, weights, ends, impl="loop"))]
     return measure(f"grouped GEMM E={experts} top-{top_k}", contenders, flops, nbytes, gpu, work.device,
                    {"torch._grouped_mm": "target ≥ 0.8×"})
 

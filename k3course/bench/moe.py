@@ -85,16 +85,17 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=4, help="active experts per token")
     parser.add_argument("--d", type=int, default=256, help="model width")
     parser.add_argument("--latent", type=int, default=128, help="latent width ℓ")
-    parser.add_argument("--d-expert", type=int, default=128, help="expert inner width")
+    parser.add_argument("--expert-dim", type=int, default=128, help="expert inner width")
     parser.add_argument("--activation", default="situ_glu", choices=["situ_glu", "swiglu"],
                         help="expert activation (K3: situ_glu), the same in the dense FFN")
     parser.add_argument("--loop-tokens", type=int, default=256,
                         help="tokens the per-token loop runs on (its time is scaled to m)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and tokens")
-    parser.add_argument("--backend", default="auto", choices=["auto", "loop", "torch"], help="grouped_mm backend")
+    parser.add_argument("--grouped-mm-impl", default="auto", choices=["auto", "loop", "torch"],
+                        help="how the grouped GEMM runs")
     add_options(parser, threads=1, repeats=3, rounds=5)
     args = parser.parse_args(options)
-    for name in ("m", "n", "k", "d", "latent", "d_expert", "loop_tokens"):
+    for name in ("m", "n", "k", "d", "latent", "expert_dim", "loop_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -175,10 +176,10 @@ def _stage_lines(stages: dict, profiled: float, gemms: float, of_what: str) -> l
 def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """(MoE layer, dense FFN, tokens x [m, d], output gradient [m, d], dense hidden size)."""
     generator = torch.Generator().manual_seed(0)
-    layer = LatentMoE(args.d, args.n, args.k, d_expert=args.d_expert, d_latent=args.latent,
+    layer = LatentMoE(args.d, args.n, args.k, expert_dim=args.expert_dim, latent_dim=args.latent,
                       activation=args.activation, balancing="quantile", generator=generator,
-                      backend=args.backend).to(device, dtype)
-    flops = moe_flops_per_token(args.d, args.n, args.k, args.d_expert, args.latent)
+                      grouped_mm_impl=args.grouped_mm_impl).to(device, dtype)
+    flops = moe_flops_per_token(args.d, args.n, args.k, args.expert_dim, args.latent)
     hidden = dense_hidden_size(flops, args.d)
     dense = GLUFFN(args.d, hidden, args.activation, generator=generator).to(device, dtype)
     x = torch.randn(args.m, args.d, generator=generator).to(device, dtype)
@@ -234,10 +235,10 @@ def main(options: list[str]) -> int:
     t_sorted, t_dense, t_loop = times["sorted"], times["dense"], times["loop"] * args.m / loop_tokens
     params, x_np = layer.reference_params(), x[:loop_tokens].cpu().double().numpy()
     t_numpy = best_seconds(lambda: reference.moe_forward(x_np, params, args.k), 1, device) * args.m / loop_tokens
-    flops = moe_flops_per_token(args.d, args.n, args.k, args.d_expert, args.latent)
+    flops = moe_flops_per_token(args.d, args.n, args.k, args.expert_dim, args.latent)
 
     print(f"latent MoE on {device.type}: m={args.m} n={args.n} k={args.k} d={args.d} latent={args.latent} "
-          f"d_expert={args.d_expert} {args.activation}, {args.dtype}, backend={args.backend}, "
+          f"expert_dim={args.expert_dim} {args.activation}, {args.dtype}, grouped_mm_impl={args.grouped_mm_impl}, "
           f"{torch.get_num_threads()} CPU thread(s)")
     print(f"settings: {settings}")
     _print_machine(args, device, hidden)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3course.distributed.balancing import pooled_quantile_bias
+from k3course.distributed.balancing import all_reduce_over
 from k3course.distributed.exchange import all_to_all, exchange, exchange_counts
 from k3course.distributed.plan import (
     dedup_pairs,
@@ -34,7 +34,7 @@ from k3course.distributed.plan import (
     rank_of_expert,
     split_sizes,
 )
-from k3course.moe.balancing import HISTOGRAM_BINS, expert_load
+from k3course.moe.balancing import HISTOGRAM_BINS, expert_load, histogram_quantile_bias
 from k3course.moe.dispatch import sort_by_expert, unsort
 from k3course.moe.experts import RoutedExperts
 from k3course.moe.layers import MoE
@@ -61,9 +61,10 @@ def parallelize_experts(module: nn.Module, group=None, dedup: bool = False,
     if expert_parallel_layers(module):
         raise ValueError("module: its experts are already expert-parallel")
     for layer in layers:
-        dispatcher = AllToAllDispatch(layer.n_routed, group, dedup, histogram_bins)
+        dispatcher = AllToAllDispatch(layer.n_routed_experts, group, dedup, histogram_bins)
         keep_experts(layer.experts, *dispatcher.local_expert_range)
         layer.dispatcher = dispatcher
+        layer.balancer.pooled = None  # counts pooled by the old dispatcher: this process's only
     return module
 
 
@@ -92,7 +93,7 @@ class AllToAllDispatch:
     """How an MoE reaches routed experts spread over the ranks of ``group``: the contract of
     :class:`k3course.moe.LocalDispatch`, with collectives.
 
-    n_routed experts in contiguous blocks, ``expert_ranges`` [(start_r, end_r)] for every rank;
+    n_routed_experts experts in contiguous blocks, ``expert_ranges`` [(start_r, end_r)] for every rank;
     ``local_expert_range`` is this rank's (the experts its bank holds). ``expert_outputs`` equals the
     single-process layer on this rank's tokens; ``pool_counts`` all-reduces M and the load;
     ``quantile_bias`` reads the quantile off all-reduced margin histograms (``histogram_bins`` bins).
@@ -103,14 +104,15 @@ class AllToAllDispatch:
     ``time_exchanges = True``, which synchronises).
     """
 
-    def __init__(self, n_routed: int, group=None, dedup: bool = False, histogram_bins: int = HISTOGRAM_BINS):
+    def __init__(self, n_routed_experts: int, group=None, dedup: bool = False, histogram_bins: int = HISTOGRAM_BINS):
         if not dist.is_initialized():
             raise RuntimeError("expert parallelism needs torch.distributed.init_process_group(...) first")
         if isinstance(histogram_bins, bool) or not isinstance(histogram_bins, int) or histogram_bins < 1:
             raise ValueError(f"histogram_bins must be a positive int, got {histogram_bins!r}")
-        self.n_routed, self.group, self.dedup, self.histogram_bins = n_routed, group, dedup, histogram_bins
+        self.n_routed_experts, self.group, self.dedup = n_routed_experts, group, dedup
+        self.histogram_bins = histogram_bins
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.expert_ranges = expert_ranges(n_routed, self.world_size)
+        self.expert_ranges = expert_ranges(n_routed_experts, self.world_size)
         self.local_expert_range = self.expert_ranges[self.rank]
         self.last_traffic: dict[str, int] = {}
         self.last_exchange_seconds, self.time_exchanges = 0.0, False
@@ -135,17 +137,17 @@ class AllToAllDispatch:
         return returned.index_select(0, inverse_permutation(order)).view(m, k, z.shape[1])
 
     def pool_counts(self, tokens: int, load: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(M, load [n]) summed over the ranks: all-reduces of integers, exact and equal on every rank."""
-        load = load.clone()
-        dist.all_reduce(load, group=self.group)
-        total = torch.tensor(tokens, device=load.device)
-        dist.all_reduce(total, group=self.group)
-        return int(total), load
+        """(M, load [n]) summed over the ranks: one all-reduce of [load, tokens] (integers: exact and equal on
+        every rank)."""
+        packed = torch.cat([load, load.new_tensor([tokens])])  # [n + 1] int64
+        dist.all_reduce(packed, group=self.group)
+        return int(packed[-1]), packed[:-1]
 
-    def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-        """The quantile step on the tokens of all ranks from this rank's scores [m_r, n]: within one bin width of
-        the exact step on the concatenated scores, equal on every rank (:func:`pooled_quantile_bias`)."""
-        return pooled_quantile_bias(scores, bias, k, self.histogram_bins, self.group)
+    def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int, tokens: int) -> torch.Tensor:
+        """The quantile step on the M = ``tokens`` tokens of all ranks (M from :meth:`pool_counts`) from this
+        rank's scores [m_r, n]: :func:`~k3course.moe.balancing.histogram_quantile_bias` with all-reduces, within
+        one bin width of the exact step on the concatenated scores and equal on every rank."""
+        return histogram_quantile_bias(scores, bias, k, self.histogram_bins, all_reduce_over(self.group), tokens)
 
     def _dispatch(self, z: torch.Tensor, expert_idx: torch.Tensor, order: torch.Tensor):
         """Exchange split sizes, then send every slot's row to the rank owning its expert.
@@ -155,12 +157,12 @@ class AllToAllDispatch:
         """
         sizes = [end - start for start, end in self.expert_ranges]  # experts per rank
         local_size = sizes[self.rank]
-        slot_counts = expert_load(expert_idx, self.n_routed)  # [n]
+        slot_counts = expert_load(expert_idx, self.n_routed_experts)  # [n]
         recv_counts = exchange_counts(slot_counts, [local_size] * self.world_size, sizes, self.group)
         recv_counts = recv_counts.view(self.world_size, local_size)  # [P, E_r]: from source q for local expert e
-        send_splits = split_sizes(expert_idx, self.n_routed, self.world_size).tolist()
+        send_splits = split_sizes(expert_idx, self.n_routed_experts, self.world_size).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        self.last_traffic = {"metadata": 8 * (self.n_routed - local_size)}
+        self.last_traffic = {"metadata": 8 * (self.n_routed_experts - local_size)}
         if self.dedup:
             received = self._dispatch_dedup(z, expert_idx, order, send_splits, recv_splits)
         else:
@@ -182,12 +184,12 @@ class AllToAllDispatch:
         The receiver expands pairs to slots, giving the same [R, w] rows as the naive dispatch.
         """
         m, device = z.shape[0], z.device
-        pairs, slot_pair = dedup_pairs(expert_idx, self.n_routed, self.world_size)  # [R_pairs], [m k]
+        pairs, slot_pair = dedup_pairs(expert_idx, self.n_routed_experts, self.world_size)  # [R_pairs], [m k]
         pair_counts = torch.bincount(pairs // max(m, 1), minlength=self.world_size)  # [P]
         pair_recv = exchange_counts(pair_counts, [1] * self.world_size, [1] * self.world_size, self.group)
         pair_send, pair_recv = pair_counts.tolist(), pair_recv.tolist()
         sent = z.index_select(0, pairs % max(m, 1))  # [R_pairs, w]
-        owner = rank_of_expert(self.n_routed, self.world_size).to(device)[expert_idx.reshape(-1)[order]]
+        owner = rank_of_expert(self.n_routed_experts, self.world_size).to(device)[expert_idx.reshape(-1)[order]]
         index = (slot_pair[order] - _exclusive_cumsum(pair_counts)[owner]).to(torch.int32)  # row within the block
         rows = all_to_all(sent, pair_recv, pair_send, self.group)
         recv_index = exchange(index, recv_splits, send_splits, self.group).to(torch.int64)

@@ -14,13 +14,14 @@ import torch
 from k3course.moe import MoE
 
 
-def expert_loads(balancing: str | None, steps: int = 40, d: int = 32, n: int = 32, k: int = 4, tokens: int = 512,
+def expert_loads(balancing: str, steps: int = 40, d: int = 32, n: int = 32, k: int = 4, tokens: int = 512,
                  offset: float = 0.8, seed: int = 0) -> torch.Tensor:
     """[steps, n] int64: the token-slots each expert received at each step of training an MoE(d, n, k) (expert
     width d/2, Adam lr 3e-3) to map x to x·T for a fixed random T, on ``tokens`` inputs x ~ N(offset, 1) a step;
-    ``balancing`` None, "aux", "sign" or "quantile" (bias updated after each step). Each row sums to tokens · k."""
+    ``balancing`` "none", "aux_loss", "sign" or "quantile" (bias updated after each step). Each row sums to
+    tokens · k."""
     generator = torch.Generator().manual_seed(seed)
-    layer = MoE(d, n, k, d_expert=d // 2, balancing=balancing, generator=generator).train()
+    layer = MoE(d, n, k, expert_dim=d // 2, balancing=balancing, generator=generator).train()
     target = torch.randn(d, d, generator=generator) / d**0.5
     optimizer = torch.optim.Adam(layer.parameters(), lr=3e-3)
     loads = []

@@ -24,7 +24,7 @@ def build_layer(case: dict) -> MoE:
     """The case's layer, in training mode, built from its seed (the same on every rank)."""
     cls = LatentMoE if case["kind"] == "latent" else MoE
     generator = torch.Generator().manual_seed(case["seed"])
-    layer = cls(case["d"], case["n"], case["k"], n_shared=case.get("n_shared", 1), d_expert=case["d_expert"],
+    layer = cls(case["d"], case["n"], case["k"], n_shared_experts=case.get("n_shared", 1), expert_dim=case["d_expert"],
                 balancing=case.get("balancing", "quantile"), generator=generator)
     if case.get("hot"):
         layer.bias[: case["n"] // 4] = case["hot"]

@@ -33,14 +33,15 @@ def probe_run(cfg: K3Config, settings: train.TrainConfig, corpus: data.ByteCorpu
     stepper = train.Stepper(cfg, settings, train.text_batches(corpus.train, settings))
     moes = stepper.model.moe_layers()
     for moe in moes if gamma is not None else ():
-        moe.gamma = gamma
+        moe.balancer.gamma = gamma
     seen: list[torch.Tensor] = []
 
     def keep_scores(module, args, output) -> None:  # this forward's rows of the layer's score record
         tokens = args[0].reshape(-1, module.d_model).shape[0]
-        seen.append(module.recorded_scores[module.recorded_tokens - tokens:module.recorded_tokens].clone())
+        record = module.balancer
+        seen.append(record.recorded_scores[record.recorded_tokens - tokens:record.recorded_tokens].clone())
 
-    if moes and moes[-1].balancing == "quantile":
+    if moes and moes[-1].balancer.balancing == "quantile":
         moes[-1].register_forward_hook(keep_scores)
     records, previous = [], None
     for _ in range(steps):

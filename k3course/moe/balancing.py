@@ -7,6 +7,8 @@ used from the next step on. See lesson 03 for the LP-dual derivation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from k3course.moe.routing import _check_bias, _check_k, _check_scores
@@ -101,31 +103,29 @@ def quantile_balance_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> t
     return (new_bias - new_bias.mean()).to(bias.dtype)
 
 
-def _margins64(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-    """s_tj − α_t in fp64, after checking the inputs. [m, n], [n] -> [m, n]."""
+def quantile_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    """The margins s_tj − α_t in fp64 (α_t from :func:`token_cutoffs`), after checking the inputs.
+
+    scores [m, n], bias [n], k < n -> [m, n] float64 on the scores' device.
+    """
     _check_balance_inputs(scores, bias, k)
     scores64 = scores.detach().double()
     return scores64 - token_cutoffs(scores64, bias.detach().double(), k)[:, None]
 
 
-def margin_range(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[float, float]:
-    """(min, max) of the margins s_tj − α_t on one rank; ranks all-reduce these (min / max) to agree on bins."""
-    margins = _margins64(scores, bias, k)
-    return float(margins.min()), float(margins.max())
+def margin_histogram(margins: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """Per-expert histogram of the margins of one holder's tokens.
 
-
-def margin_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, edges: torch.Tensor) -> torch.Tensor:
-    """Per-expert histogram of the margins s_tj − α_t on one rank's tokens.
-
-    edges [bins + 1] increasing (shared by all ranks) -> counts [n, bins] int64. Margins on the last edge go
-    in the last bin. Summing these over ranks (an all-reduce) gives the histogram of all tokens.
+    margins [m, n] float64, edges [bins + 1] increasing (shared by all holders) -> counts [n, bins] int64, on
+    the margins' device. Margins on the last edge go in the last bin. Summing these over ranks (an all-reduce)
+    gives the histogram of all tokens.
     """
-    margins = _margins64(scores, bias, k)  # [m, n]
     bins = edges.numel() - 1
     which = torch.bucketize(margins, edges.double(), right=True) - 1  # bin of each margin
     which = which.clamp(0, bins - 1)
-    n = scores.shape[1]
-    flat = which.T + bins * torch.arange(n)[:, None]  # [n, m]: expert j's bins offset by j·bins
+    n = margins.shape[1]
+    offsets = bins * torch.arange(n, device=margins.device)  # expert j's bins start at j·bins
+    flat = which.T + offsets[:, None]  # [n, m]
     return torch.bincount(flat.reshape(-1), minlength=n * bins).reshape(n, bins)
 
 
@@ -147,24 +147,61 @@ def bias_from_histogram(counts: torch.Tensor, edges: torch.Tensor, target: int) 
     return new_bias - new_bias.mean()
 
 
+Reduction = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, "sum" | "max") -> the same over all holders
+
+
+def on_this_process(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """The reduction when one process holds every token: the tensor itself."""
+    return tensor
+
+
+def _pooled_edges(margins: torch.Tensor, bins: int, reduce: Reduction) -> torch.Tensor:
+    """edges [bins + 1] float64 from the min to the max margin of all holders (one max-reduction of
+    [−min, max]); a holder without tokens contributes (+∞, −∞)."""
+    if margins.numel():
+        extremes = torch.stack([-margins.min(), margins.max()])
+    else:
+        extremes = torch.tensor([float("-inf"), float("-inf")], dtype=torch.float64, device=margins.device)
+    low, high = reduce(extremes, "max").tolist()
+    return torch.linspace(-low, high, bins + 1, dtype=torch.float64, device=margins.device)
+
+
+def histogram_quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, bins: int = HISTOGRAM_BINS,
+                            reduce: Reduction = on_this_process, tokens: int | None = None) -> torch.Tensor:
+    """Quantile balancing read off margin histograms pooled by ``reduce``: the one routine for one process,
+    for ranks (an all-reduce, :func:`k3course.distributed.balancing.all_reduce_over`) and for the simulation.
+
+    Per call the margins s_tj − α_t of this holder's tokens are formed once; edges span [min, max] over all
+    holders (one max-reduction), the per-expert counts are summed (one sum-reduction), and
+    b̂_j = −(the (q+1)-th largest margin of expert j) is read off the pooled histogram with q = ⌊M k / n⌋.
+    Integer counts sum exactly and the edges are the same floats on every holder, so every holder gets the same
+    bias, within one bin width of :func:`quantile_balance_bias` on all M tokens. k = n: b − mean(b), as there.
+    scores [m_r, n] (this holder's, m_r may be 0), bias [n]; tokens: M when already pooled (else one
+    sum-reduction of m_r) -> new bias [n] in bias.dtype, on the scores' device.
+    """
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"bins must be a positive int, got {bins!r}")
+    if k == scores.shape[-1]:  # every expert takes every token: no margin to read
+        return quantile_balance_bias(scores, bias, k)
+    margins = quantile_margins(scores, bias, k)  # [m_r, n]
+    if tokens is None:
+        tokens = int(reduce(torch.tensor(scores.shape[0], device=scores.device), "sum"))
+    if tokens == 0:
+        raise ValueError("scores must hold at least one token over all holders, got none")
+    edges = _pooled_edges(margins, bins, reduce)
+    counts = reduce(margin_histogram(margins, edges), "sum")  # [n, bins]
+    return bias_from_histogram(counts, edges, tokens * k // scores.shape[1]).to(bias.dtype)
+
+
 def quantile_balance_bias_from_histograms(score_shards: list[torch.Tensor], bias: torch.Tensor, k: int,
                                           bins: int = HISTOGRAM_BINS) -> torch.Tensor:
-    """Quantile balancing when the m tokens are spread over ranks (one [m_r, n] score shard per rank).
+    """Quantile balancing when the m tokens are spread over ranks (one [m_r, n] score shard per rank),
+    simulated on one process.
 
-    Each rank reports its margin range and a per-expert histogram over shared edges; the histograms are summed
-    (the all-reduce) and the quantile read from the pooled histogram. Agrees with
-    :func:`quantile_balance_bias` on the concatenated scores within one bin width (and equal to it, b − mean b,
-    when k = n). -> new bias [n] in bias.dtype.
+    A margin depends on its own token only, so the histogram of the concatenated shards over edges spanning
+    all of them is the sum of the shards' histograms: :func:`histogram_quantile_bias` on the concatenation,
+    bit for bit what P ranks all-reducing their histograms get. -> new bias [n] in bias.dtype.
     """
     if not score_shards:
         raise ValueError("score_shards must hold at least one [m_r, n] tensor")
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"bins must be a positive int, got {bins!r}")
-    if k == score_shards[0].shape[-1]:
-        return quantile_balance_bias(score_shards[0], bias, k)
-    ranges = [margin_range(shard, bias, k) for shard in score_shards]
-    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)  # all-reduce of min and max
-    edges = torch.linspace(low, high, bins + 1, dtype=torch.float64)
-    counts = sum(margin_histogram(shard, bias, k, edges) for shard in score_shards)  # all-reduce of sums
-    m, n = sum(shard.shape[0] for shard in score_shards), score_shards[0].shape[1]
-    return bias_from_histogram(counts, edges, (m * k) // n).to(bias.dtype)
+    return histogram_quantile_bias(torch.cat(score_shards), bias, k, bins)

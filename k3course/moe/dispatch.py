@@ -3,8 +3,9 @@
 For m tokens with k experts each there are m·k token-slots; slot s = t·k + i holds token t's i-th expert.
 ``sort_by_expert`` gives the permutation that sorts slots by expert (stable, so tokens stay in order within
 an expert) and each expert's block end; ``grouped_mm`` multiplies every block by its expert's weight;
-``unsort`` applies the inverse permutation. Behind ``grouped_mm``'s ``backend`` switch sit a per-expert
-loop, ``torch._grouped_mm`` and chapter 08's Triton kernel.
+``unsort`` applies the inverse permutation. Behind ``grouped_mm``'s ``impl`` switch (the MoE's
+``grouped_mm_impl``) sit a per-expert loop, ``torch._grouped_mm`` and chapter 08's Triton kernel.
+:class:`LocalDispatch` puts the three together: how an MoE reaches its experts when one process holds them all.
 """
 
 from __future__ import annotations
@@ -115,10 +116,13 @@ def _loop_backward(ctx, grad_out):
 _grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup_context)
 
 
-def grouped_mm_backend(x_sorted: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> str:
+GROUPED_MM_IMPLS = ("auto", "loop", "torch")  # what a caller may ask for; "auto" may also resolve to "triton"
+
+
+def resolve_grouped_mm_impl(x_sorted: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> str:
     """Which implementation :func:`grouped_mm` runs: 'triton', 'torch' (``torch._grouped_mm``) or 'loop'.
 
-    backend "loop" or "torch" is taken as asked; "auto" is chapter 08's one-launch Triton kernel where
+    impl "loop" or "torch" is taken as asked; "auto" is chapter 08's one-launch Triton kernel where
     ``k3course.kernels.use_triton`` says so (on CUDA; the environment variable K3COURSE_KERNELS=triton|torch
     forces either way) and the call is not being traced by ``torch.compile`` (the kernel's grid depends on the
     block sizes, which dynamo cannot hold as a constant: seen on an H200 with torch 2.11), else torch's grouped
@@ -127,10 +131,10 @@ def grouped_mm_backend(x_sorted: torch.Tensor, weight: torch.Tensor, backend: st
     ``torch._grouped_mm`` runs in fp32 (not bf16), but no faster than the loop, its backward rejects a
     non-contiguous output gradient, and the compiler's shape rule for it accepts bf16 only: the loop is the CPU path.
     """
-    if backend not in ("auto", "loop", "torch"):
-        raise ValueError(f"backend must be 'auto', 'loop' or 'torch', got {backend!r}")
-    if backend != "auto":
-        return backend
+    if impl not in GROUPED_MM_IMPLS:
+        raise ValueError(f"grouped_mm_impl must be one of {GROUPED_MM_IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
     from k3course.kernels import use_triton  # imported here: importing it picks native vs interpreter
 
     if use_triton(x_sorted.device) and not torch.compiler.is_compiling():
@@ -139,20 +143,20 @@ def grouped_mm_backend(x_sorted: torch.Tensor, weight: torch.Tensor, backend: st
 
 
 def grouped_mm(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor,
-               backend: str = "auto") -> torch.Tensor:
+               impl: str = "auto") -> torch.Tensor:
     """out[r] = x_sorted[r] @ weight[e(r)], where e(r) is the expert whose block holds row r.
 
     x_sorted [M, d_in] (rows grouped by expert), weight [E, d_in, d_out], group_offsets [E] int32 cumulative
     block ends (the last equals M) -> [M, d_out].
-    backend: "loop" (one matmul per expert), "torch" (``torch._grouped_mm``), or "auto" (see
-    :func:`grouped_mm_backend`).
+    impl: "loop" (one matmul per expert), "torch" (``torch._grouped_mm``), or "auto" (see
+    :func:`resolve_grouped_mm_impl`).
     """
     if x_sorted.dim() != 2 or weight.dim() != 3 or x_sorted.shape[1] != weight.shape[1]:
         raise ValueError(f"x_sorted [M, d_in] and weight [E, d_in, d_out] must agree on d_in, got "
                          f"{tuple(x_sorted.shape)} and {tuple(weight.shape)}")
     if group_offsets.shape != (weight.shape[0],):
         raise ValueError(f"group_offsets must have shape [E] = ({weight.shape[0]},), got {tuple(group_offsets.shape)}")
-    chosen = grouped_mm_backend(x_sorted, weight, backend)
+    chosen = resolve_grouped_mm_impl(x_sorted, weight, impl)
     if chosen == "triton":
         from k3course.kernels.grouped_gemm import moe_grouped_gemm
 

@@ -22,22 +22,23 @@ def latent_combine(expert_out: torch.Tensor, weights: torch.Tensor, up_proj: tor
     return rms_norm(u, norm_weight, eps) @ up_proj
 
 
-def moe_flops_per_token(d_model: int, n_routed: int, top_k: int, d_expert: int, d_latent: int | None = None,
-                        n_shared: int = 0) -> int:
+def moe_flops_per_token(d_model: int, n_routed_experts: int, top_k: int, expert_dim: int,
+                        latent_dim: int | None = None, n_shared_experts: int = 0) -> int:
     """Active forward FLOPs per token (2 per multiply-add) of a (latent) MoE layer with GLU experts.
 
     router 2·d·n  +  [W↓ and W↑: 2·2·d·ℓ]  +  routed 2·k·3·w·h (w = ℓ or d)  +  shared 2·n_s·3·d·h.
     """
-    width = d_latent or d_model
-    projections = 2 * d_model * d_latent if d_latent else 0
-    return 2 * (d_model * n_routed + projections + top_k * 3 * width * d_expert + n_shared * 3 * d_model * d_expert)
+    width = latent_dim or d_model
+    projections = 2 * d_model * latent_dim if latent_dim else 0
+    routed = top_k * 3 * width * expert_dim
+    return 2 * (d_model * n_routed_experts + projections + routed + n_shared_experts * 3 * d_model * expert_dim)
 
 
-def all_to_all_bytes_per_token(d_model: int, top_k: int, d_latent: int | None = None,
+def all_to_all_bytes_per_token(d_model: int, top_k: int, latent_dim: int | None = None,
                                bytes_per_value: int = 2) -> int:
     """Bytes a token sends across expert-parallel ranks per MoE layer: dispatch plus combine.
 
     Dispatch sends the token's expert input to each of its k experts, combine brings k outputs back, each a
     vector of width w = ℓ (latent) or d: 2 · k · w · bytes_per_value (an upper bound: no dedup per rank).
     """
-    return 2 * top_k * (d_latent or d_model) * bytes_per_value
+    return 2 * top_k * (latent_dim or d_model) * bytes_per_value

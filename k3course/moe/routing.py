@@ -37,13 +37,13 @@ def _check_bias(bias: torch.Tensor, n: int) -> None:
         raise ValueError("bias contains NaN")
 
 
-def router_scores(logits: torch.Tensor, score_fn: str = "sigmoid") -> torch.Tensor:
+def router_scores(logits: torch.Tensor, router_score: str = "sigmoid") -> torch.Tensor:
     """s = σ(logits) (K3, DeepSeek-V3) or softmax(logits) over experts (Switch, Mixtral). [m, n] -> [m, n]."""
-    if score_fn == "sigmoid":
+    if router_score == "sigmoid":
         return torch.sigmoid(logits)
-    if score_fn == "softmax":
+    if router_score == "softmax":
         return torch.softmax(logits, dim=-1)
-    raise ValueError(f"score_fn must be 'sigmoid' or 'softmax', got {score_fn!r}")
+    raise ValueError(f"router_score must be 'sigmoid' or 'softmax', got {router_score!r}")
 
 
 def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -66,29 +66,29 @@ def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(keys, k, dim=1).indices
 
 
-def group_limited(biased: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
-    """DeepSeek-V3's group-limited routing: the n experts form ``n_groups`` equal groups, each token keeps the
+def group_limited(biased: torch.Tensor, n_expert_groups: int, topk_groups: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: the n experts form ``n_expert_groups`` equal groups, each token keeps the
     ``topk_groups`` groups whose two best biased scores sum highest (ties: lower group first) and masks the
     experts of the other groups to −inf.
 
-    biased [m, n] (scores + bias), n divisible by n_groups -> [m, n], the masked entries −inf.
+    biased [m, n] (scores + bias), n divisible by n_expert_groups -> [m, n], the masked entries −inf.
     """
     m, n = biased.shape
-    if n % n_groups or not 1 <= topk_groups <= n_groups:
-        raise ValueError(f"n_groups must divide n experts = {n} and topk_groups be in [1, n_groups = {n_groups}], "
-                         f"got n_groups = {n_groups}, topk_groups = {topk_groups}")
-    grouped = biased.view(m, n_groups, n // n_groups)
-    group_scores = grouped.topk(min(2, n // n_groups), dim=-1).values.sum(-1)  # [m, n_groups]
+    if n % n_expert_groups or not 1 <= topk_groups <= n_expert_groups:
+        raise ValueError(f"n_expert_groups must divide n experts = {n} and topk_groups be in [1, n_expert_groups = "
+                         f"{n_expert_groups}], got n_expert_groups = {n_expert_groups}, topk_groups = {topk_groups}")
+    grouped = biased.view(m, n_expert_groups, n // n_expert_groups)
+    group_scores = grouped.topk(min(2, n // n_expert_groups), dim=-1).values.sum(-1)  # [m, n_expert_groups]
     kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, topk_indices(group_scores, topk_groups), True)
     return grouped.masked_fill(~kept[:, :, None], float("-inf")).view(m, n)
 
 
 def topk_route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None, renormalize: bool = True,
-               n_groups: int = 1, topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+               n_expert_groups: int = 1, topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose k experts per token on s + b; weight them with the unbiased scores.
 
     idx_t = TopK_j(s_tj + b_j)   (ties: lower index first), among the experts of the best ``topk_groups`` of
-            ``n_groups`` groups when n_groups > 1 (:func:`group_limited`)
+            ``n_expert_groups`` groups when n_expert_groups > 1 (:func:`group_limited`)
     p_tj = s_tj / Σ_{i ∈ idx_t} s_ti   (renormalize=True)   or   p_tj = s_tj   (renormalize=False)
 
     The bias never enters the weights, so it gets no gradient; the router learns through p only.
@@ -101,10 +101,11 @@ def topk_route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None, r
     if bias is not None:
         _check_bias(bias, n)
         biased = biased + bias.detach().to(scores.dtype)
-    if n_groups > 1:
-        if k > topk_groups * (n // n_groups):
-            raise ValueError(f"k = {k} exceeds the {topk_groups * (n // n_groups)} experts of topk_groups groups")
-        biased = group_limited(biased, n_groups, topk_groups)
+    if n_expert_groups > 1:
+        kept = topk_groups * (n // n_expert_groups)  # experts in the kept groups
+        if k > kept:
+            raise ValueError(f"k = {k} exceeds the {kept} experts of topk_groups groups")
+        biased = group_limited(biased, n_expert_groups, topk_groups)
     expert_idx = topk_indices(biased, k)  # [m, k]
     weights = scores.gather(1, expert_idx)  # [m, k], from the UNBIASED scores
     if renormalize:

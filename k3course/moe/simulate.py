@@ -2,7 +2,7 @@
 
 Each step draws a fresh batch of tokens, routes it with the current bias, records the load, then lets the
 balancing rule move the bias; the new bias routes the next batch. The router itself is fixed (no learning), so
-the experiment isolates how fast each rule finds the balancing bias. The aux-loss rule is the exception: it
+the experiment isolates how fast each rule finds the balancing bias. The aux_loss rule is the exception: it
 has no bias and instead takes SGD steps on the router's own weights with the Switch loss alone (the best case
 for it: in training the aux loss competes with the language-model loss).
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3course.config import BALANCING
 from k3course.moe.balancing import (
     SIGN_RULE_STEP,
     expert_load,
@@ -53,9 +54,6 @@ def _aux_step(router: SkewedRouter, scores: torch.Tensor, expert_idx: torch.Tens
         router.skew -= lr * grad_skew
 
 
-RULES = ("quantile", "sign", "aux", "none")
-
-
 @dataclass
 class BalancingRun:
     """One run of :func:`run_balancing`: the max-violation and the per-expert load of every step."""
@@ -66,16 +64,16 @@ class BalancingRun:
 
 def run_balancing(rule: str, steps: int, m: int = 4096, n_experts: int = 64, k: int = 4, skew: float = 1.0,
                   gamma: float = SIGN_RULE_STEP, lr: float = 1.0, seed: int = 0) -> BalancingRun:
-    """Route ``steps`` fresh batches under ``rule`` ('quantile', 'sign', 'aux' or 'none'), recording each load.
+    """Route ``steps`` fresh batches under ``rule`` ('quantile', 'sign', 'aux_loss' or 'none'), recording each load.
 
     Step t routes batch t with the bias (or router) from steps < t, so step 0 is the unbalanced router.
     gamma: the sign rule's step; lr: the aux loss's SGD learning rate.
     """
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if rule not in BALANCING:
+        raise ValueError(f"rule must be one of {BALANCING}, got {rule!r}")
     router = SkewedRouter(n_experts, skew=skew, seed=seed)
-    router.weight.requires_grad_(rule == "aux")
-    router.skew.requires_grad_(rule == "aux")
+    router.weight.requires_grad_(rule == "aux_loss")
+    router.skew.requires_grad_(rule == "aux_loss")
     bias = torch.zeros(n_experts)
     loads = []
     for _ in range(steps):
@@ -86,7 +84,7 @@ def run_balancing(rule: str, steps: int, m: int = 4096, n_experts: int = 64, k: 
             bias = quantile_balance_bias(scores.detach(), bias, k)
         elif rule == "sign":
             bias = sign_rule_update(bias, loads[-1], gamma)
-        elif rule == "aux":
+        elif rule == "aux_loss":
             _aux_step(router, scores, expert_idx, lr)
     return BalancingRun([max_violation(load) for load in loads], torch.stack(loads))
 

@@ -31,14 +31,14 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
-def router_scores(x: np.ndarray, router: np.ndarray, score_fn: str = "sigmoid") -> np.ndarray:
+def router_scores(x: np.ndarray, router: np.ndarray, router_score: str = "sigmoid") -> np.ndarray:
     """s = σ(x W_r) (K3, DeepSeek-V3) or softmax(x W_r) (Switch, Mixtral). x [m, d], router [d, n] -> [m, n]."""
     logits = x @ router
-    if score_fn == "sigmoid":
+    if router_score == "sigmoid":
         return sigmoid(logits)
-    if score_fn == "softmax":
+    if router_score == "softmax":
         return softmax(logits)
-    raise ValueError(f"score_fn must be 'sigmoid' or 'softmax', got {score_fn!r}")
+    raise ValueError(f"router_score must be 'sigmoid' or 'softmax', got {router_score!r}")
 
 
 def top_indices(row: np.ndarray, k: int) -> list[int]:
@@ -96,7 +96,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float = 1e-6) -> np.ndarray
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def moe_forward(x: np.ndarray, params: dict, top_k: int, score_fn: str = "sigmoid", activation: str = "swiglu",
+def moe_forward(x: np.ndarray, params: dict, top_k: int, router_score: str = "sigmoid", activation: str = "swiglu",
                 route_scale: float = 1.0, renormalize: bool = True, eps: float = 1e-6) -> np.ndarray:
     """A (latent) MoE layer, token by token.
 
@@ -105,7 +105,7 @@ def moe_forward(x: np.ndarray, params: dict, top_k: int, score_fn: str = "sigmoi
     The router and the shared experts always read the full-width x_t. x [m, d] -> y [m, d].
     """
     latent = "w_down_proj" in params
-    scores = router_scores(x, params["router"], score_fn)
+    scores = router_scores(x, params["router"], router_score)
     expert_idx, weights = topk_route(scores, top_k, params.get("bias"), renormalize)
     y = np.zeros_like(x)
     for t in range(x.shape[0]):

@@ -29,12 +29,12 @@ def combine_forgets_the_norm_weight(expert_out, weights, up_proj, norm_weight, e
     return _rms(torch.einsum("mk,mkl->ml", weights, expert_out), 1.0, eps) @ up_proj
 
 
-def bytes_at_full_width(d_model, top_k, d_latent=None, bytes_per_value=2):
+def bytes_at_full_width(d_model, top_k, latent_dim=None, bytes_per_value=2):
     return 2 * top_k * d_model * bytes_per_value
 
 
-def bytes_dispatch_only(d_model, top_k, d_latent=None, bytes_per_value=2):
-    return top_k * (d_latent or d_model) * bytes_per_value
+def bytes_dispatch_only(d_model, top_k, latent_dim=None, bytes_per_value=2):
+    return top_k * (latent_dim or d_model) * bytes_per_value
 
 
 

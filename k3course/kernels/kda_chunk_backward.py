@@ -35,6 +35,9 @@ import triton.language as tl  # noqa: E402
 
 from k3course.kernels.chunk_tiles import block_width, dot_fp32, low_precision, tile_offsets, unit_lower_inverse  # noqa: E402
 
+BACKWARD_STAGES = 2  # software-pipelining depth of both kernels: the default 3 needs 353 KB (reverse pass) and
+# 299 KB (chunk gradients, before key blocks) of shared memory in fp32 at C = 64, K = 128; an H100 / H200 has 227 KB
+GRADIENT_KEY_BLOCK = 32  # channels per program of the chunk-gradient kernel: [C, 32] fp32 tiles stay in registers
 
 @triton.jit
 def _reverse_state_kernel(q_ptr, k_ptr, gc_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_ptr, dvnew_ptr, dh0_ptr, scale,
@@ -86,17 +89,20 @@ def _reverse_state_kernel(q_ptr, k_ptr, gc_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr,
 def _chunk_gradient_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, h_ptr, vnew_ptr, do_ptr, dh_ptr,
                            dvnew_ptr, dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr, scale, T, H, K, V, NT,
                            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LOW_PRECISION: tl.constexpr):
-    """One program per (chunk, batch·head): dq, dk, dv, dg, dβ of the chunk (see the module docstring).
+    """One program per (key block, chunk, batch·head): dq, dk, dg of the chunk's BK channels, dv (written by key
+    block 0) and this key block's share of dβ (dbeta[key block], summed by the caller); see the module docstring.
 
-    The value dimension is walked in blocks of BV, accumulating the [BT, BT] and [BT, BK] products that sum
-    over it; then the scores' gradients column by column (:func:`_score_gradients`) and the decay's.
+    Every channel's gradients need only that channel (and the [BT, BT] matrices dO Ṽᵀ and Y Ṽᵀ, which each key
+    block forms again), so the key dimension is split: a program holds [BT, BK] tiles, not [BT, K]. The value
+    dimension is walked in blocks of BV, accumulating the products that sum over it; then the scores' gradients
+    column by column (:func:`_score_gradients`) and the decay's.
     """
-    chunk, bh = tl.program_id(0), tl.program_id(1)
+    k_block, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = bh.to(tl.int64)
     b, h = bh // H, bh % H
     local = tl.arange(0, BT)
     rows = chunk * BT + local
-    cols_k = tl.arange(0, BK)
+    cols_k = k_block * BK + tl.arange(0, BK)
     k_offsets, mask_k = tile_offsets(b, h, T, H, rows, cols_k, K)
     k = tl.load(k_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
     gc = tl.load(gc_ptr + k_offsets, mask=mask_k, other=0.0)
@@ -124,20 +130,20 @@ def _chunk_gradient_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_p
         grad_o = tl.load(do_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
         grad_v_new = tl.load(dvnew_ptr + v_offsets, mask=mask_v, other=0.0)
         y = dot_fp32(tl.trans(inverse), grad_v_new, LOW_PRECISION)  # Y = Xᵀ dṼ [BT, BV]
-        tl.store(dv_ptr + v_offsets, y * beta[:, None], mask=mask_v)
+        tl.store(dv_ptr + v_offsets, y * beta[:, None], mask=mask_v & (k_block == 0))
         grad_aqk += dot_fp32(grad_o, tl.trans(v_new), LOW_PRECISION)
         y_v_new += dot_fp32(y, tl.trans(v_new), LOW_PRECISION)
         grad_q_state += dot_fp32(grad_o, tl.trans(state), LOW_PRECISION)
         grad_k_to_end += dot_fp32(v_new, tl.trans(grad_leaving), LOW_PRECISION)
         y_state += dot_fp32(y, tl.trans(state), LOW_PRECISION)
-        grad_beta += tl.sum(v * y, axis=1)
+        grad_beta += tl.where(k_block == 0, tl.sum(v * y, axis=1), 0.0)  # Σ_v V ⊙ Y, counted once
         leaving = state * tl.exp(g_last)[:, None] + dot_fp32(tl.trans(k * to_end), v_new, LOW_PRECISION)  # S'
         grad_g_last += tl.sum(leaving * grad_leaving, axis=1)
     q = tl.load(q_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
     grad_aqk = tl.where(local[:, None] >= local[None, :], grad_aqk * scale, 0.0)  # of the unscaled q scores
     grad_akk = tl.where(local[:, None] > local[None, :], -y_v_new, 0.0)  # dA_kk; dD = Diag(β) dA_kk
     grad_q_rows, grad_k_rows, grad_k_columns = _score_gradients(q, k, gc, beta, grad_aqk, grad_akk, k_ptr, gc_ptr,
-                                                                b, h, T, H, K, chunk, BT, BK)
+                                                                cols_k, b, h, T, H, K, chunk, BT, BK)
     decay = tl.where(mask_k, tl.exp(gc), 0.0)  # Γ
     grad_beta += tl.sum(k * grad_k_rows - decay * k * y_state, axis=1)
     grad_q = grad_q_rows + decay * grad_q_state * scale
@@ -148,11 +154,12 @@ def _chunk_gradient_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_p
     tl.store(dq_ptr + k_offsets, grad_q, mask=mask_k)
     tl.store(dk_ptr + k_offsets, grad_k_plus + grad_k_minus, mask=mask_k)
     tl.store(dg_ptr + k_offsets, grad_g, mask=mask_k)
-    tl.store(dbeta_ptr + (b * T + rows) * H + h, grad_beta, mask=rows < T)
+    share = k_block.to(tl.int64) * tl.num_programs(2) * T  # dbeta is [key blocks, B, T, H]; B·H programs on axis 2
+    tl.store(dbeta_ptr + share + (b * T + rows) * H + h, grad_beta, mask=rows < T)
 
 
 @triton.jit
-def _score_gradients(q, k, gc, beta, grad_aqk, grad_akk, k_ptr, gc_ptr, b, h, T, H, K, chunk,
+def _score_gradients(q, k, gc, beta, grad_aqk, grad_akk, k_ptr, gc_ptr, cols_k, b, h, T, H, K, chunk,
                      BT: tl.constexpr, BK: tl.constexpr):
     """The gradients of the decayed scores P_q[r,i] = Σ_d q_rd k_id e^{G_rd − G_id} (i ≤ r) and D[r,i] (the same
     with k_r, i < r), for upstream dP_q = ``grad_aqk`` and dD = Diag(β) ``grad_akk``, one column i at a time:
@@ -161,10 +168,10 @@ def _score_gradients(q, k, gc, beta, grad_aqk, grad_akk, k_ptr, gc_ptr, b, h, T,
         columns:  dk_i = Σ_{r ≥ i} (dP_q[r,i] q_r + β_r dA_kk[r,i] k_r) ⊙ e^{G_r − G_i}.
 
     Every exponent is G_r − G_i ≤ 0 (r ≥ i; the others are masked to −inf), so nothing overflows for any g ≤ 0.
-    R is returned without β (dβ needs Σ_d k ⊙ R, which is Σ_i dA_kk ⊙ D). Returns dq, R, dk_columns [BT, BK].
+    R is returned without β (dβ needs Σ_d k ⊙ R, which is Σ_i dA_kk ⊙ D). Each channel d needs only its own
+    k, q, G: the tiles are the key block ``cols_k``. Returns dq, R, dk_columns [BT, BK].
     """
     local = tl.arange(0, BT)
-    cols_k = tl.arange(0, BK)
     rows_valid = (chunk * BT + local)[:, None] < T
     grad_q_rows = tl.zeros([BT, BK], dtype=tl.float32)
     grad_k_rows = tl.zeros([BT, BK], dtype=tl.float32)
@@ -208,12 +215,16 @@ def kda_chunk_backward(q, k, v, gc, beta, akk, aqk, w, states, v_new, grad_o, gr
     _reverse_state_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, gc, w, aqk, grad_o, dht, grad_leaving, grad_v_new, grad_initial, scale, T, H, K, V, NT,
         BT=chunk_size, BK=BK, BV=BV, USE_FINAL_STATE_GRADIENT=dht is not None,
-        STORE_INITIAL_STATE_GRADIENT=initial_state_gradient, LOW_PRECISION=low_precision(q))
+        STORE_INITIAL_STATE_GRADIENT=initial_state_gradient, LOW_PRECISION=low_precision(q),
+        num_stages=BACKWARD_STAGES)
     grad_q, grad_k, grad_g = (torch.empty(B, T, H, K, **fp32) for _ in range(3))
-    grad_v, grad_beta = torch.empty(B, T, H, V, **fp32), torch.empty(B, T, H, **fp32)
-    _chunk_gradient_kernel[(NT, B * H)](
+    key_block = min(GRADIENT_KEY_BLOCK, BK)
+    key_blocks = triton.cdiv(K, key_block)
+    grad_v, grad_beta = torch.empty(B, T, H, V, **fp32), torch.empty(key_blocks, B, T, H, **fp32)
+    _chunk_gradient_kernel[(key_blocks, NT, B * H)](
         q, k, v, gc, beta, akk, aqk, states, v_new, grad_o, grad_leaving, grad_v_new, grad_q, grad_k, grad_v, grad_g,
-        grad_beta, scale, T, H, K, V, NT, BT=chunk_size, BK=BK, BV=min(64, block_width(V)),
-        LOW_PRECISION=low_precision(q))
+        grad_beta, scale, T, H, K, V, NT, BT=chunk_size, BK=key_block, BV=min(64, block_width(V)),
+        LOW_PRECISION=low_precision(q), num_stages=BACKWARD_STAGES)
+    grad_beta = grad_beta.sum(0)  # the key blocks' shares
     return grad_q, grad_k, grad_v, grad_g, grad_beta, grad_initial
 

@@ -39,6 +39,7 @@ BACKWARD_STAGES = 2  # software-pipelining depth of both kernels: the default 3 
 # 299 KB (chunk gradients, before key blocks) of shared memory in fp32 at C = 64, K = 128; an H100 / H200 has 227 KB
 GRADIENT_KEY_BLOCK = 32  # channels per program of the chunk-gradient kernel: [C, 32] fp32 tiles stay in registers
 
+
 @triton.jit
 def _reverse_state_kernel(q_ptr, k_ptr, gc_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_ptr, dvnew_ptr, dh0_ptr, scale,
                           T, H, K, V, NT, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,

@@ -58,9 +58,11 @@ for dtype in ("fp32", "bf16"):
     results.append(compile_one(kda_chunk._state_kernel, dtype, dict(chunk, BV=32, USE_INITIAL_STATE=True,
                                STORE_FINAL_STATE=True), num_stages=kda_chunk.STATE_KERNEL_STAGES))
     results.append(compile_one(kda_chunk._output_kernel, dtype, chunk))
+    backward_stages = kda_chunk_backward.BACKWARD_STAGES
     results.append(compile_one(kda_chunk_backward._reverse_state_kernel, dtype, dict(
-        chunk, BV=32, USE_FINAL_STATE_GRADIENT=True, STORE_INITIAL_STATE_GRADIENT=True)))
-    results.append(compile_one(kda_chunk_backward._chunk_gradient_kernel, dtype, chunk))
+        chunk, BV=32, USE_FINAL_STATE_GRADIENT=True, STORE_INITIAL_STATE_GRADIENT=True), num_stages=backward_stages))
+    results.append(compile_one(kda_chunk_backward._chunk_gradient_kernel, dtype, dict(
+        chunk, BK=kda_chunk_backward.GRADIENT_KEY_BLOCK), num_stages=backward_stages))
     results.append(compile_one(kda_decode._decode_kernel, dtype, {"BK": 128, "BV": 32}))
     configs = grouped_gemm._grouped_gemm_kernel.configs if low else grouped_gemm._grouped_gemm_kernel.configs[:1]
     for config in configs:  # every autotune config in bf16 (the benchmark), one in fp32

@@ -17,6 +17,7 @@ the layers and :class:`~k3course.model.K3Model`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -94,15 +95,15 @@ def kv_cache_bytes(cfg: K3Config, context: int, dtype_bytes: int = 2) -> int:
 def decode_flops_per_token(cfg: K3Config, context: int) -> int:
     """Approximate FLOPs to decode one token with ``context`` tokens already cached.
 
-    weights   2 · (active parameters − the embedding table)    (a multiply-add per weight; lookup is free)
+    weights   2 · (active parameters − the embedding table)    (a multiply-add per weight; lookup is free; a tied
+              LM head multiplies by the table, so then it stays)
     MLA       2 · H · (2·kv_lora_rank + rope) · context per MLA layer: absorbed decoding scores each cached
               576-wide entry (kv_lora + rope) and mixes the kv_lora-wide latents
     KDA       7 · H · K · V per KDA layer: decay, Sᵀk, the rank-1 delta update, Sᵀq; constant in context
     """
     if isinstance(context, bool) or not isinstance(context, int) or context < 0:
         raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
-    count = param_count(cfg)
-    weights = 2 * (count.active - count.components["embedding"][1])
+    weights = 2 * _multiplied_params(cfg)
     mla = cfg.n_mla_layers * 2 * cfg.mla_n_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * context
     kda = cfg.n_kda_layers * 7 * cfg.kda_n_heads * cfg.kda_head_dim ** 2
     return weights + mla + kda
@@ -121,6 +122,13 @@ class ParamCount:
         total = sum(t for t, _ in components.values())
         active = sum(a for _, a in components.values())
         return cls(total, active, components)
+
+
+def _multiplied_params(cfg: K3Config) -> int:
+    """Active parameters a token multiplies by: all but the embedding table (a lookup), unless the head is tied
+    to it (then the head's product uses the table)."""
+    count = param_count(cfg)
+    return count.active - (0 if cfg.tie_embeddings else count.components["embedding"][1])
 
 
 # --- the analytic count, component by component --------------------------------------------------------
@@ -352,20 +360,37 @@ def experts_touched(n_experts: int, top_k: int, batch: int) -> float:
     return n_experts * (1 - (1 - top_k / n_experts) ** batch)
 
 
-def decode_step_bytes(cfg: K3Config, context: int, batch: int, dtype_bytes: int = 2) -> float:
-    """Bytes one decode step of ``batch`` sequences at ``context`` tokens reads from memory:
+def decode_weight_params(cfg: K3Config, batch: int) -> float:
+    """Weights one decode step of ``batch`` sequences reads, in parameters (each read once, shared by the batch):
 
-    weights   (active parameters − one token's routed experts + the experts the batch touches) · dtype_bytes,
-              the touched experts per MoE layer from :func:`experts_touched` (every weight read once per step,
-              shared by the batch; the embedding table counted whole, an upper bound of a few rows)
-    caches    batch · kv_cache_bytes(cfg, context, dtype_bytes)   (each sequence reads its own)
+    active parameters − one token's routed experts + the experts the batch touches (:func:`experts_touched`,
+    per MoE layer) − the embedding table + the rows the batch looks up (min(B, vocab) · d)
+
+    The one convention of the course for the embedding: a lookup reads only its token's row; a tied LM head
+    (``tie_embeddings``) still reads the whole table, so then nothing is taken off.
     """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
     count = param_count(cfg)
     routed_total, routed_active = count.components["routed_experts"]
-    per_expert = routed_total / (cfg.n_routed_experts * max(cfg.n_moe_layers, 1))  # one expert of one layer
-    touched = cfg.n_moe_layers * experts_touched(cfg.n_routed_experts, cfg.top_k, batch) * per_expert
-    weights = (count.active - routed_active + touched) * dtype_bytes
-    return weights + batch * kv_cache_bytes(cfg, context, dtype_bytes)
+    touched = 0.0
+    if cfg.n_moe_layers:
+        per_expert = routed_total / (cfg.n_routed_experts * cfg.n_moe_layers)  # one expert of one layer
+        touched = cfg.n_moe_layers * experts_touched(cfg.n_routed_experts, cfg.top_k, batch) * per_expert
+    table = count.components["embedding"][1]
+    rows_not_read = 0 if cfg.tie_embeddings else table - min(batch, cfg.vocab_size) * cfg.d_model
+    return count.active - routed_active + touched - rows_not_read
+
+
+def decode_step_bytes(cfg: K3Config, context: int, batch: int, dtype_bytes: int = 2,
+                      weight_bytes: float | None = None) -> float:
+    """Bytes one decode step of ``batch`` sequences at ``context`` tokens reads from memory:
+
+    weights   :func:`decode_weight_params` · weight_bytes    (bytes per weight; default ``dtype_bytes``)
+    caches    batch · kv_cache_bytes(cfg, context, dtype_bytes)   (each sequence reads its own)
+    """
+    per_weight = dtype_bytes if weight_bytes is None else weight_bytes
+    return decode_weight_params(cfg, batch) * per_weight + batch * kv_cache_bytes(cfg, context, dtype_bytes)
 
 
 def predicted_tpot_s(cfg: K3Config, context: int, batch: int, bandwidth: float, flops_per_s: float,
@@ -405,10 +430,130 @@ def prefill_flops(cfg: K3Config, context: int) -> int:
     """
     if isinstance(context, bool) or not isinstance(context, int) or context < 0:
         raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
-    count = param_count(cfg)
-    weights = 2 * (count.active - count.components["embedding"][1]) * context
+    weights = 2 * _multiplied_params(cfg) * context
     head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
     mla = cfg.n_mla_layers * 2 * cfg.mla_n_heads * head * context * (context + 1) // 2
     d, chunk = cfg.kda_head_dim, KDA_CHUNK
     kda = cfg.n_kda_layers * cfg.kda_n_heads * (6 * context * d * d + 3 * context * chunk * d + context * chunk ** 2)
     return weights + mla + kda
+
+
+# --- what a token costs: GPUs, weight precision, a price per GPU-hour ------------------------------------------
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator as sold: HBM ``memory`` (bytes), HBM ``bandwidth`` (bytes/s) and dense tensor-core FLOP/s
+    by the precision the products run in (``flops["bf16"]``, ``flops["fp8"]``), without sparsity."""
+
+    name: str
+    memory: float
+    bandwidth: float
+    flops: dict[str, float]
+
+
+# Vendor datasheet figures per GPU (SXM parts; dense, no sparsity): the course's reading of them, marked † where a
+# lesson quotes them. B300 adds FP4 throughput and memory over B200; its 8- and 16-bit rates are B200's.
+GPUS: dict[str, GPU] = {
+    "H100": GPU("H100", 80e9, 3.35e12, {"bf16": 989e12, "fp8": 1979e12}),
+    "H200": GPU("H200", 141e9, 4.8e12, {"bf16": 989e12, "fp8": 1979e12}),
+    "B200": GPU("B200", 180e9, 8e12, {"bf16": 2.25e15, "fp8": 4.5e15}),
+    "B300": GPU("B300", 288e9, 8e12, {"bf16": 2.25e15, "fp8": 4.5e15}),
+}
+
+# weight precision -> (bytes per weight with its scales, the precision its products run in). FP8: e4m3 with one
+# fp32 scale per 128 × 128 block (DeepSeek-V3, Kimi K2); INT4: weight-only, one bf16 scale per 32 weights, the
+# activations and products in bf16 (compressed-tensors W4A16, as Kimi K2 Thinking ships).
+WEIGHT_PRECISIONS: dict[str, tuple[float, str]] = {
+    "bf16": (2.0, "bf16"),
+    "fp8": (1 + 4 / 128 ** 2, "fp8"),
+    "int4": (0.5 + 2 / 32, "bf16"),
+}
+CACHE_BYTES = 2  # the MLA cache and the KDA state served in bf16
+MEMORY_USABLE = 0.9  # of HBM, for weights and caches (the rest: activations, the allocator, the runtime)
+
+
+def _gpu_and_precision(gpu: GPU | str, precision: str) -> tuple[GPU, float, str]:
+    """(the GPU, bytes per weight, the precision of the products); errors name the argument."""
+    if isinstance(gpu, str):
+        if gpu not in GPUS:
+            raise ValueError(f"gpu: unknown GPU {gpu!r}; choose one of {', '.join(GPUS)} or pass a GPU(...)")
+        gpu = GPUS[gpu]
+    if precision not in WEIGHT_PRECISIONS:
+        raise ValueError(f"precision: must be one of {', '.join(WEIGHT_PRECISIONS)}, got {precision!r}")
+    per_weight, products = WEIGHT_PRECISIONS[precision]
+    return gpu, per_weight, products
+
+
+def weight_bytes(cfg: K3Config, precision: str = "bf16") -> float:
+    """Bytes of all the weights at ``precision`` (scales included): total parameters · bytes per weight."""
+    _, per_weight, _ = _gpu_and_precision("H100", precision)
+    return param_count(cfg).total * per_weight
+
+
+def decode_usd_per_million(step_s: float, batch: int, gpus: int, usd_per_gpu_hour: float) -> float:
+    """Dollars per million output tokens of ``gpus`` GPUs rented at ``usd_per_gpu_hour`` that decode one token
+    for each of ``batch`` sequences every ``step_s`` seconds:
+
+    $ / 1M = 10⁶ · gpus · usd_per_gpu_hour / 3600 · step_s / batch
+    """
+    for name, value in (("step_s", step_s), ("usd_per_gpu_hour", usd_per_gpu_hour)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    for name, value in (("batch", batch), ("gpus", gpus)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return 1e6 * gpus * usd_per_gpu_hour / 3600 * step_s / batch
+
+
+@dataclass(frozen=True)
+class ServingCost:
+    """What serving ``cfg`` on ``gpus`` GPUs costs: ``batch`` sequences of ``context`` tokens decoded together,
+    each step ``step_s`` long; dollars per million input (prefill) and output (decode) tokens; ``weights_gpus``:
+    how many of these GPUs the weights alone fill."""
+
+    gpus: int
+    batch: int
+    context: int
+    step_s: float
+    weights_gpus: float
+    usd_per_million_input: float
+    usd_per_million_output: float
+
+
+def serving_cost(cfg: K3Config, gpu: GPU | str = "B300", precision: str = "fp8", usd_per_gpu_hour: float = 5.0,
+                 gpus: int | None = None, context: int = 32768, batch: int | None = None,
+                 utilisation: float = 0.5) -> ServingCost:
+    """A roofline price of serving ``cfg``, with every assumption an argument:
+
+    weights    total parameters · bytes per weight (:data:`WEIGHT_PRECISIONS`), spread over ``gpus`` GPUs
+               (default: the fewest whose usable memory, MEMORY_USABLE of HBM, holds them and one sequence)
+    batch      default: the most sequences of ``context`` tokens whose caches fit beside the weights
+    decode     one step of the batch: max(bytes / (gpus · bandwidth), FLOPs / (gpus · FLOP/s)) / utilisation
+               (:func:`decode_step_bytes` with the experts the batch touches, weights at their precision,
+               caches in bf16); $ per 1M output tokens by :func:`decode_usd_per_million`
+    prefill    compute-bound: FLOPs per input token of a ``context``-token prompt (:func:`prefill_flops` / L) at
+               the products' FLOP/s · utilisation; $ per 1M input tokens at the same price
+
+    Communication (the all-to-all of expert parallelism) is left out: it can overlap with the experts' work.
+    """
+    gpu, per_weight, products = _gpu_and_precision(gpu, precision)
+    if not 0 < utilisation <= 1:
+        raise ValueError(f"utilisation must be in (0, 1], got {utilisation!r}")
+    weights = weight_bytes(cfg, precision)
+    per_sequence = kv_cache_bytes(cfg, context, CACHE_BYTES)
+    usable = gpu.memory * MEMORY_USABLE
+    gpus = gpus if gpus is not None else math.ceil((weights + per_sequence) / usable)
+    most = int((gpus * usable - weights) // per_sequence) if gpus * usable > weights else 0
+    if most < 1:
+        raise ValueError(f"gpus: {gpus} {gpu.name} hold {gpus * usable / 1e12:.2f} TB usable, less than the "
+                         f"{precision} weights ({weights / 1e12:.2f} TB) and one {context}-token sequence")
+    batch = most if batch is None else batch
+    if batch > most:
+        raise ValueError(f"batch: {batch} sequences of {context} tokens do not fit beside the weights; at most {most}")
+    step_bytes = decode_step_bytes(cfg, context, batch, CACHE_BYTES, per_weight)
+    step_flops = batch * decode_flops_per_token(cfg, context)
+    step_s = max(step_bytes / (gpus * gpu.bandwidth), step_flops / (gpus * gpu.flops[products])) / utilisation
+    prefill_s_per_token = prefill_flops(cfg, context) / context / (gpu.flops[products] * utilisation)
+    return ServingCost(gpus, batch, context, step_s, weights / gpu.memory,
+                       1e6 * prefill_s_per_token * usd_per_gpu_hour / 3600,
+                       decode_usd_per_million(step_s, batch, gpus, usd_per_gpu_hour))

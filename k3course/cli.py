@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from pathlib import Path
@@ -136,24 +137,19 @@ def _train_expert_parallel(args, options: dict) -> int:
 
 
 def _generate(args) -> int:
-    from k3course.checkpoint import CheckpointError
     from k3course.train import generate_command
 
     _set_threads(args)
-    try:
-        if args.pretrained is not None:
-            import torch
+    if args.pretrained is not None:
+        import torch
 
-            from k3course.lessons.kimi_linear import pretrained_text
+        from k3course.pretrained_generation import pretrained_text
 
-            pieces = pretrained_text(args.pretrained, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                                     args.seed, args.device, getattr(torch, args.dtype), args.trust_remote_code)
-        else:
-            pieces = generate_command(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
-                                      args.top_k, args.seed)
-    except (ValueError, CheckpointError) as error:
-        print(error, file=sys.stderr)
-        return 2
+        pieces = pretrained_text(args.pretrained, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                                 args.seed, args.device, getattr(torch, args.dtype), args.trust_remote_code)
+    else:
+        pieces = generate_command(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                                  args.seed)
     if not args.stream:
         print("".join(pieces))
         return 0
@@ -165,28 +161,17 @@ def _generate(args) -> int:
 
 
 def _eval(args) -> int:
-    from k3course.checkpoint import CheckpointError
     from k3course.runs import eval_report, evaluate_checkpoint
 
     _set_threads(args)
-    try:
-        result = evaluate_checkpoint(args.checkpoint, args.data or (), args.eval_bytes, args.device)
-    except (ValueError, OSError, CheckpointError) as error:
-        print(error, file=sys.stderr)
-        return 2
-    print(eval_report(result))
+    print(eval_report(evaluate_checkpoint(args.checkpoint, args.data or (), args.eval_bytes, args.device)))
     return 0
 
 
 def _runs(args) -> int:
-    from k3course.checkpoint import CheckpointError
     from k3course.runs import compare_runs, runs_table
 
-    try:
-        rows, plot = compare_runs(args.runs, args.plot)
-    except (ValueError, OSError, CheckpointError) as error:
-        print(error, file=sys.stderr)
-        return 2
+    rows, plot = compare_runs(args.runs, args.plot)
     print(runs_table(rows))
     print(f"validation curves: {plot}")
     return 0
@@ -331,15 +316,50 @@ def parser() -> argparse.ArgumentParser:
 
 
 TRAINING_COMMANDS = ("train", "experiments")  # long runs whose steps allocate the same temporaries again and again
+DEBUG_VARIABLE = "K3COURSE_DEBUG"  # set to 1: bad input shows its traceback instead of one line
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """What bad input raises (a missing or malformed file or folder, a setting out of range): said in one line.
+    Any other exception is a bug and keeps its traceback."""
+    from k3course.checkpoint import CheckpointError
+
+    return ValueError, OSError, CheckpointError
+
+
+def _check_device(text: str | None) -> None:
+    """``--device``, checked before any work: a torch device string, and a CUDA or MPS device this machine has."""
+    if text is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError as error:
+        raise ValueError(f"--device: {text!r} is not a torch device (expected cpu, cuda, cuda:N or mps)") from error
+    counts = {"cuda": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}
+    if device.type in counts and (device.index or 0) >= counts[device.type]:
+        raise ValueError(f"--device: {text!r}, but this machine has {counts[device.type]} {device.type} devices "
+                         "(torch sees none or fewer); use --device cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Bad input (:func:`_user_errors`) ends in one line on stderr and exit status 2;
+    ``K3COURSE_DEBUG=1`` shows its traceback instead."""
     args = parser().parse_args(argv)
     if args.command in TRAINING_COMMANDS:
         from k3course.device import keep_freed_memory
 
         keep_freed_memory()  # reuse freed memory instead of faulting it in anew every step
-    return args.run(args)
+    try:
+        _check_device(getattr(args, "device", None))
+        return args.run(args)
+    except Exception as error:
+        if not isinstance(error, _user_errors()) or os.environ.get(DEBUG_VARIABLE) == "1":
+            raise
+        message = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        print(f"k3course {args.command}: {message or type(error).__name__}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -99,9 +99,8 @@ class K3Model(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
-        kind = "block" if cfg.residual == "block_attnres" else "standard"
-        block_size = cfg.attnres_block_size if kind == "block" else None
-        self.residual = make_residual(kind, 2 * cfg.n_layers, cfg.d_model, block_size)
+        block_size = cfg.attnres_block_size if cfg.residual == "block_attnres" else None
+        self.residual = make_residual(cfg.residual, 2 * cfg.n_layers, cfg.d_model, block_size)
         self.final_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         no_weight_decay(self.final_norm.weight)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -120,13 +119,15 @@ class K3Model(nn.Module):
         ``kimi_linear`` or ``deepseek_v3`` model (:mod:`k3course.pretrained` says what is read and refused).
 
         Built on the meta device, then filled one layer at a time with tensors read from the memory-mapped files
-        and converted to this model's layout, so the weights are never held twice. Parameters in ``dtype`` on
-        ``device``; the MoE selection biases stay fp32. Returned in eval mode.
+        and converted to this model's layout, so the weights are never held twice; an FP8 release's block-scaled
+        e4m3 weights are dequantized to ``dtype`` as they are read. Every tensor's dtype is checked (floating, or
+        FP8 with its scales); the head is untied when the folder stores one that differs from the embedding.
+        Parameters in ``dtype`` on ``device``; the MoE selection biases stay fp32. Returned in eval mode.
         """
         checkpoint = pretrained.Checkpoint(path)
         model = cls.from_config(checkpoint.config, device="meta")
         device = torch.device(device or "cpu")
-        for part in checkpoint.k3_tensors():
+        for part in checkpoint.k3_tensors(dtype):
             for name, tensor in part.items():
                 model._assign(name, tensor, device, dtype)
         model._materialize(device)

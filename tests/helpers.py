@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+_EVENT_IDS = itertools.count()
 
 
 def notebooks(folder: str) -> list[Path]:
@@ -24,3 +26,42 @@ def wrong_answers() -> dict[str, list]:
         for exercise_id, fns in module.WRONG.items():
             merged.setdefault(exercise_id, []).extend(fns)
     return merged
+
+
+def profiler_event(name: str, start_us: int, end_us: int, *children, sequence_nr: int = -1):
+    """A CPU event of ``torch.profiler`` (its own ``FunctionEvent`` type) spanning [start_us, end_us], parent of
+    ``children``: a piece of a recorded trace whose times are known, for testing what reads a profile."""
+    from torch.autograd.profiler_util import FunctionEvent
+
+    event = FunctionEvent(id=next(_EVENT_IDS), name=name, thread=0, start_us=start_us, end_us=end_us,
+                          sequence_nr=sequence_nr)
+    for child in children:
+        assert start_us <= child.time_range.start and child.time_range.end <= end_us, "a child lies inside its parent"
+        event.append_cpu_child(child)
+        child.set_cpu_parent(event)
+    return event
+
+
+def profiler_events(*roots) -> list:
+    """Every event of the trees ``roots``, parents before children: the flat list ``torch.profiler`` gives."""
+    return [event for root in roots for event in (root, *profiler_events(*root.cpu_children))]
+
+
+def devices_computed_on(build) -> tuple[object, set[str]]:
+    """(``build()``, the device types of every tensor an op made while it ran): a build on the meta device that
+    allocates nothing real shows {"meta"}, whatever the machine's load (no clock involved)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Devices(TorchDispatchMode):
+        seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen |= {t.device.type for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+            return out
+
+    with Devices() as mode:
+        built = build()
+    return built, mode.seen

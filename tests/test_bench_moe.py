@@ -4,13 +4,12 @@ and the stages fit inside the profiled call. The ranges change nothing the layer
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from helpers import profiler_event, profiler_events
 
 import k3course.moe.layers as moe_layers
-from k3course.bench import profile_calls, range_seconds
+from k3course.bench import BACKWARD_EVENT, range_seconds
 from k3course.bench.moe import main, stage_seconds, training_step
 from k3course.debug import profiler_range
 from k3course.moe import LatentMoE
@@ -19,41 +18,29 @@ SMALL = ["--m", "64", "--n", "8", "--k", "2", "--d", "32", "--latent", "16", "--
          "--rounds", "1", "--loop-tokens", "8", "--return-freed-memory"]  # in-process: leave pytest's allocator
 
 
-class _SlowBackward(torch.autograd.Function):
-    """Identity forward; its backward sleeps ``seconds``: a stage whose time is all in the backward."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class Dummy(torch.nn.Module):
-    """Ranges moe.outer (with moe.inner nested inside, which sleeps) and moe.slow backward (a sleeping backward)."""
-
-    def forward(self, x):
-        with profiler_range("moe.outer"):
-            y = x * 2
-            with profiler_range("moe.inner"):
-                time.sleep(0.02)
-                y = y + 1
-        with profiler_range("moe.slow backward"):
-            return _SlowBackward.apply(y, 0.03)
+def _traced_call(offset: int):
+    """One profiled call (µs): range moe.outer 300 with moe.inner 200 nested inside, moe.slow backward 50; the
+    backward of the node outer's op made 50, of inner's 10, of slow backward's 300."""
+    return profiler_event(
+        "call", offset, offset + 1000,
+        profiler_event("moe.outer", offset, offset + 300,
+                       profiler_event("aten::mul", offset + 10, offset + 60, sequence_nr=1),
+                       profiler_event("moe.inner", offset + 100, offset + 300,
+                                      profiler_event("aten::add", offset + 150, offset + 160, sequence_nr=3))),
+        profiler_event("moe.slow backward", offset + 300, offset + 350,
+                       profiler_event("aten::clone", offset + 310, offset + 340, sequence_nr=2)),
+        profiler_event(BACKWARD_EVENT + "CloneBackward0", offset + 400, offset + 700, sequence_nr=2),
+        profiler_event(BACKWARD_EVENT + "MulBackward0", offset + 700, offset + 750, sequence_nr=1),
+        profiler_event(BACKWARD_EVENT + "AddBackward0", offset + 750, offset + 760, sequence_nr=3))
 
 
 def test_range_seconds_reads_the_ranges_in_order_without_double_counting_and_adds_each_backward():
-    x = torch.randn(4, 4, requires_grad=True)
-    events, profiled = profile_calls(lambda: Dummy()(x).sum().backward(), 2)
-    stages = range_seconds(events, "moe.", 2)
-    assert list(stages) == ["outer", "inner", "slow backward"]
-    assert stages["inner"] >= 0.02 and stages["outer"] < 0.01, "the nested range's time is its own, not outer's"
-    assert stages["slow backward"] >= 0.03, "the backward of the nodes a range made is added to it"
-    assert sum(stages.values()) <= profiled
+    """On a recorded trace of two calls: the nested range's time is its own, not outer's; the backward of the
+    nodes a range's own ops made is added to it."""
+    stages = range_seconds(profiler_events(_traced_call(0), _traced_call(2000)), "moe.", 2)
+    expected = {"outer": 100 + 50, "inner": 200 + 10, "slow backward": 50 + 300}
+    assert list(stages) == list(expected)
+    assert stages == pytest.approx({stage: us / 1e6 for stage, us in expected.items()}, rel=1e-12)
 
 
 def test_bench_moe_rows_are_the_layers_ranges(monkeypatch, capsys):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from k3course.baselines import active_params, dense_transformer
 from k3course.bench import train as bench_train
 from k3course.config import K3Config
-from k3course.lessons.claims import active_params, dense_transformer
 from k3course.train import TrainConfig
 
 

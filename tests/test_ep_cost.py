@@ -28,11 +28,15 @@ def test_experts_touched_is_k_for_one_token_and_matches_sampled_routings():
 
 
 def test_a_decode_step_reads_the_touched_experts_and_every_sequences_cache():
+    """Weights once per step (one embedding row per sequence, not the table), caches once per sequence."""
     count = accounting.param_count(LINEAR)
+    table = count.components["embedding"][1]
     one = accounting.decode_step_bytes(LINEAR, 4096, 1)
-    assert one == pytest.approx(2 * count.active + accounting.kv_cache_bytes(LINEAR, 4096))
-    everything = accounting.decode_step_bytes(LINEAR, 4096, 100_000)  # every expert touched
-    assert everything == pytest.approx(2 * count.total + 100_000 * accounting.kv_cache_bytes(LINEAR, 4096))
+    assert one == pytest.approx(2 * (count.active - table + LINEAR.d_model) + accounting.kv_cache_bytes(LINEAR, 4096))
+    everything = accounting.decode_step_bytes(LINEAR, 4096, 100_000)  # every expert touched; 100,000 rows looked up
+    rows_not_read = (LINEAR.vocab_size - 100_000) * LINEAR.d_model
+    caches = 100_000 * accounting.kv_cache_bytes(LINEAR, 4096)
+    assert everything == pytest.approx(2 * (count.total - rows_not_read) + caches)
 
 
 def test_the_roofline_is_the_slower_of_reading_and_computing():

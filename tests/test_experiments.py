@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from k3course import accounting, data, train
+from k3course import accounting, baselines, data, train
 from k3course.cli import main
 from k3course.config import K3Config
-from k3course.lessons import claims, experiments
+from k3course.lessons import claims, experiments, seed_statistics
 
 CLAIM_EXPERIMENTS = [name for name, (function, _) in experiments.EXPERIMENTS.items()
                      if function is experiments.claim_variants]
@@ -151,7 +151,7 @@ def test_the_sweep_stops_at_the_first_cell_a_mixer_solves_in_most_seeds(monkeypa
     assert experiments.solved_seeds(result["cells"][1]["runs"], "KDA", 0.9) == 1  # seed 0 solved: all seeds ran
     assert len(result["cells"][1]["runs"]) == 3 * len(experiments.MIXERS)
     comparison = experiments.sweep_comparison(result)
-    assert experiments.spread(comparison, "accuracy", "mixer")["KDA"]["mean"] == 1.0
+    assert seed_statistics.spread(comparison, "accuracy", "mixer")["KDA"]["mean"] == 1.0
     assert experiments.mqar_sweep(steps=(100,), **settings)["chosen"] is None
     with pytest.raises(ValueError, match="no cell"):
         experiments.sweep_comparison(experiments.mqar_sweep(steps=(100,), **settings))
@@ -304,13 +304,13 @@ def test_run_variant_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="stop_after"):
         claims.run_variant(claims.SMALL, claims.TEXT_TRAIN, 0, stop_after=claims.TEXT_TRAIN.steps + 1)
     with pytest.raises(ValueError, match="make: the width does not change"):
-        claims.solve_width(lambda w: claims.SMALL, claims.active_params, 10)
+        baselines.solve_width(lambda w: claims.SMALL, baselines.active_params, 10)
 
 
 def test_spread_summarises_each_variant_over_its_seeds():
     result = {"runs": [{"variant": "a", "seed": s, "val_bpb": v} for s, v in enumerate((1.0, 2.0, 3.0))]
               + [{"variant": "b", "seed": 0, "val_bpb": 5.0}]}
-    table = experiments.spread(result, "val_bpb")
+    table = seed_statistics.spread(result, "val_bpb")
     assert table["a"] == {"mean": 2.0, "std": 1.0, "min": 1.0, "max": 3.0, "n": 3}
     assert table["b"]["n"] == 1 and table["b"]["std"] == 0.0
 
@@ -322,61 +322,61 @@ def _two_variants(a: list[float], b: list[float], metric: str = "val_bpb") -> di
 
 def test_paired_is_reproduced_only_when_every_seed_agrees_and_the_mean_beats_the_spread():
     # a is 0.1 lower in every seed; each variant's seeds spread by 0.01 (std 0.01): reproduced
-    comparison = experiments.paired(_two_variants([1.00, 1.01, 1.02], [1.10, 1.11, 1.12]), "a", "b")
+    comparison = seed_statistics.paired(_two_variants([1.00, 1.01, 1.02], [1.10, 1.11, 1.12]), "a", "b")
     assert comparison["differences"] == pytest.approx({0: 0.1, 1: 0.1, 2: 0.1})
     assert comparison["mean"] == pytest.approx(0.1) and comparison["std"] == pytest.approx(0.0, abs=1e-12)
     assert comparison["spread"] == pytest.approx(0.01) and comparison["agreeing"] == 3
     assert comparison["verdict"] == "reproduced"
     # the same claim asked the other way round is reversed
-    assert experiments.paired(_two_variants([1.00, 1.01, 1.02], [1.10, 1.11, 1.12]), "b", "a")["verdict"] \
+    assert seed_statistics.paired(_two_variants([1.00, 1.01, 1.02], [1.10, 1.11, 1.12]), "b", "a")["verdict"] \
         == "reversed"
 
 
 def test_paired_is_undecided_when_one_seed_disagrees_or_the_seeds_spread_more_than_the_gap():
     one_disagrees = _two_variants([1.0, 1.0, 1.2], [1.1, 1.1, 1.1])
-    assert experiments.paired(one_disagrees, "a", "b")["agreeing"] == 2
-    assert experiments.paired(one_disagrees, "a", "b")["verdict"] == "undecided"
+    assert seed_statistics.paired(one_disagrees, "a", "b")["agreeing"] == 2
+    assert seed_statistics.paired(one_disagrees, "a", "b")["verdict"] == "undecided"
     # every seed agrees, but the gap (0.05) is smaller than the seeds' spread (std 0.5): pairing alone is not enough
     wide = _two_variants([1.0, 2.0, 3.0], [1.05, 2.05, 3.05])
-    assert experiments.paired(wide, "a", "b")["agreeing"] == 3
-    assert experiments.paired(wide, "a", "b")["verdict"] == "undecided"
+    assert seed_statistics.paired(wide, "a", "b")["agreeing"] == 3
+    assert seed_statistics.paired(wide, "a", "b")["verdict"] == "undecided"
 
 
 def test_paired_turns_the_sign_for_a_metric_where_higher_is_better():
     accuracies = _two_variants([0.95, 0.97, 0.96], [0.05, 0.04, 0.06], metric="accuracy")
-    comparison = experiments.paired(accuracies, "a", "b", "accuracy", higher_is_better=True)
+    comparison = seed_statistics.paired(accuracies, "a", "b", "accuracy", higher_is_better=True)
     assert comparison["mean"] == pytest.approx(0.91) and comparison["verdict"] == "reproduced"
-    assert experiments.paired(accuracies, "a", "b", "accuracy")["verdict"] == "reversed"
+    assert seed_statistics.paired(accuracies, "a", "b", "accuracy")["verdict"] == "reversed"
 
 
 def test_paired_pairs_by_seed_not_by_order_and_names_a_missing_variant():
     result = {"runs": [{"variant": "a", "seed": 2, "val_bpb": 1.0}, {"variant": "a", "seed": 0, "val_bpb": 3.0},
                        {"variant": "b", "seed": 0, "val_bpb": 3.5}, {"variant": "b", "seed": 2, "val_bpb": 1.5},
                        {"variant": "b", "seed": 7, "val_bpb": 9.0}]}
-    assert experiments.paired(result, "a", "b")["differences"] == {0: 0.5, 2: 0.5}
+    assert seed_statistics.paired(result, "a", "b")["differences"] == {0: 0.5, 2: 0.5}
     with pytest.raises(ValueError, match="'c'"):
-        experiments.paired(result, "a", "c")
+        seed_statistics.paired(result, "a", "c")
     with pytest.raises(ValueError, match="share no seed"):
-        experiments.paired({"runs": [{"variant": "a", "seed": 0, "val_bpb": 1.0},
+        seed_statistics.paired({"runs": [{"variant": "a", "seed": 0, "val_bpb": 1.0},
                                      {"variant": "b", "seed": 1, "val_bpb": 1.0}]}, "a", "b")
 
 
 def test_last_steps_mean_adds_each_runs_late_average_and_names_a_short_run():
     result = {"variants": {}, "runs": [{"variant": "a", "seed": 0, "max_violation": [9.0, 1.0, 2.0, 3.0]},
                                        {"variant": "b", "seed": 0, "max_violation": [0.0, 0.0, 5.0, 7.0]}]}
-    late = experiments.last_steps_mean(result, "max_violation", 2)
+    late = seed_statistics.last_steps_mean(result, "max_violation", 2)
     assert [run["max_violation_last2"] for run in late["runs"]] == [2.5, 6.0]
     assert "max_violation_last2" not in result["runs"][0]  # the saved result is not changed
-    assert experiments.paired(late, "a", "b", "max_violation_last2")["differences"] == {0: 3.5}
+    assert seed_statistics.paired(late, "a", "b", "max_violation_last2")["differences"] == {0: 3.5}
     with pytest.raises(ValueError, match="fewer than 5"):
-        experiments.last_steps_mean(result, "max_violation", 5)
+        seed_statistics.last_steps_mean(result, "max_violation", 5)
 
 
 def test_cpu_seconds_sums_the_runs_trained_here_over_a_sweeps_cells_too():
     claim = {"runs": [{"seconds": 10.0}, {"seconds": 5.0}, {"seconds": 99.0, "reused_from": "other: x"}]}
-    assert experiments.cpu_seconds(claim) == 15.0
+    assert seed_statistics.cpu_seconds(claim) == 15.0
     sweep = {"cells": [{"runs": [{"seconds": 1.0}]}, {"runs": [{"seconds": 2.0}, {"seconds": 4.0}]}]}
-    assert experiments.cpu_seconds(sweep) == 7.0
+    assert seed_statistics.cpu_seconds(sweep) == 7.0
 
 
 def test_plot_paired_draws_one_dot_per_seed_and_the_spread_band():
@@ -385,7 +385,7 @@ def test_plot_paired_draws_one_dot_per_seed_and_the_spread_band():
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots()
-    experiments.plot_paired(axes, _two_variants([1.0, 1.01, 1.02], [1.1, 1.11, 1.12]), [("a", "b")])
+    seed_statistics.plot_paired(axes, _two_variants([1.0, 1.01, 1.02], [1.1, 1.11, 1.12]), [("a", "b")])
     dots = [line for line in axes.lines if line.get_marker() == "."]
     assert len(dots) == 1 and list(dots[0].get_ydata()) == pytest.approx([0.1, 0.1, 0.1])
     assert [text.get_text() for text in axes.texts] == ["reproduced"]

@@ -13,13 +13,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "k3course"
 
 # floor -> the units on it (a unit is a top-level module or a sub-package of k3course)
 FLOORS = {
-    0: {"config", "data", "device", "debug", "params", "reference"},
+    0: {"config", "data", "device", "debug", "params", "parts", "reference"},
     1: {"ops", "pretrained"},
     2: {"kernels"},
     3: {"layers", "moe"},
     4: {"model"},
-    5: {"accounting", "checkpoint"},
-    6: {"distributed"},
+    5: {"accounting", "checkpoint", "pretrained_generation"},
+    6: {"baselines", "distributed"},
     7: {"train"},
     8: {"lessons", "runs"},
     9: {"bench"},

@@ -32,6 +32,8 @@ def pointer_type(name, dtype, kernel):
     data = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr", "do_ptr", "x_ptr", "out_ptr", "y_ptr"}
     if kernel is grouped_gemm._grouped_gemm_kernel.fn:
         data.add("w_ptr")  # the expert weights; in the KDA kernels w is an fp32 intermediate
+    if kernel is grouped_gemm._grouped_weight_grad_kernel.fn:
+        data.update({"dy_ptr", "dw_ptr"})  # the upstream gradient and the weights' gradient
     if name in {"group_start_ptr", "group_end_ptr", "tile_expert_ptr", "tile_first_ptr"}:
         return "*i64"
     return f"*{dtype}" if name in data else "*fp32"
@@ -64,11 +66,12 @@ for dtype in ("fp32", "bf16"):
     results.append(compile_one(kda_chunk_backward._chunk_gradient_kernel, dtype, dict(
         chunk, BK=kda_chunk_backward.GRADIENT_KEY_BLOCK), num_stages=backward_stages))
     results.append(compile_one(kda_decode._decode_kernel, dtype, {"BK": 128, "BV": 32}))
-    configs = grouped_gemm._grouped_gemm_kernel.configs if low else grouped_gemm._grouped_gemm_kernel.configs[:1]
-    for config in configs:  # every autotune config in bf16 (the benchmark), one in fp32
-        constexprs = dict(config.kwargs, BM=64, EXACT_FP32=not low)
-        results.append(compile_one(grouped_gemm._grouped_gemm_kernel.fn, dtype, constexprs,
-                                   num_warps=config.num_warps, num_stages=config.num_stages))
+    grouped = ((grouped_gemm._grouped_gemm_kernel, {"BM": 64}), (grouped_gemm._grouped_weight_grad_kernel, {}))
+    for kernel, tile in grouped:
+        for config in kernel.configs if low else kernel.configs[:1]:  # every autotune config in bf16, one in fp32
+            constexprs = dict(config.kwargs, **tile, EXACT_FP32=not low)
+            results.append(compile_one(kernel.fn, dtype, constexprs, num_warps=config.num_warps,
+                                       num_stages=config.num_stages))
 results.append(compile_one(basics._decayed_kk_tile_kernel, "fp32", {"BC": 16, "BK": 128}))
 results.append(compile_one(basics._matmul_kernel, "fp32", {"BM": 16, "BN": 16, "BK": 16}))
 print(json.dumps(results))
@@ -79,7 +82,7 @@ H100_SHARED_BYTES = 232448  # the most shared memory one program (CTA) may use o
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # set by this process
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compiled, not interpreted
     run = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, timeout=600, env=env)
     if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr.lower():
         pytest.skip("this Triton install has no ptxas to compile for a GPU")
@@ -90,7 +93,8 @@ def compiled():
 def test_every_kernel_compiles_to_a_cubin_for_sm90(compiled):
     names = {row["kernel"] for row in compiled}
     assert {"_chunk_cumsum_kernel", "_intra_chunk_kernel", "_wy_kernel", "_state_kernel", "_output_kernel",
-            "_reverse_state_kernel", "_chunk_gradient_kernel", "_decode_kernel", "_grouped_gemm_kernel"} <= names
+            "_reverse_state_kernel", "_chunk_gradient_kernel", "_decode_kernel", "_grouped_gemm_kernel",
+            "_grouped_weight_grad_kernel"} <= names
     assert all(row["cubin"] for row in compiled)
 
 

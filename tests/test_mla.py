@@ -15,7 +15,7 @@ from k3course.accounting import (
     mla_cache_numbers,
 )
 from k3course.config import K3Config
-from k3course.layers.mla import GatedMLA, YaRN, rope_rotate
+from k3course.layers.mla import GatedMLA, YaRN, attend_sdpa, attend_softmax, rope_rotate
 from k3course.reference import mla as ref
 
 SMALL = dict(d_model=16, n_heads=3, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
@@ -304,3 +304,90 @@ def test_yarn_keeps_fast_pairs_interpolates_slow_ones_and_rescales():
     assert torch.allclose(rotated[0, 0], x[0, 0] * (1 + 0.1 * np.log(2)))
     with pytest.raises(ValueError, match="yarn scales RoPE"):
         make(yarn=yarn)
+
+
+# --- the naive path through SDPA equals the written-out softmax ----------------------------------------------
+
+def run_with_prefix(module: GatedMLA, x: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed x's first ``prefix`` tokens, then the rest against their cache (gradients flow through both).
+
+    Returns (the outputs of the last T − prefix tokens, the gradient of Σ y·w with respect to x) with the
+    module's parameter gradients accumulated; w is a seeded weight, so every output matters."""
+    x = x.detach().requires_grad_(True)
+    cache = module(x[:, :prefix])[1] if prefix else None
+    y, _ = module(x[:, prefix:], cache)
+    weight = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float32).to(y.dtype)
+    (y * weight).sum().backward()
+    return y, x.grad
+
+
+def assert_close_to_largest(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, name: str):
+    """max |actual − expected| ≤ tolerance · max |expected| (in fp32)."""
+    error = (actual.float() - expected.float()).abs().max().item()
+    largest = expected.float().abs().max().item()
+    assert error <= tolerance * largest, f"{name}: max |difference| {error:.3g} > {tolerance} x {largest:.3g}"
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("use_rope", [False, True])
+@pytest.mark.parametrize("prefix, length", [(0, 9), (0, 1), (5, 4), (5, 6), (5, 1)])
+def test_sdpa_equals_written_softmax_forward_and_backward(dtype, tolerance, use_rope, prefix, length):
+    """The naive path through SDPA (default) and through attend_softmax: the same outputs and gradients (x and
+    every parameter), causal prefill with and without a cache prefix, one token, RoPE and NoPE."""
+    x = seeded_x(length=prefix + length, dtype=dtype)
+    fused, written = (make(dtype=dtype, use_rope=use_rope, absorbed=False, sdpa=sdpa) for sdpa in (True, False))
+    y_fused, dx_fused = run_with_prefix(fused, x, prefix)
+    y_written, dx_written = run_with_prefix(written, x, prefix)
+    assert y_fused.dtype == dtype
+    assert_close_to_largest(y_fused, y_written, tolerance, "y")
+    assert_close_to_largest(dx_fused, dx_written, tolerance, "dx")
+    for (name, p_fused), p_written in zip(fused.named_parameters(), written.parameters()):
+        assert_close_to_largest(p_fused.grad, p_written.grad, tolerance, name)
+
+
+@pytest.mark.parametrize("nope, rope, value", [(4, 2, 5), (4, 2, 9), (6, 0, 6)])
+@pytest.mark.parametrize("start, length", [(0, 7), (0, 1), (3, 5), (6, 1)])
+def test_attend_sdpa_equals_attend_softmax(nope, rope, value, start, length):
+    """The functions themselves, for value heads narrower than, wider than and as wide as q·k's, with no
+    rope part, and with every mask case: causal, one token alone, a prefix (explicit mask), one token after it."""
+    generator = torch.Generator().manual_seed(2)
+    batch, heads, keys = 2, 3, start + length
+
+    def sample(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64, requires_grad=True)
+
+    inputs = (sample(batch, length, heads, nope), sample(batch, length, heads, rope), sample(batch, keys, heads, nope),
+              sample(batch, keys, rope), sample(batch, keys, heads, value))
+    out_weight = torch.randn(batch, length, heads, value, generator=generator, dtype=torch.float64)
+    results = []
+    for attend in (attend_sdpa, attend_softmax):
+        out = attend(*inputs, 0.3, start)
+        results.append((out, *torch.autograd.grad((out * out_weight).sum(), inputs)))
+    for fused, written in zip(*results):
+        torch.testing.assert_close(fused, written, rtol=1e-12, atol=1e-12)
+
+
+def test_sdpa_path_keeps_no_score_matrix_for_backward():
+    """What autograd saves on the SDPA path holds no [T, S] scores per head: nothing as large as B·H·T·S
+    (the written-out path keeps the probabilities, exactly that size)."""
+    batch, length = 2, 64
+    x = seeded_x(batch=batch, length=length, dtype=torch.float32)
+    score_numbers = batch * SMALL["n_heads"] * length * length
+
+    def largest_saved(module: GatedMLA) -> int:
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            module(x)
+        return max(sizes)
+
+    assert largest_saved(make(dtype=torch.float32, sdpa=False)) >= score_numbers
+    assert largest_saved(make(dtype=torch.float32, sdpa=True)) < score_numbers
+
+
+def test_sdpa_flag_is_checked_and_reaches_from_config():
+    with pytest.raises(TypeError, match="sdpa must be a bool"):
+        make(sdpa="yes")
+    cfg = K3Config.preset("tiny")
+    assert GatedMLA.from_config(cfg, device="meta").sdpa
+    assert not GatedMLA.from_config(cfg, device="meta", sdpa=False).sdpa
+

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from k3course import pretrained
 from k3course.accounting import meta_param_count
 from k3course.config import K3Config
+from k3course.layers.mla import GatedMLA
 from k3course.lessons.kimi_linear import randomize
 from k3course.model import K3Model
 
@@ -107,6 +108,20 @@ def test_logits_match_transformers(name, request):
         theirs = reference(ids).logits
         ours, _, _ = model(ids)
     assert relative_error(ours, theirs) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["kimi_linear", "deepseek"])
+def test_the_sdpa_path_matches_transformers(name, request, monkeypatch):
+    """Training and long prefills attend through SDPA (the naive path, ``attend_sdpa``); here forced at a short
+    length: the same logits as transformers, DeepSeek's YaRN softmax scale included."""
+    reference, model, _ = request.getfixturevalue(name)
+    attention = [module for module in model.modules() if isinstance(module, GatedMLA)]
+    assert attention and all(module.sdpa for module in attention)
+    for module in attention:
+        monkeypatch.setattr(module, "absorbed", False)
+    ids = tokens(7)
+    with torch.no_grad():
+        assert relative_error(model(ids)[0], reference(ids).logits) < TOLERANCE
 
 
 @pytest.mark.parametrize("name", ["kimi_linear", "deepseek"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3course import parts as registry
 from k3course.config import K3Config
 from k3course.layers.residual import depth_attention
 from k3course.lessons.parts import PARTS, compare, use_parts
@@ -93,3 +94,57 @@ def test_bad_parts_are_named(model):
     with pytest.raises(TypeError, match="kda_step must be a function"):
         with use_parts(kda_step=3):
             pass
+
+
+def test_the_parts_enter_through_the_registry_not_by_patching_modules(model):
+    """Inside use_parts every module still holds the package's function; the registry holds yours, nested blocks
+    give the innermost one, and each block restores what was held before it."""
+    import k3course.layers.residual as residual_module
+    import k3course.moe.layers as moe_layers
+
+    def mine(*args, **kwargs):
+        return routing.topk_route(*args, **kwargs)
+
+    def also_mine(*args, **kwargs):
+        return routing.topk_route(*args, **kwargs)
+
+    with use_parts(topk_route=mine, depth_attention=depth_attention_uniform):
+        assert (moe_layers.topk_route, chunk.ut_transform, recurrent.kda_step, residual_module.depth_attention) == (
+            routing.topk_route, UT_TRANSFORM, KDA_STEP, depth_attention)
+        assert registry.part("topk_route", routing.topk_route) is mine and registry.is_replaced("depth_attention")
+        with use_parts(topk_route=also_mine):
+            assert registry.part("topk_route", routing.topk_route) is also_mine
+        assert registry.part("topk_route", routing.topk_route) is mine
+    assert registry.part("topk_route", routing.topk_route) is routing.topk_route
+    assert not any(registry.is_replaced(name) for name in registry.PART_NAMES)
+
+
+def test_a_learners_ut_transform_is_differentiated_by_autograd_on_the_bounded_path():
+    """K3's trained path (lower bound, gradient) has a written-out backward for the package's UT transform; with a
+    learner's held, the op runs the autograd path through it, and gradients agree with the package's."""
+    from k3course.ops.chunk import kda_chunk
+
+    calls = {}
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 32, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 32, 2, 4, generator=g, dtype=torch.float64)
+    gate = -torch.rand(1, 32, 2, 8, generator=g, dtype=torch.float64)
+    beta = torch.rand(1, 32, 2, generator=g, dtype=torch.float64)
+
+    def grads(**parts):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, gate, beta)]
+        with use_parts(**parts):
+            o, _ = kda_chunk(*leaves, chunk_size=16, lower_bound=-5.0)
+        o.square().sum().backward()
+        return [x.grad for x in leaves]
+
+    package = grads()
+    learners = grads(ut_transform=counting(UT_TRANSFORM, calls, "ut_transform"))
+    assert calls["ut_transform"] >= 1
+    for mine, reference in zip(learners, package):
+        torch.testing.assert_close(mine, reference)
+
+
+def test_an_unknown_part_name_is_named():
+    with pytest.raises(ValueError, match="name must be one of the swappable parts"):
+        registry.part("top_k", routing.topk_route)

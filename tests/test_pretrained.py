@@ -54,7 +54,10 @@ def test_kimi_k2_is_read_as_deepseek_v3():
 
 
 @pytest.mark.parametrize("change, named", [
-    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}), "quantization_config.*fp8"),
+    (dict(quantization_config={"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}),
+     "quantization_config: expected fmt 'e4m3'"),
+    (dict(quantization_config={"quant_method": "fp8"}), "weight_block_size None"),
+    (dict(quantization_config={"quant_method": "awq"}), "quant_method 'awq'"),
     (dict(quantization_config={"quant_method": "compressed-tensors"}), "quantization_config.*INT4"),
     (dict(scoring_func="softmax"), "scoring_func"), (dict(topk_method="greedy"), "topk_method"),
     (dict(hidden_act="gelu"), "hidden_act"), (dict(attention_bias=True), "attention_bias"),

@@ -12,6 +12,7 @@ from k3course.cli import main
 from k3course.config import K3Config
 from k3course.lessons import kimi_linear
 from k3course.model import K3Model
+from k3course.pretrained_generation import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def greedy_reference(model, ids: list[int], steps: int) -> list[int]:
 
 def test_generate_pretrained_continues_as_transformers_does(saved, capsys):
     reference, path = saved
-    tokenizer = kimi_linear.load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
     prompt = "the cat sat on"
     expected = tokenizer.decode(greedy_reference(reference, tokenizer(prompt)["input_ids"], 12),
                                 skip_special_tokens=True)
@@ -43,7 +44,7 @@ def test_generate_pretrained_continues_as_transformers_does(saved, capsys):
 
 
 def test_the_tokenizer_is_the_checkpoints_own(saved):
-    tokenizer = kimi_linear.load_tokenizer(saved[1])
+    tokenizer = load_tokenizer(saved[1])
     ids = tokenizer("the cat")["input_ids"]
     assert len(ids) == 7 and max(ids) < kimi_linear.TINY["vocab_size"]
     assert tokenizer.decode(ids) == "the cat"
@@ -53,7 +54,7 @@ def test_a_checkpoint_without_tokenizer_or_byte_vocabulary_is_refused(saved, tmp
     for item in saved[1].iterdir():
         if not item.name.startswith("tokenizer"):
             (tmp_path / item.name).symlink_to(item)
-    assert kimi_linear.load_tokenizer(tmp_path) is None
+    assert load_tokenizer(tmp_path) is None
     assert main(["generate", "--pretrained", str(tmp_path), "--prompt", "x"]) == 2
     assert "no tokenizer" in capsys.readouterr().err
 

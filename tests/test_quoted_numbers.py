@@ -94,3 +94,13 @@ def test_lesson_15_quotes_what_kimi_linear_48b_needs_under_its_computation():
     needed = {"pretrained_weights_gib|.1f", "decode_gflop|.1f", "decode_read_gib|.1f"}
     assert needed <= markers_in(ROOT / "notebooks" / "15_kimi_linear.ipynb")
     assert [quoted.evaluate(body) for body in sorted(needed)] == ["6.3", "5.8", "91.5"]
+
+
+def test_every_chapters_numbers_are_registered_and_reachable_as_attributes():
+    from k3course.lessons.quoted import claims, size
+
+    assert quoted.active_params_b is size.active_params_b is quoted.QUOTED["active_params_b"]
+    assert quoted.claim_equal_time_steps is claims.claim_equal_time_steps
+    assert all(function.__module__.startswith("k3course.lessons.quoted.") for function in quoted.QUOTED.values())
+    with pytest.raises(AttributeError, match="no attribute 'no_such_number'"):
+        quoted.no_such_number  # noqa: B018

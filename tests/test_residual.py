@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from k3course.config import RESIDUALS
 from k3course.layers.residual import (
+    RESIDUAL_KINDS,
     BlockAttnRes,
     FullAttnRes,
     StandardResidual,
@@ -175,14 +177,16 @@ def test_fp32_input_keeps_dtype():
     assert stream.read().dtype == torch.float32
 
 
-def test_make_residual():
-    assert isinstance(make_residual("standard", L, D), StandardResidual)
-    assert isinstance(make_residual("full", L, D), FullAttnRes)
-    assert make_residual("block", L, D, 3).block_size == 3
+def test_make_residual_takes_the_configs_names():
+    assert isinstance(make_residual("prenorm", L, D), StandardResidual)
+    assert isinstance(make_residual("full_attnres", L, D), FullAttnRes)
+    assert make_residual("block_attnres", L, D, 3).block_size == 3
+    assert set(RESIDUALS) <= set(RESIDUAL_KINDS), "every K3Config.residual is a scheme of the same name"
     with pytest.raises(ValueError, match="block_size is needed"):
-        make_residual("block", L, D)
-    with pytest.raises(ValueError, match="kind must be"):
-        make_residual("dense", L, D)
+        make_residual("block_attnres", L, D)
+    for unknown in ("dense", "standard", "block"):
+        with pytest.raises(ValueError, match=r"kind must be one of \('prenorm', 'full_attnres', 'block_attnres'\)"):
+            make_residual(unknown, L, D)
 
 
 # --- bad input -------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_causal_attention_ignores_the_future():
         CausalSelfAttention(9, 2)
 
 
-@pytest.mark.parametrize("residual, block_size", [("standard", None), ("full", None), ("block", 2)])
+@pytest.mark.parametrize("residual, block_size", [("prenorm", None), ("full_attnres", None), ("block_attnres", 2)])
 def test_every_scheme_trains_below_its_start(residual, block_size):
     result = train_toy(residual, seed=0, steps=25, vocab=6, d_model=16, n_layers=2, block_size=block_size,
                        batch=8, length=12)
@@ -64,13 +64,13 @@ def test_every_scheme_trains_below_its_start(residual, block_size):
 def test_prenorm_stream_grows_and_attnres_stays_bounded_at_init():
     tokens = torch.randint(8, (4, 16), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    standard = sublayer_input_rms(ToyDecoder(8, 16, 8, "standard"), tokens)
+    standard = sublayer_input_rms(ToyDecoder(8, 16, 8, "prenorm"), tokens)
     torch.manual_seed(0)
-    full = sublayer_input_rms(ToyDecoder(8, 16, 8, "full"), tokens)
+    full = sublayer_input_rms(ToyDecoder(8, 16, 8, "full_attnres"), tokens)
     assert standard[-1] > 1.1 * standard[0]                      # outputs pile up on the stream
     assert full.max() <= standard[0] + 1e-6                      # a uniform average never exceeds its sources
 
 
 def test_too_long_sequence_is_named():
     with pytest.raises(ValueError, match="length 9 exceeds max_len=8"):
-        ToyDecoder(4, 8, 1, "standard", max_len=8)(torch.zeros(1, 9, dtype=torch.long))
+        ToyDecoder(4, 8, 1, "prenorm", max_len=8)(torch.zeros(1, 9, dtype=torch.long))

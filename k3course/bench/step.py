@@ -26,10 +26,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from k3course.baselines import dense_transformer
 from k3course.bench import BACKWARD_EVENT, add_options, apply_options, profile_calls
 from k3course.config import K3Config
 from k3course.device import interleaved_best_seconds
-from k3course.lessons.claims import dense_transformer
 from k3course.model import K3Model
 
 STEP, OTHER = "step", "other"

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from k3course.baselines import dense_transformer
 from k3course.bench import add_options, apply_options
 from k3course.config import K3Config
 from k3course.device import interleaved_best_seconds
-from k3course.lessons.claims import dense_transformer
 from k3course.lessons.experiments import machine
 from k3course.train import RunOptions, Stepper, TrainConfig, compile_for_training, run_corpus, text_batches
 

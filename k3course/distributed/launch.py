@@ -19,10 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from k3course.kernels import select_triton_mode
-
-select_triton_mode()  # in every spawned rank, before anything imports triton
-
 
 class RankFailed(RuntimeError):
     """A rank of :func:`run_ranks` raised; the message holds the traceback of the rank that failed first."""

@@ -1,10 +1,22 @@
 """Triton kernels. The one place that decides native vs interpreter (lesson 08).
 
-Triton picks its interpreter when ``@triton.jit`` runs, so the mode must be chosen before any kernel module
-is imported: :func:`select_triton_mode` does it, explicitly. Every kernel module calls it first thing (before
-``import triton``), so importing a kernel through this package (``from k3course.kernels import kda_chunk``)
-still works on a CPU-only machine; importing ``k3course.kernels`` itself changes nothing. Call it yourself
-before anything else imports triton (fla does): tests/conftest.py does so for the test suite.
+Triton makes a kernel compiled or interpreted when ``@triton.jit`` runs (its own ``tl.sum`` & co. when triton is
+first imported), so the mode is chosen once per process, before triton loads, by :func:`select_triton_mode` —
+where a kernel is first needed, never by importing the package:
+
+- the layers and the MoE dispatch ask :func:`use_triton` when they first run, and import a kernel module only
+  when it says yes;
+- each kernel module (``basics``, ``kda_chunk``, ``kda_decode``, ``grouped_gemm``) chooses first thing, before
+  its own ``import triton``, so importing one directly works on a CPU-only machine too.
+
+The one rule for a notebook (lesson 08 states it): **call** ``k3course.kernels.select_triton_mode()`` **in the
+first cell, before anything imports triton** — your own ``@triton.jit`` kernels, fla, transformers' Kimi Linear.
+tests/conftest.py does so for the test suite.
+
+Choosing changes no environment variable: on a CPU (triton installed, ``TRITON_INTERPRET`` unset) triton is
+imported with ``TRITON_INTERPRET=1`` for that moment only, and Triton's own switch
+``triton.knobs.runtime.interpret`` keeps the interpreter on for the rest of the process. A child process starts
+unchosen and chooses for itself when it needs a kernel.
 """
 
 from __future__ import annotations
@@ -23,8 +35,9 @@ def select_triton_mode() -> str:
     """Choose Triton's mode once and return it: 'native' (a CUDA GPU), 'interpreter' (``TRITON_INTERPRET=1``:
     CPU tensors, fp32) or 'unavailable' (triton not installed).
 
-    With triton installed, no GPU and ``TRITON_INTERPRET`` unset, this sets ``TRITON_INTERPRET=1`` in
-    ``os.environ`` — the one place the package writes to the environment. Later calls return the first answer.
+    With triton installed, no GPU and ``TRITON_INTERPRET`` unset, this imports triton with its interpreter
+    switched on (:func:`_import_triton_interpreted`); ``os.environ`` is left as it was. Later calls return the
+    first answer.
     """
     global _mode
     if _mode is None:
@@ -35,10 +48,23 @@ def select_triton_mode() -> str:
         elif torch.cuda.is_available():
             _mode = "native"
         else:
-            os.environ["TRITON_INTERPRET"] = "1"
+            _import_triton_interpreted()
             _mode = "interpreter"
         _warn_if_triton_came_first(_mode)
     return _mode
+
+
+def _import_triton_interpreted() -> None:
+    """Import triton with ``TRITON_INTERPRET=1`` set only while it loads (so its own jit helpers are made
+    interpreted), and switch on its interpreter knob, which outlives the variable: every ``@triton.jit`` after
+    this is interpreted, and the environment is as it was."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+
+        triton.knobs.runtime.interpret = True
+    finally:
+        del os.environ["TRITON_INTERPRET"]
 
 
 def __getattr__(name: str):

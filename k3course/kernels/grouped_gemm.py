@@ -7,6 +7,11 @@ all the tiles: program (tile, n-block) looks up which expert its tile belongs to
 expert's weight. Nothing is read back to the host: the tile table is built on the device with a prefix sum and
 ``searchsorted``, and the grid is sized by the upper bound ⌈M / BM⌉ + E (programs past the last tile exit).
 
+The backward is two more launches, offsets still on the device. dX_e = dY_e W_eᵀ is the same kernel on the
+transposed weights (a strided view, no copy). dW_e = X_eᵀ dY_e is a grouped reduction: program (e, k-block,
+n-block) owns one [BK, BN] tile of dW_e and walks expert e's rows in BM-row steps, accumulating in fp32; the
+loop bounds are the expert's offsets, loaded inside the kernel, so an empty expert's programs store zeros.
+
 This is the pattern of vLLM's fused MoE and torchtitan's grouped experts; ``torch._grouped_mm`` is the peer.
 """
 
@@ -83,11 +88,13 @@ def _tile_table(group_ends: torch.Tensor, tile_rows: int, num_rows: int):
     return starts, tile_expert, tile_ends - tiles_per_expert, max_tiles
 
 
-def _launch(x: torch.Tensor, weights: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-    """out = per-expert x @ weights[e]; weights may be any strided view (e.g. a transpose)."""
+def _launch(x: torch.Tensor, weights: torch.Tensor, group_ends: torch.Tensor,
+            unowned_rows_zero: bool = False) -> torch.Tensor:
+    """out = per-expert x @ weights[e]; weights may be any strided view (e.g. a transpose). Rows past the last
+    end are left uninitialised, or zero with ``unowned_rows_zero`` (an input gradient: they touched nothing)."""
     M, K = x.shape
     E, _, N = weights.shape
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = (torch.zeros if unowned_rows_zero else torch.empty)(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
     x = x.contiguous()
@@ -101,21 +108,70 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, group_ends: torch.Tensor) ->
     return out
 
 
-def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-    """dW[e] = x_eᵀ grad_out_e, expert by expert (the backward's weight gradient)."""
-    E = group_ends.numel()
-    grad_w = torch.zeros(E, x.shape[1], grad_out.shape[1], dtype=torch.float32, device=x.device)
-    bounds = torch.cat([group_ends.new_zeros(1), group_ends]).tolist()
-    for e in range(E):
-        lo, hi = bounds[e], bounds[e + 1]
-        if hi > lo:
-            grad_w[e] = x[lo:hi].float().T @ grad_out[lo:hi].float()
+def _weight_grad_configs() -> list[triton.Config]:
+    """dW tile shapes (BK × BN output, BM rows per step of the reduction) to autotune over on a GPU; one under
+    the interpreter."""
+    if TRITON_MODE != "native":
+        return [triton.Config({"BM": 16, "BK": 32, "BN": 32}, num_warps=4, num_stages=1)]
+    shapes = [(64, 64, 64, 4, 3), (32, 128, 128, 8, 3), (64, 128, 64, 4, 4), (32, 64, 128, 4, 4)]
+    return [triton.Config({"BM": bm, "BK": bk, "BN": bn}, num_warps=w, num_stages=s) for bm, bk, bn, w, s in shapes]
+
+
+@triton.autotune(configs=_weight_grad_configs(), key=["K", "N"])
+@triton.jit
+def _grouped_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, group_start_ptr, group_end_ptr, K, N,
+                                stride_xm, stride_dym, stride_we, stride_wk,
+                                BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, EXACT_FP32: tl.constexpr):
+    """dW[e] tile = Σ over expert e's rows m of x[m, k-block]ᵀ dy[m, n-block], one [BK, BN] tile per program.
+
+    The reduction walks the expert's own rows [start, end) in BM-row steps, bounds read on the device; an
+    empty expert runs no step and stores zeros.
+    """
+    expert, k_block, n_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row_start = tl.load(group_start_ptr + expert)
+    row_end = tl.load(group_end_ptr + expert)
+    depth = k_block * BK + tl.arange(0, BK)
+    cols = n_block * BN + tl.arange(0, BN)
+    depth_ok, col_ok = depth < K, cols < N
+    acc = tl.zeros([BK, BN], dtype=tl.float32)
+    for first_row in range(row_start, row_end, BM):
+        rows = first_row + tl.arange(0, BM)
+        row_ok = rows < row_end
+        x_t = tl.load(x_ptr + rows[None, :].to(tl.int64) * stride_xm + depth[:, None],
+                      mask=depth_ok[:, None] & row_ok[None, :], other=0.0)           # [BK, BM]: x rows, transposed
+        dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dym + cols[None, :],
+                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)              # [BM, BN]
+        if EXACT_FP32:
+            acc = tl.dot(x_t, dy, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x_t, dy, acc)
+    tl.store(dw_ptr + expert.to(tl.int64) * stride_we + depth[:, None] * stride_wk + cols[None, :],
+             acc.to(dw_ptr.dtype.element_ty), mask=depth_ok[:, None] & col_ok[None, :])
+
+
+def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor, group_ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dW[e] = x_eᵀ grad_out_e for every expert in one launch (a grouped reduction, fp32 accumulation).
+
+    x [M, K], grad_out [M, N], group_ends [E] (on the device, never read back) -> dW [E, K, N] in ``dtype``;
+    zero for an expert with no rows.
+    """
+    (M, K), N, E = x.shape, grad_out.shape[1], group_ends.numel()
+    grad_w = torch.empty(E, K, N, dtype=dtype, device=x.device)
+    if M == 0:
+        return grad_w.zero_()
+    x, grad_out = x.contiguous(), grad_out.contiguous()
+    ends = group_ends.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    grid = lambda meta: (E, triton.cdiv(K, meta["BK"]), triton.cdiv(N, meta["BN"]))
+    _grouped_weight_grad_kernel[grid](x, grad_out, grad_w, starts, ends, K, N, x.stride(0), grad_out.stride(0),
+                                      grad_w.stride(0), grad_w.stride(1), EXACT_FP32=x.dtype == torch.float32)
     return grad_w
 
 
 class _GroupedGemmFunction(torch.autograd.Function):
-    """Forward and input gradient are the grouped kernel (the latter with the transposed weights, a free view);
-    the weight gradient is a per-expert loop of torch matmuls."""
+    """All three products are grouped Triton launches that read the offsets on the device only:
+    forward Y_e = X_e W_e; input gradient dX_e = dY_e W_eᵀ (the forward kernel on the transposed weights, a free
+    view; rows no expert owns get zero); weight gradient dW_e = X_eᵀ dY_e (:func:`_weight_grad`)."""
 
     @staticmethod
     def forward(ctx, x, weights, group_ends):
@@ -127,9 +183,9 @@ class _GroupedGemmFunction(torch.autograd.Function):
         x, weights, group_ends = ctx.saved_tensors
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = _launch(grad_out.contiguous(), weights.transpose(1, 2), group_ends)
+            grad_x = _launch(grad_out.contiguous(), weights.transpose(1, 2), group_ends, unowned_rows_zero=True)
         if ctx.needs_input_grad[1]:
-            grad_w = _weight_grad(x, grad_out, group_ends).to(weights.dtype)
+            grad_w = _weight_grad(x, grad_out, group_ends, weights.dtype)
         return grad_x, grad_w, None
 
 

@@ -18,6 +18,10 @@ naive    up-project every cached latent to k_nope and v for every head, then att
 absorbed fold W_UK into the query (q̃_h = W_UK[h]ᵀ q_nope_h ∈ R^r) and W_UV into the output
          (o_h = W_UV[h] Σ_s p_s c_s), so attention runs directly over the 576-wide cache.
 
+The naive path attends through ``torch.nn.functional.scaled_dot_product_attention`` (:func:`attend_sdpa`: a
+fused kernel that does not store the [T, S] scores); :func:`attend_softmax` writes the same softmax out (the
+lesson's rung, and the absorbed path's: decoding's few queries make a small score matrix, nothing to fuse away).
+
 The module-level functions count cache sizes for the KV-cache comparison (MHA / GQA / MLA / the KDA state).
 """
 
@@ -224,6 +228,15 @@ def absorb_query(q_nope: torch.Tensor, k_up: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bthn,hnr->bthr", q_nope, k_up)
 
 
+def visible_keys(n_queries: int, n_keys: int, start: int, device=None) -> torch.Tensor:
+    """The causal mask with a cache prefix: visible[t, s] = s ≤ start + t (query t sits at position start + t).
+
+    Returns a bool [n_queries, n_keys]; with start = 0 and n_keys = n_queries it is the lower triangle.
+    """
+    query_pos = start + torch.arange(n_queries, device=device)
+    return torch.arange(n_keys, device=device)[None, :] <= query_pos[:, None]
+
+
 def attention_probs(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
                     scale: float | None = None, start: int = 0) -> torch.Tensor:
     """Causal MLA attention weights p[b, h, t, s] = softmax_s((q_nope·k_nope + q_rope·k_rope) · scale), s ≤ start + t.
@@ -237,10 +250,50 @@ def attention_probs(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Te
         scale = (q_nope.shape[-1] + q_rope.shape[-1]) ** -0.5
     nope = "bthn,bshn->bhts" if k_nope.dim() == 4 else "bthn,bsn->bhts"
     scores = (torch.einsum(nope, q_nope, k_nope) + torch.einsum("bthe,bse->bhts", q_rope, k_rope)) * scale
-    query_pos = start + torch.arange(scores.shape[-2], device=scores.device)
-    visible = torch.arange(scores.shape[-1], device=scores.device)[None, :] <= query_pos[:, None]   # [T, S]
+    visible = visible_keys(scores.shape[-2], scores.shape[-1], start, scores.device)     # [T, S]
     wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
     return torch.softmax(wide.masked_fill(~visible, float("-inf")), dim=-1)
+
+
+def attend_softmax(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
+                   values: torch.Tensor, scale: float, start: int = 0) -> torch.Tensor:
+    """Causal attention written out: o[b, t, h] = Σ_s p[b, h, t, s] v[b, s, h], p from :func:`attention_probs`.
+
+    The lesson's rung: the whole score matrix [B, H, T, S] is built, and autograd keeps it for the backward.
+    q_nope [B, T, H, n], q_rope [B, T, H, e]; k_nope [B, S, H, n]; k_rope [B, S, e] (shared by the heads);
+    values [B, S, H, v]; query t sits at position start + t. Returns o [B, T, H, v] in q_nope's dtype.
+    """
+    probs = attention_probs(q_nope, q_rope, k_nope, k_rope, scale, start)      # [B, H, T, S]
+    return torch.einsum("bhts,bshv->bthv", probs, values.to(probs.dtype)).to(q_nope.dtype)
+
+
+def attend_sdpa(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
+                values: torch.Tensor, scale: float, start: int = 0) -> torch.Tensor:
+    """The same causal attention as :func:`attend_softmax`, through ``F.scaled_dot_product_attention``.
+
+    q = [q_nope ; q_rope] and k = [k_nope ; k_rope] per head, so q·k = q_nope·k_nope + q_rope·k_rope. The fused
+    kernels (flash on a CPU; flash or memory-efficient on CUDA) do not store the [T, S] scores but want one head
+    width for q, k and v, so the narrower side is padded with zeros to w = max(n + e, v): zero query/key columns
+    add nothing to q·k (the scale is passed, not derived from w), zero value columns give zero outputs, sliced
+    off. With no cache prefix (start = 0) the mask is SDPA's is_causal (s ≤ t); a prefix shifts the diagonal,
+    so the mask :func:`visible_keys` is passed explicitly; when every query sees every key (start ≥ S − 1: one
+    new token after the prefix) there is none. Shapes as :func:`attend_softmax`; returns o [B, T, H, v].
+    """
+    n_queries, n_keys, value_width = q_nope.shape[1], k_nope.shape[1], values.shape[-1]
+    shared_rope = k_rope[:, :, None, :].expand(-1, -1, k_nope.shape[2], -1)             # [B, S, H, e]
+    query, key = torch.cat([q_nope, q_rope], dim=-1), torch.cat([k_nope, shared_rope], dim=-1)
+    width = max(query.shape[-1], value_width)
+    query, key, values = (_zero_pad_last(t, width).transpose(1, 2) for t in (query, key, values))   # [B, H, ·, w]
+    sees_all = start >= n_keys - 1
+    causal = start == 0 and not sees_all
+    mask = None if sees_all or causal else visible_keys(n_queries, n_keys, start, q_nope.device)   # [T, S]
+    out = F.scaled_dot_product_attention(query, key, values, attn_mask=mask, is_causal=causal, scale=scale)
+    return out[..., :value_width].transpose(1, 2)                                      # [B, T, H, v]
+
+
+def _zero_pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [..., w₀] with zeros appended to width w ≥ w₀ (x itself when w = w₀)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
 class GatedMLA(nn.Module):
@@ -254,13 +307,17 @@ class GatedMLA(nn.Module):
     numbers). ``max_cache_len`` (optional) bounds the cache length. ``use_rope`` rotates the rope dims by
     ``rope_theta`` (:func:`rope_rotate`: ``rope_interleaved`` pairs, ``yarn`` scaling, whose score gain also
     multiplies the softmax scale); ``eps``: ε of the q and latent RMSNorms (1e-6 in K3, DeepSeek-V3 and Kimi Linear).
+    ``sdpa`` (default) runs the naive path's attention through torch's fused ``scaled_dot_product_attention``
+    (:func:`attend_sdpa`); False runs the written-out softmax (:func:`attend_softmax`), the lesson's rung. The
+    absorbed path always uses the written-out softmax: it serves decoding, a few queries per step against the
+    shared latent, where the score matrix [B, H, T, S] is small.
     """
 
     def __init__(self, d_model: int, n_heads: int, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, gated: bool = True, use_rope: bool = False,
                  rope_theta: float = 10000.0, max_cache_len: int | None = None, absorbed: bool | None = None,
                  eps: float = NORM_EPS, device=None, dtype=None, rope_interleaved: bool = False,
-                 yarn: YaRN | None = None):
+                 yarn: YaRN | None = None, sdpa: bool = True):
         super().__init__()
         sizes = dict(d_model=d_model, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
                      v_head_dim=v_head_dim, q_lora_rank=1 if q_lora_rank is None else q_lora_rank)
@@ -277,8 +334,10 @@ class GatedMLA(nn.Module):
             raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
         if absorbed not in (None, True, False):
             raise ValueError(f"absorbed must be None (auto), True or False, got {absorbed!r}")
+        if not isinstance(sdpa, bool):
+            raise TypeError(f"sdpa must be a bool, got {sdpa!r}")
         factory = dict(device=device, dtype=dtype)
-        self.absorbed = absorbed
+        self.absorbed, self.sdpa = absorbed, sdpa
         self.n_heads, self.kv_lora_rank = n_heads, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.gated, self.use_rope, self.rope_theta, self.max_cache_len = gated, use_rope, rope_theta, max_cache_len
@@ -335,11 +394,12 @@ class GatedMLA(nn.Module):
         return q_nope, q_rope
 
     def attend_naive(self, q_nope, q_rope, cache: MLACache, start: int) -> torch.Tensor:
-        """Up-project the whole cache to per-head keys and values, then attend. Returns o [B, T, H, v]."""
+        """Up-project the whole cache to per-head keys and values, then attend (:func:`attend_sdpa`, or the
+        written-out :func:`attend_softmax` when ``sdpa`` is off). Returns o [B, T, H, v]."""
         k_nope = torch.einsum("bsr,hnr->bshn", cache.latent, self.k_up)     # [B, S, H, nope]
         values = torch.einsum("bsr,hvr->bshv", cache.latent, self.v_up)     # [B, S, H, v]
-        probs = attention_probs(q_nope, q_rope, k_nope, cache.rope_key, self.scale, start)     # [B, H, T, S]
-        return torch.einsum("bhts,bshv->bthv", probs, values.to(probs.dtype)).to(q_nope.dtype)
+        attend = attend_sdpa if self.sdpa else attend_softmax
+        return attend(q_nope, q_rope, k_nope, cache.rope_key, values, self.scale, start)
 
     def attend_absorbed(self, q_nope, q_rope, cache: MLACache, start: int) -> torch.Tensor:
         """Attend over the latent cache itself: W_UK folded into the query, W_UV applied after. o [B, T, H, v]."""

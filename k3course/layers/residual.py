@@ -7,7 +7,7 @@ A stack of L sub-layers (a decoder layer is two: attention, then MLP) uses any s
         stream.write(sublayer(norm(stream.read())))
     h = stream.final()                        # what the output norm reads
 
-standard      read() = v_0 + v_1 + … + v_{l-1}: each earlier output has weight 1, so the stream grows O(L)
+prenorm       read() = v_0 + v_1 + … + v_{l-1}: each earlier output has weight 1, so the stream grows O(L)
               and a late layer's contribution is diluted.
 FullAttnRes   read() = Σ_{i<l} softmax_i(w_lᵀ RMSNorm(v_i)) v_i over the embedding and every earlier output.
 BlockAttnRes  outputs are grouped into blocks of ``block_size`` sub-layers, each represented by its sum;
@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from k3course.ops.norm import NORM_EPS
 from k3course.params import no_weight_decay
+from k3course.parts import part
 
 
 def depth_attention(query: torch.Tensor, sources: torch.Tensor,
@@ -197,7 +198,8 @@ class _DepthStream(_Stream):
         raise NotImplementedError
 
     def _attend(self, index: int) -> torch.Tensor:
-        h, weights = depth_attention(self.scheme.queries[index], self.sources(), self.scheme.eps)
+        attend = part("depth_attention", depth_attention)  # a learner's, while k3course.parts holds one
+        h, weights = attend(self.scheme.queries[index], self.sources(), self.scheme.eps)
         if self.record:
             self.weights.append(weights.detach())
         return h
@@ -266,17 +268,22 @@ class _BlockStream(_DepthStream):
             self.partial = None
 
 
+RESIDUAL_KINDS = ("prenorm", "full_attnres", "block_attnres")
+
+
 def make_residual(kind: str, n_sublayers: int, d_model: int, block_size: int | None = None) -> nn.Module:
-    """'standard', 'full' or 'block' (needs block_size) -> the residual scheme module."""
-    if kind == "standard":
+    """The residual scheme module of ``kind``, named as ``K3Config.residual`` names it: 'prenorm' (standard
+    PreNorm), 'block_attnres' (needs block_size), or 'full_attnres' (the config's 'block_attnres' with block size
+    1, written as its own scheme)."""
+    if kind == "prenorm":
         return StandardResidual(n_sublayers, d_model)
-    if kind == "full":
+    if kind == "full_attnres":
         return FullAttnRes(n_sublayers, d_model)
-    if kind == "block":
+    if kind == "block_attnres":
         if block_size is None:
-            raise ValueError("block_size is needed for kind='block'")
+            raise ValueError("block_size is needed for kind='block_attnres'")
         return BlockAttnRes(n_sublayers, d_model, block_size)
-    raise ValueError(f"kind must be 'standard', 'full' or 'block', got {kind!r}")
+    raise ValueError(f"kind must be one of {RESIDUAL_KINDS}, got {kind!r}")
 
 
 def depth_weight_matrix(weights: list[torch.Tensor], n_sublayers: int, block_size: int | None = None) -> torch.Tensor:

@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from k3course import accounting, data, train
+from k3course import data, train
+from k3course.baselines import dense_transformer, solve_width
 from k3course.config import K3Config
 from k3course.data import IGNORE
 from k3course.moe.latent import all_to_all_bytes_per_token, moe_flops_per_token
@@ -55,31 +56,6 @@ MQAR_HELD_OUT = 256  # held-out sequences for recall accuracy (seed 10⁹ + seed
 
 
 # --- the variants ---------------------------------------------------------------------------------------
-
-def solve_width(make: Callable[[int], K3Config], measure: Callable[[K3Config], int], target: int) -> K3Config:
-    """``make(w)`` for the integer w ≥ 1 whose ``measure`` is nearest ``target``; ``measure(make(w))`` must be
-    affine in w (a parameter or FLOP count in a width): w = round(1 + (target − m(1)) / (m(2) − m(1)))."""
-    at_one, at_two = measure(make(1)), measure(make(2))
-    if at_two == at_one:
-        raise ValueError("make: the width does not change the measure, so no width can match the target")
-    return make(max(1, round(1 + (target - at_one) / (at_two - at_one))))
-
-
-def active_params(cfg: K3Config) -> int:
-    return accounting.param_count(cfg).active
-
-
-def dense_transformer(cfg: K3Config) -> K3Config:
-    """The dense Transformer with ``cfg``'s active parameters, as a practitioner would train it: every layer
-    (ungated) MLA with RoPE on its rope dims (DeepSeek-V3's attention: K3's MLA is NoPE because its KDA layers carry
-    position, and a model without them would have none), a dense SwiGLU FFN, PreNorm residuals, no MoE; the FFN
-    width is solved so its active (= total) parameters equal cfg's active."""
-    def make(width: int) -> K3Config:
-        return cfg.replace(name=f"dense ({cfg.name})", kda_per_mla=0, mla_gated=False, mla_rope=True,
-                           ffn_activation="swiglu", residual="prenorm", first_k_dense=cfg.n_layers,
-                           dense_ffn_dim=width)
-    return solve_width(make, active_params, active_params(cfg))
-
 
 def hybrid_variants(cfg: K3Config = DEEP) -> dict[str, K3Config]:
     """KDA:MLA schedules of ``cfg``'s depth: all-MLA (0:1), 1:1, 3:1, 7:1 and all-KDA (the last layer stays MLA

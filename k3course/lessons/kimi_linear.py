@@ -4,29 +4,25 @@ The one lesson that uses transformers (the ``oracle`` extra, imported inside the
 
     tiny_kimi_linear, tiny_deepseek_v3   a tiny random model built and saved by transformers (with a character
                                          tokenizer saved beside it), returned with its folder
-    transformers                         the package, imported after the Triton mode is chosen
     relative_error                       max |ours − theirs| / max |theirs|
     decode_needs                         what a preset needs to decode: bf16 weights, FLOPs and weight bytes per token
-    load_tokenizer, pretrained_text      a checkpoint's own tokenizer (AutoTokenizer, local files only) and the
-                                         text K3Model.from_pretrained generates with it (`k3course generate
-                                         --pretrained PATH`)
+
+A checkpoint's own tokenizer and ``k3course generate --pretrained PATH`` are core features:
+:mod:`k3course.pretrained_generation`.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import warnings
-from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from k3course import accounting, kernels
+from k3course import accounting
 from k3course.config import K3Config
-from k3course.model import K3Model
+from k3course.pretrained_generation import import_transformers
 
 # A tiny model's sizes, in transformers' config keys (shared by both model types)
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=2,
@@ -39,17 +35,6 @@ SPECIALS = ("<pad>", "<s>", "</s>")
 KDA_OPS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update")
 
 
-def transformers():
-    """The transformers package, imported after :func:`k3course.kernels.select_triton_mode` (transformers imports
-    fla, which imports triton: the Triton mode must be chosen first) and without fla's notice that Triton has no
-    GPU here."""
-    kernels.select_triton_mode()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Triton is not supported", category=UserWarning)
-        importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
-        return importlib.import_module("transformers")
-
-
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     """max |ours − theirs| / max |theirs|, in float64."""
     return float((ours.double() - theirs.double()).abs().max() / theirs.double().abs().max())
@@ -59,7 +44,7 @@ def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 def torch_kda_paths():
     """Inside the block transformers' Kimi Linear runs its PyTorch KDA and convolution on a CPU (the Triton
     kernels of fla, which it binds when fla is installed, need a GPU); on a GPU it changes nothing."""
-    modeling = transformers().models.kimi_linear.modeling_kimi_linear
+    modeling = import_transformers().models.kimi_linear.modeling_kimi_linear
     bound = {name: getattr(modeling, name) for name in KDA_OPS if hasattr(modeling, name)}
     try:
         if not torch.cuda.is_available():
@@ -92,7 +77,7 @@ def char_tokenizer():
     tokens <pad> <s> </s> (0, 1, 2); characters outside the set are dropped."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    PreTrainedTokenizerFast = transformers().PreTrainedTokenizerFast
+    PreTrainedTokenizerFast = import_transformers().PreTrainedTokenizerFast
 
     vocab = {token: i for i, token in enumerate([*SPECIALS, *CHARACTERS])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
@@ -103,7 +88,7 @@ def char_tokenizer():
 
 
 def _saved(model: torch.nn.Module, path: Path | str, seed: int, **save_options) -> tuple[torch.nn.Module, Path]:
-    transformers().utils.logging.disable_progress_bar()  # no "Writing model shards" bar in the lesson's output
+    import_transformers().utils.logging.disable_progress_bar()  # no "Writing model shards" bar in the lesson's output
     randomize(model, seed)
     path = Path(path)
     model.save_pretrained(path, **save_options)
@@ -115,7 +100,7 @@ def tiny_kimi_linear(path: Path | str, seed: int = 0) -> tuple[torch.nn.Module, 
     """A 4-layer Kimi Linear (KDA, NoPE MLA, KDA, NoPE MLA; a dense first FFN, then 8-expert sigmoid MoE with a
     shared expert) built by transformers with seeded random weights, saved in ``path`` in shards of 40 KiB with
     an index, with :func:`char_tokenizer`. Returns (transformers' model in eval mode, path)."""
-    hf = transformers()
+    hf = import_transformers()
     config = hf.KimiLinearConfig(**TINY | dict(
         num_hidden_layers=4, num_local_experts=8, linear_num_heads=2, linear_head_dim=8, n_group=1, topk_group=1,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]))
@@ -127,7 +112,7 @@ def tiny_deepseek_v3(path: Path | str, seed: int = 0) -> tuple[torch.nn.Module, 
     """A 3-layer DeepSeek-V3 (MLA with YaRN RoPE: factor 4 over 16 original positions, mscale_all_dim 0.8; a
     dense first FFN, then 8 experts in 4 groups keeping 2), built and saved by transformers with seeded random
     weights and :func:`char_tokenizer`. Returns (transformers' model in eval mode, path)."""
-    hf = transformers()
+    hf = import_transformers()
     yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, beta_fast=32.0,
                 beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
     config = hf.DeepseekV3Config(**TINY | dict(
@@ -140,7 +125,7 @@ def tiny_deepseek_v3(path: Path | str, seed: int = 0) -> tuple[torch.nn.Module, 
 @dataclass(frozen=True)
 class DecodeNeeds:
     """What decoding one token needs: ``weight_bytes`` (all weights stored), ``flops_per_token`` and
-    ``read_bytes_per_token`` (the active weights read once per step, the embedding row aside)."""
+    ``read_bytes_per_token`` (the active weights one decode step of one sequence reads: the embedding's one row)."""
 
     weight_bytes: int
     flops_per_token: int
@@ -152,55 +137,9 @@ def decode_needs(cfg: K3Config, dtype_bytes: int = 2, context: int = 0) -> Decod
 
         weight_bytes          = total parameters · dtype_bytes
         flops_per_token       = accounting.decode_flops_per_token(cfg, context)   (2 per active weight + attention)
-        read_bytes_per_token  = (active parameters − embedding) · dtype_bytes     (a lookup reads one row)
+        read_bytes_per_token  = accounting.decode_weight_params(cfg, 1) · dtype_bytes   (the course's one
+                                convention, lesson 14's: a lookup reads its row; a tied head reads the table)
     """
-    count = accounting.param_count(cfg)
-    read = (count.active - count.components["embedding"][1]) * dtype_bytes
-    return DecodeNeeds(count.total * dtype_bytes, accounting.decode_flops_per_token(cfg, context), read)
-
-
-def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
-    """The checkpoint's own tokenizer through transformers' AutoTokenizer (local files only, nothing downloaded),
-    or None when the folder holds no tokenizer files. The released Kimi checkpoints ship their tokenizer as code
-    (``tokenization_kimi.py``): loading it runs that code, so it needs ``trust_remote_code=True``."""
-    path = Path(path)
-    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tiktoken.model")):
-        return None
-    auto = transformers().AutoTokenizer
-    return auto.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-
-
-def pretrained_text(path: Path | str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
-                    top_k: int | None = None, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                    trust_remote_code: bool = False) -> Iterator[str]:
-    """``k3course generate --pretrained PATH``: the prompt continued by ``K3Model.from_pretrained(path)``, encoded
-    and decoded with the checkpoint's tokenizer (:func:`load_tokenizer`), or as UTF-8 bytes when it has none and
-    its vocabulary holds the 256 byte values (a course model saved with ``save_pretrained``). Yields the prompt,
-    then the continuation as it grows (text held back while it ends in an incomplete character, U+FFFD)."""
-    tokenizer = load_tokenizer(path, trust_remote_code)
-    model = K3Model.from_pretrained(path, device=device, dtype=dtype)
-    if tokenizer is None and model.cfg.vocab_size < 256:
-        raise ValueError(f"path: {path} holds no tokenizer and its vocabulary ({model.cfg.vocab_size}) is too small "
-                         f"for bytes")
-    encode = (lambda text: tokenizer(text)["input_ids"]) if tokenizer else (lambda text: list(text.encode()))
-    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else \
-        (lambda ids: bytes(ids).decode(errors="replace"))
-    ids = encode(prompt)
-    if not ids:
-        raise ValueError(f"prompt: {prompt!r} encodes to no tokens")
-    sampled = model.stream(torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, seed)
-    return _grown(prompt, sampled, decode)
-
-
-def _grown(prompt: str, sampled: Iterator[torch.Tensor], decode) -> Iterator[str]:
-    """The prompt, then each piece the decoded continuation adds as tokens arrive."""
-    yield prompt
-    new: list[int] = []
-    shown = ""
-    for token in sampled:
-        new.append(int(token))
-        text = decode(new)
-        if text.startswith(shown) and not text.endswith("\ufffd"):
-            yield text[len(shown):]
-            shown = text
-    yield decode(new)[len(shown):]
+    read = accounting.decode_weight_params(cfg, 1) * dtype_bytes
+    return DecodeNeeds(accounting.param_count(cfg).total * dtype_bytes, accounting.decode_flops_per_token(cfg, context),
+                       int(read))

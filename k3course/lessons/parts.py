@@ -1,7 +1,7 @@
 """Run the real model with your own chapter functions in place of the package's, and see where it departs.
 
-The model calls a few key functions by name from their modules; :func:`use_parts` points those names at your
-functions for the duration of a ``with`` block (and always restores them)::
+The model asks the registry :mod:`k3course.parts` for a few key functions where it calls them; :func:`use_parts`
+puts yours there for the duration of a ``with`` block (and always restores the package's)::
 
     with use_parts(topk_route=my_topk_route, depth_attention=my_depth_attention):
         logits, _, _ = model(tokens)
@@ -17,43 +17,16 @@ KDA path (training, and inference on more than a chunk of tokens); ``kda_step`` 
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-# part name -> (module, attribute) the model looks the function up in at call time
-PARTS: dict[str, tuple[str, str]] = {
-    "topk_route": ("k3course.moe.layers", "topk_route"),
-    "router_scores": ("k3course.moe.layers", "router_scores"),
-    "ut_transform": ("k3course.ops.chunk", "ut_transform"),
-    "kda_step": ("k3course.ops.recurrent", "kda_step"),
-    "depth_attention": ("k3course.layers.residual", "depth_attention"),
-}
+from k3course.parts import PART_NAMES, use_parts
 
+PARTS = PART_NAMES  # the swappable parts, by name
 
-@contextmanager
-def use_parts(**functions: Callable) -> Iterator[None]:
-    """Inside the block the model calls ``functions[name]`` wherever it would call the package's ``name``
-    (one of :data:`PARTS`); each must take and return what the package's function does."""
-    unknown = sorted(set(functions) - set(PARTS))
-    if unknown:
-        raise ValueError(f"unknown part(s) {unknown}; the model's swappable parts are {sorted(PARTS)}")
-    for name, fn in functions.items():
-        if not callable(fn):
-            raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
-    originals = {}
-    try:
-        for name, fn in functions.items():
-            module = importlib.import_module(PARTS[name][0])
-            originals[name] = (module, getattr(module, PARTS[name][1]))
-            setattr(module, PARTS[name][1], fn)
-        yield
-    finally:
-        for name, (module, original) in originals.items():
-            setattr(module, PARTS[name][1], original)
+__all__ = ["PARTS", "Comparison", "Departure", "compare", "use_parts"]
 
 
 @dataclass(frozen=True)

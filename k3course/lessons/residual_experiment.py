@@ -71,7 +71,8 @@ class CausalSelfAttention(nn.Module):
 class ToyDecoder(nn.Module):
     """Token + position embedding → n_layers × [attention, MLP] (PreNorm) through a residual scheme → logits.
 
-    residual: 'standard', 'full' or 'block' (block_size in sub-layers: 2 per decoder layer).
+    residual: 'prenorm', 'full_attnres' or 'block_attnres' (block_size in sub-layers: 2 per decoder layer), as
+    :func:`~k3course.layers.residual.make_residual` names them.
     forward(tokens [B, T]) -> (logits [B, T, vocab], the residual stream; its ``weights`` hold the depth
     attention of every read when ``record``).
     """

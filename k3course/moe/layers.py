@@ -37,6 +37,7 @@ from k3course.moe.routing import router_scores, topk_route
 from k3course.moe.stats import load_statistics
 from k3course.ops.norm import NORM_EPS
 from k3course.params import no_weight_decay, residual_output
+from k3course.parts import part
 
 BALANCING = ("quantile", "sign", "aux", None)
 ALIASES = {"aux_loss": "aux", "none": None}  # the spellings K3Config uses
@@ -164,9 +165,9 @@ class MoE(nn.Module):
         ``topk_route`` exactly as chapter 01 writes it, so a learner's version fits (:mod:`k3course.lessons.parts`)."""
         wide = torch.promote_types(x.dtype, torch.float32)
         logits = x.to(wide) @ self.router.to(wide)
-        scores = router_scores(logits, self.score_fn)
+        scores = part("router_scores", router_scores)(logits, self.score_fn)
         groups = {} if self.n_groups == 1 else {"n_groups": self.n_groups, "topk_groups": self.topk_groups}
-        expert_idx, weights = topk_route(scores, self.top_k, self.bias, self.renormalize, **groups)
+        expert_idx, weights = part("topk_route", topk_route)(scores, self.top_k, self.bias, self.renormalize, **groups)
         return logits, scores, expert_idx, weights
 
     def _apply(self, fn, recurse=True):

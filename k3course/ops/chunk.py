@@ -31,6 +31,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from k3course.ops.checks import check_lower_bound, float32_recurrence, validate
+from k3course.parts import is_replaced, part
 
 UT_BLOCK = 8  # the UT transform's smallest diagonal blocks, solved row by row
 SUB_CHUNK = 16  # most tokens per sub-chunk, whose decays are referenced to one token: the bounded-gate scores here,
@@ -300,8 +301,6 @@ def ut_transform(A_kk, beta) -> torch.Tensor:
     return _UnitLowerInverse.apply(A_kk) * beta.unsqueeze(-2)
 
 
-_PACKAGE_UT_TRANSFORM = ut_transform  # a learner's ut_transform swapped in (lessons.parts) takes the autograd path
-
 
 def kda_chunk_step(q, k, v, g, beta, state):
     """One chunk of KDA, steps 1–8 above, for a single chunk (q already scaled).
@@ -478,7 +477,7 @@ def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
     chunk. Returns ``(o [B·H, n, C, V], state leaving the group)``. The query scale is applied to the output of
     step 7 (o is linear in q); g is clamped at ``lower_bound`` when one is given. KDA with a lower bound (K3's
     path) runs as :class:`_BoundedKDAChunks`, whose backward is written out, when a gradient will be taken and
-    the UT transform is the package's (a learner's, swapped in by ``lessons.parts``, is differentiated by
+    the UT transform is the package's (a learner's, held by :func:`k3course.parts.use_parts`, is differentiated by
     autograd like every other path; without a gradient the plain forward below keeps no tensors for it).
 
     G is summed in float64 (then only exponents are formed from it): a chunk of 64 tokens at g = −5 reaches
@@ -489,7 +488,7 @@ def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
     per_head = lambda x: None if x is None else x.unflatten(0, (heads, n))  # [B·H, n, C, ·]
     if lower_bound is not None:
         g = g.clamp(min=lower_bound)  # the guarantee, enforced: a step below L would overflow a factor
-        by_hand = (beta is not None and ut_transform is _PACKAGE_UT_TRANSFORM and torch.is_grad_enabled()
+        by_hand = (beta is not None and not is_replaced("ut_transform") and torch.is_grad_enabled()
                    and any(x.requires_grad for x in (q, k, v, g, beta, state)))  # K3's path, trained
         if by_hand:
             return _BoundedKDAChunks.apply(q, k, v, g, beta, state, scale, _bounded_sub_chunk(lower_bound, C))
@@ -501,7 +500,7 @@ def _chunk_group(q, k, v, g, beta, state, scale, lower_bound):
     else:
         A_kk, A_qk = decayed_scores((k, q), k, G, strict=False, lower_bound=lower_bound)  # steps 2 and 6 share
         A_kk = A_kk * _causal_mask(C, True, A_kk) * beta.unsqueeze(-1)  # step 2 (strictly lower)
-        M = ut_transform(A_kk, beta)  # step 3
+        M = part("ut_transform", ut_transform)(A_kk, beta)  # step 3 (a learner's, while k3course.parts holds one)
         W, U = M @ (decay * k), M @ v  # step 4
     entering, v_new, state = _pass_states(per_head(W), per_head(U), per_head(k), per_head(G), state)  # 5, 8
     o = torch.baddbmm(A_qk @ v_new.flatten(0, 1), decay * q, entering.flatten(0, 1), beta=scale, alpha=scale)  # 7

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from k3course.ops.checks import float32_recurrence, validate
+from k3course.parts import part
 
 
 def _read(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -122,4 +123,4 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final
     """
     scale = validate(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,
                      allow_neg_eigval=allow_neg_eigval)
-    return _run(kda_step, q, k, v, (g, beta), scale, initial_state, output_final_state)
+    return _run(part("kda_step", kda_step), q, k, v, (g, beta), scale, initial_state, output_final_state)

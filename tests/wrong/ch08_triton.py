@@ -4,11 +4,13 @@ The torch answers compute the right thing the wrong way (the check refuses torch
 the kernels run under the interpreter on CPU, small shapes.
 """
 
-import torch
-import triton
-import triton.language as tl
+import k3course.kernels
 
-import k3course.kernels  # noqa: F401  (first: picks the interpreter on CPU before any @triton.jit)
+k3course.kernels.select_triton_mode()  # first, before triton loads: the interpreter on a CPU (see k3course.kernels)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 @triton.jit

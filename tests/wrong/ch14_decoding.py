@@ -112,9 +112,48 @@ def tpot_cache_read_once(cfg, context, batch, bandwidth, flops_per_s, dtype_byte
     return max((_weights_for(cfg, _touched(cfg, batch), dtype_bytes) + cache) / bandwidth, flops / flops_per_s)
 
 
+def tpot_whole_embedding_table(cfg, context, batch, bandwidth, flops_per_s, dtype_bytes=2):
+    """Reads the whole embedding table every step (a lookup reads only the batch's rows; the old convention)."""
+    cache = batch * accounting.kv_cache_bytes(cfg, context, dtype_bytes)
+    flops = batch * accounting.decode_flops_per_token(cfg, context)
+    return max((_weights_for(cfg, _touched(cfg, batch), dtype_bytes) + cache) / bandwidth, flops / flops_per_s)
+
+
+def tpot_no_embedding_at_all(cfg, context, batch, bandwidth, flops_per_s, dtype_bytes=2):
+    """Leaves the embedding out entirely (no row read), also for a tied head, which reads the whole table."""
+    cache = batch * accounting.kv_cache_bytes(cfg, context, dtype_bytes)
+    flops = batch * accounting.decode_flops_per_token(cfg, context)
+    weights = accounting.decode_weight_params(cfg.replace(tie_embeddings=False), batch) - min(batch, cfg.vocab_size) \
+        * cfg.d_model
+    return max((weights * dtype_bytes + cache) / bandwidth, flops / flops_per_s)
+
+
+def price_forgets_the_batch(step_s, batch, gpus, usd_per_gpu_hour):
+    """Prices a step as if it made one token (it makes one per sequence of the batch)."""
+    return 1e6 * gpus * usd_per_gpu_hour / 3600 * step_s
+
+
+def price_of_one_gpu(step_s, batch, gpus, usd_per_gpu_hour):
+    """Pays for one GPU (the whole deployment runs every step)."""
+    return 1e6 * usd_per_gpu_hour / 3600 * step_s / batch
+
+
+def price_per_hour_as_per_second(step_s, batch, gpus, usd_per_gpu_hour):
+    """Takes the hourly price as a price per second."""
+    return 1e6 * gpus * usd_per_gpu_hour * step_s / batch
+
+
+def price_accepts_anything(step_s, batch, gpus, usd_per_gpu_hour):
+    """The right arithmetic with no checks: a zero batch divides by zero, a negative price gives a negative cost."""
+    return 1e6 * gpus * usd_per_gpu_hour / 3600 * step_s / batch
+
+
 WRONG = {
     "14.predicted_tpot": [tpot_flops_only, tpot_adds_bytes_and_flops, tpot_experts_of_one_token,
-                          tpot_every_token_new_experts, tpot_cache_read_once],
+                          tpot_every_token_new_experts, tpot_cache_read_once, tpot_whole_embedding_table,
+                          tpot_no_embedding_at_all],
+    "14.decode_usd_per_million": [price_forgets_the_batch, price_of_one_gpu, price_per_hour_as_per_second,
+                                  price_accepts_anything],
     "14.kda_step_bytes": [kda_bytes_without_conv_tails, kda_bytes_state_in_activation_dtype,
                           kda_bytes_tails_all_k_wide],
     "14.mla_step_bytes": [mla_bytes_without_rope, mla_bytes_in_numbers],

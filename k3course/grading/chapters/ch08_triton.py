@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-import k3course.kernels  # noqa: F401  (chooses native vs interpreter before any kernel module is imported)
 from k3course.grading.registry import Case, Exercise, Forbidden, register
 from k3course.kernels.basics import decayed_kk_tile, l2norm_rows, matmul, scale_add
 from k3course.kernels.kda_chunk import chunk_local_cumsum

@@ -3,7 +3,13 @@ batch (with the experts it touches), TPOT extrapolation."""
 
 from __future__ import annotations
 
-from k3course.accounting import crossover_context, kda_step_bytes, mla_step_bytes, predicted_tpot_s
+from k3course.accounting import (
+    crossover_context,
+    decode_usd_per_million,
+    kda_step_bytes,
+    mla_step_bytes,
+    predicted_tpot_s,
+)
 from k3course.bench.decode import extrapolate_tpot
 from k3course.config import K3Config
 from k3course.grading.registry import Case, Exercise, register
@@ -38,7 +44,32 @@ def _tpot_cases() -> list[Case]:
             Case("kimi-linear-48b all-MLA, 16 sequences at 1M tokens", (linear.all_mla(), 1 << 20, 16, *H200)),
             Case("kimi-k3, 256 sequences at 1M tokens (nearly every expert touched)", (k3, 1 << 20, 256, *H200)),
             Case("a FLOP-bound step: kimi-k3 at 1M tokens on a chip of 100 TFLOP/s", (k3, 1 << 20, 64, 4.8e12, 1e14)),
-            Case("tiny preset in fp32, 8 sequences", (tiny, 512, 8, 1e11, 1e12, 4))]
+            Case("tiny preset in fp32, 8 sequences", (tiny, 512, 8, 1e11, 1e12, 4)),
+            Case("a config without MoE layers (every layer a dense FFN)",
+                 (tiny.replace(first_k_dense=tiny.n_layers), 512, 8, 1e11, 1e12, 4)),
+            Case("a tied LM head reads the whole embedding table", (tiny.replace(tie_embeddings=True), 512, 8, 1e11,
+                                                                   1e13, 4)),
+            Case("one embedding row per sequence, not the table: a large batch on a big vocabulary",
+                 (linear, 4096, 1000, 4.8e12, 1e18))]
+
+
+def _price_cases() -> list[Case]:
+    return [Case("8 GPUs at $3.60/h, 36 ms steps of 100 tokens", (0.036, 100, 8, 3.6)),
+            Case("one GPU, one sequence", (0.02, 1, 1, 2.0)),
+            Case("a 64-GPU super node at a large batch", (0.065, 11086, 64, 5.0)),
+            Case("an int step time", (1, 10, 2, 4)),
+            Case("batch 0 is refused", (0.01, 0, 8, 3.0)),
+            Case("a fractional GPU count is refused", (0.01, 4, 1.5, 3.0)),
+            Case("a negative price is refused", (0.01, 4, 8, -1.0)),
+            Case("a zero step is refused", (0.0, 4, 8, 3.0))]
+
+
+def _price_or_refusal(answer, *args):
+    """The price, or "ValueError" when the answer refuses the input as it must (so refusals are graded too)."""
+    try:
+        return answer(*args)
+    except ValueError:
+        return "ValueError"
 
 
 def _extrapolate_cases() -> list[Case]:
@@ -53,3 +84,4 @@ register(Exercise("14.mla_step_bytes", mla_step_bytes, _mla_cases))
 register(Exercise("14.crossover_context", crossover_context, _crossover_cases))
 register(Exercise("14.predicted_tpot", predicted_tpot_s, _tpot_cases))
 register(Exercise("14.extrapolate_tpot", extrapolate_tpot, _extrapolate_cases))
+register(Exercise("14.decode_usd_per_million", decode_usd_per_million, _price_cases, harness=_price_or_refusal))

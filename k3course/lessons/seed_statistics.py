@@ -1,0 +1,141 @@
+"""Statistics over seeds of a saved experiment (chapter 12): each variant's spread, the paired comparison of two
+variants seed by seed with the chapter's verdict rule, and their plots. A result is what
+:mod:`k3course.lessons.experiments` saves: {"runs": [{"variant" (or "mixer"), "seed", metric: value, ...}, ...],
+"variants": {label: description}}.
+"""
+
+from __future__ import annotations
+
+
+def spread(result: dict, metric: str, key: str = "variant") -> dict[str, dict]:
+    """{variant: {"mean", "std", "min", "max", "n"}} of ``metric`` over the seeds of a result's runs, grouped by
+    ``key`` ("variant", or "mixer" for mqar-mixers); std is the sample standard deviation (0 for one seed)."""
+    values: dict[str, list[float]] = {}
+    for run in result["runs"]:
+        values.setdefault(run[key], []).append(run[metric])
+    table = {}
+    for label, xs in values.items():
+        mean, std = _mean_std(xs)
+        table[label] = {"mean": mean, "std": std, "min": min(xs), "max": max(xs), "n": len(xs)}
+    return table
+
+
+def spread_table(result: dict, metric: str, columns: tuple[str, ...] = (), key: str = "variant",
+                 digits: int = 3) -> str:
+    """A text table, one row per variant: the ``columns`` of its :func:`describe` entry, then ``metric`` as
+    mean ± std [min, max] over its seeds (n seeds)."""
+    table = spread(result, metric, key)
+    shown = lambda value: f"{value:,}" if isinstance(value, int) else f"{value:.3g}" if isinstance(value, float) \
+        else str(value)
+    cells = {label: [shown(result["variants"][label][c]) for c in columns] for label in table}
+    widths = [max(len(c), *(len(cells[label][i]) for label in table)) + 2 for i, c in enumerate(columns)]
+    width = max(len(key), *(len(label) for label in table)) + 2
+    rows = [f"{key:<{width}}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths))
+            + f"   {metric}: mean ± std [min, max] (seeds)"]
+    for label, s in table.items():
+        rows.append(f"{label:<{width}}" + "".join(f"{v:>{w}}" for v, w in zip(cells[label], widths))
+                    + f"   {s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}, "
+                    f"{s['max']:.{digits}f}] ({s['n']})")
+    return "\n".join(rows)
+
+
+def paired(result: dict, better: str, worse: str, metric: str = "val_bpb", key: str = "variant",
+           higher_is_better: bool = False) -> dict:
+    """The paired comparison of two variants of a result over their common seeds (one seed: the same
+    initialisation draws and the same batches in both runs), with the verdict rule of chapter 12.
+
+    Per seed s, d_s = metric(worse, s) − metric(better, s) (better − worse when ``higher_is_better``), so d_s > 0
+    means ``better`` won seed s. Returns {"differences": {seed: d_s}, "mean", "std" (sample std of d_s), "spread"
+    (the larger of the two variants' seed-to-seed sample std), "agreeing" (seeds with d_s > 0), "seeds", "verdict"}:
+    "reproduced" iff every d_s > 0 and mean > spread; "reversed" iff every d_s < 0 and −mean > spread;
+    "undecided" otherwise.
+    """
+    by_seed = {label: {run["seed"]: run[metric] for run in result["runs"] if run[key] == label}
+               for label in (better, worse)}
+    for label, values in by_seed.items():
+        if not values:
+            raise ValueError(f"no runs of {label!r} in the result; its {key}s are "
+                             f"{sorted({run[key] for run in result['runs']})}")
+    seeds = sorted(set(by_seed[better]) & set(by_seed[worse]))
+    if not seeds:
+        raise ValueError(f"{better!r} and {worse!r} share no seed, so no paired difference exists")
+    sign = -1.0 if higher_is_better else 1.0
+    differences = {seed: sign * (by_seed[worse][seed] - by_seed[better][seed]) for seed in seeds}
+    mean, std = _mean_std(list(differences.values()))
+    spread_of_variants = max(_mean_std([by_seed[label][seed] for seed in seeds])[1] for label in (better, worse))
+    agreeing = sum(d > 0 for d in differences.values())
+    if agreeing == len(seeds) and mean > spread_of_variants:
+        verdict = "reproduced"
+    elif all(d < 0 for d in differences.values()) and -mean > spread_of_variants:
+        verdict = "reversed"
+    else:
+        verdict = "undecided"
+    return {"differences": differences, "mean": mean, "std": std, "spread": spread_of_variants,
+            "agreeing": agreeing, "seeds": len(seeds), "verdict": verdict}
+
+
+def last_steps_mean(result: dict, series: str = "max_violation", steps: int = 20) -> dict:
+    """``result`` with one more metric per run, ``f"{series}_last{steps}"``: the mean of the last ``steps`` values
+    of the run's per-step ``series`` (balancing's metric: the max-violation a rule holds at the end of its run), for
+    :func:`spread` and :func:`paired`. A run without ``series`` raises ValueError naming it."""
+    runs = []
+    for run in result["runs"]:
+        if len(run.get(series, ())) < steps:
+            raise ValueError(f"series: run {run.get('variant', run.get('mixer'))!r}, seed {run['seed']} has fewer "
+                             f"than {steps} values of {series!r}")
+        runs.append({**run, f"{series}_last{steps}": sum(run[series][-steps:]) / steps})
+    return {**result, "runs": runs}
+
+
+def cpu_seconds(result: dict) -> float:
+    """What a saved result cost to train: the sum of its runs' "seconds" (every run on one thread, so about its CPU
+    time), over every cell of a sweep; runs copied from another result ("reused_from") are that result's cost."""
+    runs = result["runs"] if "runs" in result else [run for cell in result["cells"] for run in cell["runs"]]
+    return sum(run["seconds"] for run in runs if "reused_from" not in run)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    mean = sum(values) / len(values)
+    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+
+
+def plot_paired(axes, result: dict, comparisons: list[tuple[str, str]], metric: str = "val_bpb",
+                key: str = "variant", higher_is_better: bool = False) -> None:
+    """For each (better, worse) of ``comparisons``: every seed's paired difference d_s (:func:`paired`) as a dot,
+    their mean as a bar, and the seed-to-seed spread of the two variants as a grey band around 0, on matplotlib
+    ``axes``. A claim is reproduced when all dots sit above 0 and the bar rises out of its band."""
+    for i, (better, worse) in enumerate(comparisons):
+        comparison = paired(result, better, worse, metric, key, higher_is_better)
+        axes.fill_between([i - 0.4, i + 0.4], -comparison["spread"], comparison["spread"], color="0.88",
+                          label="± seed-to-seed spread" if i == 0 else None)
+        axes.bar(i, comparison["mean"], width=0.5, color="lightsteelblue", label="mean paired difference"
+                 if i == 0 else None)
+        differences = list(comparison["differences"].values())
+        axes.plot([i] * len(differences), differences, "k.", ms=6, label="one seed" if i == 0 else None)
+        axes.annotate(comparison["verdict"], (i, max(0.0, *differences)), textcoords="offset points", xytext=(0, 6),
+                      ha="center", fontsize=8)
+    axes.axhline(0, color="k", lw=0.8)
+    axes.set_xticks(range(len(comparisons)), [f"{better}\nvs {worse}" for better, worse in comparisons], fontsize=8)
+    axes.set_ylabel(f"paired {metric} difference ({'better − worse' if higher_is_better else 'worse − better'})")
+
+
+def plot_spread(axes, result: dict, metric: str, key: str = "variant") -> None:
+    """Each variant's seeds as dots, their mean as a bar and their range (min to max) as whiskers, on matplotlib
+    ``axes``. The whiskers span the seeds themselves, so they never leave the metric's range (an accuracy's
+    mean + std can pass 1; its best seed cannot); the tables print mean ± std."""
+    table = spread(result, metric, key)
+    labels = list(table)
+    means = [table[v]["mean"] for v in labels]
+    whiskers = [[m - table[v]["min"] for v, m in zip(labels, means)],
+                [table[v]["max"] - m for v, m in zip(labels, means)]]
+    axes.bar(range(len(labels)), means, yerr=whiskers, color="lightsteelblue", capsize=4,
+             label="mean; whiskers: min to max")
+    for i, label in enumerate(labels):
+        seeds = [run[metric] for run in result["runs"] if run[key] == label]
+        axes.plot([i] * len(seeds), seeds, "k.", ms=5, label="one seed" if i == 0 else None)
+    axes.set_xticks(range(len(labels)), labels, rotation=15)
+    low = min(table[v]["min"] for v in labels)
+    high = max(table[v]["max"] for v in labels)
+    axes.set_ylim(low - 0.3 * (high - low + 1e-9), high + 0.3 * (high - low + 1e-9))
+    axes.set_ylabel(metric)

@@ -1,0 +1,64 @@
+"""The model's swappable parts: the few chapter functions a learner may put in place of the package's.
+
+Each part is called at exactly one place in the model, which asks this registry for it::
+
+    route = part("topk_route", topk_route)     # the learner's function while use_parts holds one, else the default
+    expert_idx, weights = route(scores, k, bias, renormalize)
+
+where it runs
+
+    topk_route, router_scores   every MoE layer's router (chapter 01)
+    kda_step                    the recurrent KDA op: decoding, inference on up to a chunk of tokens (chapter 06)
+    ut_transform                the chunked KDA op: training, inference on more than a chunk (chapter 07)
+    depth_attention             every read of the Full / Block AttnRes residual stream (chapter 10)
+
+:func:`use_parts` holds functions for the length of a ``with`` block (process-wide, and always restored); each
+must take and return what the package's function of that name does. ``k3course.lessons.parts`` builds the
+lesson's comparison of the model with and without them on top of this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+PART_NAMES = ("topk_route", "router_scores", "kda_step", "ut_transform", "depth_attention")
+
+_in_use: dict[str, Callable] = {}  # part name -> the function use_parts put in place of the package's
+
+
+def part(name: str, default: Callable) -> Callable:
+    """The function the model calls for part ``name``: the one :func:`use_parts` holds, else ``default``."""
+    _check_name(name)
+    return _in_use.get(name, default)
+
+
+def is_replaced(name: str) -> bool:
+    """Whether :func:`use_parts` holds a function for part ``name`` (a path written for the package's own
+    function, such as a closed-form backward, then steps aside)."""
+    _check_name(name)
+    return name in _in_use
+
+
+@contextmanager
+def use_parts(**functions: Callable) -> Iterator[None]:
+    """Inside the block the model calls ``functions[name]`` wherever it would call the package's ``name`` (one of
+    :data:`PART_NAMES`); the parts held before the block are held again after it."""
+    unknown = sorted(set(functions) - set(PART_NAMES))
+    if unknown:
+        raise ValueError(f"unknown part(s) {unknown}; the model's swappable parts are {sorted(PART_NAMES)}")
+    for name, fn in functions.items():
+        if not callable(fn):
+            raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
+    before = dict(_in_use)
+    _in_use.update(functions)
+    try:
+        yield
+    finally:
+        _in_use.clear()
+        _in_use.update(before)
+
+
+def _check_name(name: str) -> None:
+    if name not in PART_NAMES:
+        raise ValueError(f"name must be one of the swappable parts {PART_NAMES}, got {name!r}")

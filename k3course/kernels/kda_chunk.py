@@ -13,8 +13,8 @@ memory with plain pointer arithmetic (no block pointers):
                              Ṽ = U − W S and S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
 5. ``_output_kernel``        O = (scale Γ ⊙ Q) S + A_qk Ṽ, all chunks in parallel.
 
-The backward recomputes steps 1–4 with these kernels and runs its own two (the reverse state pass, then every
-chunk's gradients in parallel): :mod:`k3course.kernels.kda_chunk_backward`.
+The backward reruns the first four of these kernels (everything but the output) and then its own two (the
+reverse state pass, then every chunk's gradients in parallel): :mod:`k3course.kernels.kda_chunk_backward`.
 
 Everything accumulates in fp32 whatever the input dtype; the output has the dtype of ``v``. With bf16 data the
 intermediates passed between kernels (A_qk, W, U, Ṽ, the chunk states) are stored in bf16, G and A_kk in fp32.
@@ -340,7 +340,7 @@ def kda_chunk_forward(q, k, v, g, beta, scale: float, initial_state=None, output
 
 class _KDAChunkFunction(torch.autograd.Function):
     """Forward and backward as Triton kernels. The forward keeps only its inputs; the backward recomputes G, A_kk,
-    A_qk, W, U, the chunk states and Ṽ with the forward kernels (steps 1–5 and 8, not the output) and runs the
+    A_qk, W, U, the chunk states and Ṽ with the forward kernels (steps 1–6 and 8, all but the output) and runs the
     backward kernels (:mod:`k3course.kernels.kda_chunk_backward`)."""
 
     @staticmethod

@@ -2,8 +2,8 @@
 
 Gates from mild (−0.1 per token) to K3's lower bound (−5 per token and channel), constant and random, at chunk
 16, 32 and 64, with T not a multiple of the chunk and an initial state: no NaN, relative error ≤ 1e-4 in fp32
-(the error is measured as ‖got − want‖ / ‖want‖ over the whole tensor). The Triton chunk op, whose backward
-recomputes through the torch chunked path, is checked the same way under the interpreter on smaller shapes.
+(the error is measured as ‖got − want‖ / ‖want‖ over the whole tensor). The Triton chunk op, forward and
+backward kernels, is checked the same way under the interpreter on smaller shapes.
 """
 
 from __future__ import annotations

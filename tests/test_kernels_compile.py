@@ -22,14 +22,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from k3course.kernels import TRITON_MODE, basics, grouped_gemm, kda_chunk, kda_decode
+from k3course.kernels import TRITON_MODE, basics, grouped_gemm, kda_chunk, kda_chunk_backward, kda_decode
 
 assert TRITON_MODE == "native", TRITON_MODE
 TARGET = GPUTarget("cuda", 90, 32)
 
 
 def pointer_type(name, dtype, kernel):
-    data = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr", "x_ptr", "out_ptr", "y_ptr"}
+    data = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr", "do_ptr", "x_ptr", "out_ptr", "y_ptr"}
     if kernel is grouped_gemm._grouped_gemm_kernel.fn:
         data.add("w_ptr")  # the expert weights; in the KDA kernels w is an fp32 intermediate
     if kernel is grouped_gemm._grouped_weight_grad_kernel.fn:
@@ -60,6 +60,11 @@ for dtype in ("fp32", "bf16"):
     results.append(compile_one(kda_chunk._state_kernel, dtype, dict(chunk, BV=32, USE_INITIAL_STATE=True,
                                STORE_FINAL_STATE=True), num_stages=kda_chunk.STATE_KERNEL_STAGES))
     results.append(compile_one(kda_chunk._output_kernel, dtype, chunk))
+    backward_stages = kda_chunk_backward.BACKWARD_STAGES
+    results.append(compile_one(kda_chunk_backward._reverse_state_kernel, dtype, dict(
+        chunk, BV=32, USE_FINAL_STATE_GRADIENT=True, STORE_INITIAL_STATE_GRADIENT=True), num_stages=backward_stages))
+    results.append(compile_one(kda_chunk_backward._chunk_gradient_kernel, dtype, dict(
+        chunk, BK=kda_chunk_backward.GRADIENT_KEY_BLOCK), num_stages=backward_stages))
     results.append(compile_one(kda_decode._decode_kernel, dtype, {"BK": 128, "BV": 32}))
     grouped = ((grouped_gemm._grouped_gemm_kernel, {"BM": 64}), (grouped_gemm._grouped_weight_grad_kernel, {}))
     for kernel, tile in grouped:
@@ -88,7 +93,8 @@ def compiled():
 def test_every_kernel_compiles_to_a_cubin_for_sm90(compiled):
     names = {row["kernel"] for row in compiled}
     assert {"_chunk_cumsum_kernel", "_intra_chunk_kernel", "_wy_kernel", "_state_kernel", "_output_kernel",
-            "_decode_kernel", "_grouped_gemm_kernel", "_grouped_weight_grad_kernel"} <= names
+            "_reverse_state_kernel", "_chunk_gradient_kernel", "_decode_kernel", "_grouped_gemm_kernel",
+            "_grouped_weight_grad_kernel"} <= names
     assert all(row["cubin"] for row in compiled)
 
 

@@ -62,7 +62,8 @@ def test_kernel_modules_select_the_mode_before_triton_loads():
 
 
 def test_the_kernels_import_the_ops_and_nothing_imports_back():
-    """The Triton chunk op imports the torch chunk op (its backward) directly: no cycle through the layers."""
+    """The Triton chunk op imports the torch chunk op's module (its sub-chunk size) directly: no cycle through the
+    layers."""
     pytest.importorskip("triton")
     modules = loaded_after("import k3course.kernels.kda_chunk")["modules"]
     assert "k3course.ops.chunk" in modules and not set(LAYERS) & set(modules)

@@ -13,6 +13,9 @@ memory with plain pointer arithmetic (no block pointers):
                              Ṽ = U − W S and S ← Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ Ṽ.
 5. ``_output_kernel``        O = (scale Γ ⊙ Q) S + A_qk Ṽ, all chunks in parallel.
 
+The backward reruns the first four of these kernels (everything but the output) and then its own two (the
+reverse state pass, then every chunk's gradients in parallel): :mod:`k3course.kernels.kda_chunk_backward`.
+
 Everything accumulates in fp32 whatever the input dtype; the output has the dtype of ``v``. With bf16 data the
 intermediates passed between kernels (A_qk, W, U, Ṽ, the chunk states) are stored in bf16, G and A_kk in fp32.
 Under the Triton interpreter (no GPU) inputs must be fp32 (the interpreter computes bf16 wrongly).
@@ -27,30 +30,15 @@ TRITON_MODE = select_triton_mode()  # first, before triton is imported (see k3co
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from torch.autograd.function import once_differentiable  # noqa: E402
 
 from k3course import debug  # noqa: E402
+from k3course.kernels.chunk_tiles import block_width, dot_fp32, low_precision, tile_offsets, unit_lower_inverse  # noqa: E402
+from k3course.kernels.kda_chunk_backward import kda_chunk_backward  # noqa: E402
 from k3course.ops.checks import check_kda_chunk_size, check_lower_bound  # noqa: E402
-from k3course.ops.chunk import SUB_CHUNK, kda_chunk  # noqa: E402  (the ops sit below the kernels: no cycle)
+from k3course.ops.chunk import SUB_CHUNK  # noqa: E402  (the ops sit below the kernels: no cycle)
 
 STATE_KERNEL_STAGES = 2  # software-pipelining depth of the state kernel: 3 needs 249 KB of shared memory in fp32
-
-
-@triton.jit
-def _dot(a, b, LOW_PRECISION: tl.constexpr):
-    """a @ b accumulated in fp32: bf16 tensor-core inputs for bf16 / fp16 data, exact fp32 otherwise."""
-    if LOW_PRECISION:  # an if / else, not an early return: Triton compiles the code after a constexpr return too
-        product = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    else:
-        product = tl.dot(a, b, input_precision="ieee")
-    return product
-
-
-@triton.jit
-def _tile(b, h, T, H, rows, cols, width):
-    """Offsets and mask of the tile rows × cols of a [B, T, H, width] tensor (row = time index, column = channel
-    or position in the chunk) for batch b, head h: rows past T and columns past width are masked."""
-    offsets = ((b * T + rows[:, None]) * H + h) * width + cols[None, :]
-    return offsets, (rows[:, None] < T) & (cols[None, :] < width)
 
 
 @triton.jit
@@ -60,7 +48,7 @@ def _chunk_cumsum_kernel(g_ptr, out_ptr, T, H, K, BT: tl.constexpr, BK: tl.const
     bh = bh.to(tl.int64)  # int64 offsets: (b·T + t)·H·K passes 2^31 at K3 size (T = 1M, H = 96, K = 128)
     b, h = bh // H, bh % H
     rows = chunk * BT + tl.arange(0, BT)  # [BT] time indices of this chunk
-    offsets, mask = _tile(b, h, T, H, rows, tl.arange(0, BK), K)  # [BT, BK] of the [B, T, H, K] layout
+    offsets, mask = tile_offsets(b, h, T, H, rows, tl.arange(0, BK), K)  # [BT, BK] of the [B, T, H, K] layout
     g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offsets, tl.cumsum(g, axis=0), mask=mask)
 
@@ -77,7 +65,7 @@ def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
     B, T, H, K = g.shape
     out = torch.empty(B, T, H, K, dtype=torch.float32, device=g.device)
     grid = (triton.cdiv(T, chunk_size), B * H)
-    _chunk_cumsum_kernel[grid](g, out, T, H, K, BT=chunk_size, BK=_block(K))
+    _chunk_cumsum_kernel[grid](g, out, T, H, K, BT=chunk_size, BK=block_width(K))
     return out
 
 
@@ -100,7 +88,7 @@ def _intra_chunk_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, scale,
     local = tl.arange(0, BC)
     for a in tl.static_range(NC):
         rows_a = t0 + a * BC + local  # [BC]
-        offs_a, mask_a = _tile(b, h, T, H, rows_a, cols, K)
+        offs_a, mask_a = tile_offsets(b, h, T, H, rows_a, cols, K)
         q_a = tl.load(q_ptr + offs_a, mask=mask_a, other=0.0).to(tl.float32)
         k_a = tl.load(k_ptr + offs_a, mask=mask_a, other=0.0).to(tl.float32)
         g_a = tl.load(gc_ptr + offs_a, mask=mask_a, other=0.0)
@@ -110,7 +98,7 @@ def _intra_chunk_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, scale,
         decay_a = tl.exp(tl.where(mask_a, g_a - g_ref[None, :], float("-inf")))  # [BC, BK], entries ≤ 1
         for c in tl.static_range(a):
             rows_c = t0 + c * BC + local
-            offs_c, mask_c = _tile(b, h, T, H, rows_c, cols, K)
+            offs_c, mask_c = tile_offsets(b, h, T, H, rows_c, cols, K)
             k_c = tl.load(k_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
             g_c = tl.load(gc_ptr + offs_c, mask=mask_c, other=0.0)
             exponent = tl.where(mask_c & (ref_row < T), g_ref[None, :] - g_c, float("-inf"))  # ≤ 0
@@ -140,40 +128,31 @@ def _intra_chunk_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, scale,
 @triton.jit
 def _store_tile(ptr, tile, b, h, T, H, rows, cols, BT: tl.constexpr):
     """Store a tile of a [B, T, H, BT] matrix: row = time index, column = position inside the chunk."""
-    offsets, mask = _tile(b, h, T, H, rows, cols, BT)
+    offsets, mask = tile_offsets(b, h, T, H, rows, cols, BT)
     tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _wy_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, T, H, K, V,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LOW_PRECISION: tl.constexpr):
-    """One program per (chunk, batch·head): X = (I + A_kk)^-1, W = X (β e^G ⊙ K), U = X (β V).
-
-    Forward substitution, row by row: X = I − A X and A is strictly lower triangular, so row r of X needs only
-    rows < r: X_r = e_r − Σ_{i<r} A_ri X_i.
-    """
+    """One program per (chunk, batch·head): X = (I + A_kk)^-1 (by forward substitution, see
+    :func:`~k3course.kernels.chunk_tiles.unit_lower_inverse`), W = X (β e^G ⊙ K), U = X (β V)."""
     chunk, bh = tl.program_id(0), tl.program_id(1)
     bh = bh.to(tl.int64)  # int64 offsets: (b·T + t)·H·K passes 2^31 at K3 size (T = 1M, H = 96, K = 128)
     b, h = bh // H, bh % H
     rows = chunk * BT + tl.arange(0, BT)
-    local = tl.arange(0, BT)
-    inverse = (local[:, None] == local[None, :]).to(tl.float32)  # starts as I; row r is replaced at step r
-    for r in range(1, BT):
-        row = chunk * BT + r
-        a_r = tl.load(akk_ptr + ((b * T + row) * H + h) * BT + local, mask=row < T, other=0.0)  # [BT] row r of A
-        x_r = tl.where(local == r, 1.0, 0.0) - tl.sum(a_r[:, None] * inverse, axis=0)  # A is 0 from column r on
-        inverse = tl.where(local[:, None] == r, x_r[None, :], inverse)
+    inverse = unit_lower_inverse(akk_ptr, b, h, T, H, chunk, BT)
     beta = tl.load(beta_ptr + (b * T + rows) * H + h, mask=rows < T, other=0.0).to(tl.float32)
-    k_offsets, mask_k = _tile(b, h, T, H, rows, tl.arange(0, BK), K)
+    k_offsets, mask_k = tile_offsets(b, h, T, H, rows, tl.arange(0, BK), K)
     k = tl.load(k_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
     gc = tl.load(gc_ptr + k_offsets, mask=mask_k, other=0.0)
-    w = _dot(inverse, k * tl.exp(gc) * beta[:, None], LOW_PRECISION)
+    w = dot_fp32(inverse, k * tl.exp(gc) * beta[:, None], LOW_PRECISION)
     tl.store(w_ptr + k_offsets, w.to(w_ptr.dtype.element_ty), mask=mask_k)
     for v0 in range(0, V, BV):
         cols_v = v0 + tl.arange(0, BV)
-        v_offsets, mask_v = _tile(b, h, T, H, rows, cols_v, V)
+        v_offsets, mask_v = tile_offsets(b, h, T, H, rows, cols_v, V)
         v = tl.load(v_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
-        u = _dot(inverse, v * beta[:, None], LOW_PRECISION)
+        u = dot_fp32(inverse, v * beta[:, None], LOW_PRECISION)
         tl.store(u_ptr + v_offsets, u.to(u_ptr.dtype.element_ty), mask=mask_v)
 
 
@@ -200,18 +179,18 @@ def _state_kernel(k_ptr, gc_ptr, w_ptr, u_ptr, h_ptr, vnew_ptr, h0_ptr, ht_ptr, 
         tl.store(h_ptr + ((b * NT + chunk) * H + h) * K * V + state_offsets, state.to(h_ptr.dtype.element_ty),
                  mask=state_mask)
         rows = chunk * BT + tl.arange(0, BT)
-        k_offsets, mask_k = _tile(b, h, T, H, rows, cols_k, K)
-        v_offsets, mask_v = _tile(b, h, T, H, rows, cols_v, V)
+        k_offsets, mask_k = tile_offsets(b, h, T, H, rows, cols_k, K)
+        v_offsets, mask_v = tile_offsets(b, h, T, H, rows, cols_v, V)
         w = tl.load(w_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
-        v_new = u - _dot(w, state, LOW_PRECISION)  # [BT, BV]
+        v_new = u - dot_fp32(w, state, LOW_PRECISION)  # [BT, BV]
         tl.store(vnew_ptr + v_offsets, v_new.to(vnew_ptr.dtype.element_ty), mask=mask_v)
         last = tl.minimum(chunk * BT + BT, T) - 1
         g_last = tl.load(gc_ptr + ((b * T + last) * H + h) * K + cols_k, mask=cols_k < K, other=0.0)  # [BK]
         k = tl.load(k_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
         gc = tl.load(gc_ptr + k_offsets, mask=mask_k, other=0.0)
         k_decayed = k * tl.exp(tl.where(mask_k, g_last[None, :] - gc, float("-inf")))  # [BT, BK], exponents ≤ 0
-        state = state * tl.exp(g_last)[:, None] + _dot(tl.trans(k_decayed), v_new, LOW_PRECISION)
+        state = state * tl.exp(g_last)[:, None] + dot_fp32(tl.trans(k_decayed), v_new, LOW_PRECISION)
     if STORE_FINAL_STATE:
         tl.store(ht_ptr + bh * K * V + state_offsets, state, mask=state_mask)
 
@@ -226,26 +205,21 @@ def _output_kernel(q_ptr, gc_ptr, h_ptr, vnew_ptr, aqk_ptr, o_ptr, scale, T, H, 
     rows = chunk * BT + tl.arange(0, BT)
     cols_k = tl.arange(0, BK)
     cols_v = v_block * BV + tl.arange(0, BV)
-    k_offsets, mask_k = _tile(b, h, T, H, rows, cols_k, K)
-    v_offsets, mask_v = _tile(b, h, T, H, rows, cols_v, V)
+    k_offsets, mask_k = tile_offsets(b, h, T, H, rows, cols_k, K)
+    v_offsets, mask_v = tile_offsets(b, h, T, H, rows, cols_v, V)
     q = tl.load(q_ptr + k_offsets, mask=mask_k, other=0.0).to(tl.float32)
     gc = tl.load(gc_ptr + k_offsets, mask=mask_k, other=0.0)
     state_offsets = ((b * NT + chunk) * H + h) * K * V + cols_k[:, None] * V + cols_v[None, :]
     state = tl.load(h_ptr + state_offsets, mask=(cols_k[:, None] < K) & (cols_v[None, :] < V),
                     other=0.0).to(tl.float32)
     local = tl.arange(0, BT)
-    aqk_offsets, aqk_mask = _tile(b, h, T, H, rows, local, BT)
+    aqk_offsets, aqk_mask = tile_offsets(b, h, T, H, rows, local, BT)
     aqk = tl.load(aqk_ptr + aqk_offsets, mask=aqk_mask, other=0.0).to(tl.float32)
     v_new = tl.load(vnew_ptr + v_offsets, mask=mask_v, other=0.0).to(tl.float32)
     # fp32 before the product: inside a torch.compile graph a Python float `scale` arrives as an fp64 scalar
     scaled_q = (q * tl.exp(gc) * scale).to(tl.float32)
-    out = _dot(scaled_q, state, LOW_PRECISION) + _dot(aqk, v_new, LOW_PRECISION)
+    out = dot_fp32(scaled_q, state, LOW_PRECISION) + dot_fp32(aqk, v_new, LOW_PRECISION)
     tl.store(o_ptr + v_offsets, out.to(o_ptr.dtype.element_ty), mask=mask_v)
-
-
-def _block(n: int) -> int:
-    """The tile width covering n channels: a power of two, at least 16 (the smallest tl.dot)."""
-    return max(16, triton.next_power_of_2(n))
 
 
 def _check_inputs(q, k, v, g, beta, initial_state) -> None:
@@ -285,7 +259,7 @@ def _check_values(q, k, v, g, beta) -> None:
 
 
 def _blocks(K: int, V: int) -> tuple[int, int]:
-    return _block(K), min(64, _block(V))
+    return block_width(K), min(64, block_width(V))
 
 
 def intra_chunk_scores(q, k, gc, beta, scale: float, chunk_size: int = 64):
@@ -300,7 +274,7 @@ def intra_chunk_scores(q, k, gc, beta, scale: float, chunk_size: int = 64):
     aqk = torch.zeros(B, T, H, chunk_size, dtype=_intermediate_dtype(q), device=q.device)
     grid = (triton.cdiv(T, chunk_size), B * H)
     _intra_chunk_kernel[grid](q, k, gc, beta, akk, aqk, scale, T, H, K, BT=chunk_size,
-                              BC=min(SUB_CHUNK, chunk_size), BK=_block(K))
+                              BC=min(SUB_CHUNK, chunk_size), BK=block_width(K))
     return akk, aqk
 
 
@@ -312,7 +286,7 @@ def wy_factors(k, v, gc, beta, akk, chunk_size: int = 64):
     stored = dict(dtype=_intermediate_dtype(k), device=k.device)
     w, u = torch.empty(B, T, H, K, **stored), torch.empty(B, T, H, V, **stored)
     _wy_kernel[(triton.cdiv(T, chunk_size), B * H)](k, v, gc, beta, akk, w, u, T, H, K, V, BT=chunk_size, BK=BK,
-                                                    BV=BV, LOW_PRECISION=_low_precision(k))
+                                                    BV=BV, LOW_PRECISION=low_precision(k))
     return w, u
 
 
@@ -321,7 +295,7 @@ def pass_states(k, gc, w, u, initial_state=None, output_final_state=False, chunk
     [B, T, H, V] (both in W's dtype) and the final state [B, H, K, V] in fp32 (or None)."""
     B, T, H, K = k.shape
     V = u.shape[-1]
-    BK, BV = _block(K), min(32, _block(V))  # narrow value blocks: this kernel's only parallelism is B·H·V/BV
+    BK, BV = block_width(K), min(32, block_width(V))  # narrow value blocks: this kernel's only parallelism is B·H·V/BV
     NT = triton.cdiv(T, chunk_size)
     stored = dict(dtype=w.dtype, device=k.device)
     states, v_new = torch.empty(B, NT, H, K, V, **stored), torch.empty(B, T, H, V, **stored)
@@ -329,7 +303,7 @@ def pass_states(k, gc, w, u, initial_state=None, output_final_state=False, chunk
     h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
     _state_kernel[(triton.cdiv(V, BV), B * H)](
         k, gc, w, u, states, v_new, h0, final_state, T, H, K, V, NT, BT=chunk_size, BK=BK, BV=BV,
-        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state, LOW_PRECISION=_low_precision(k),
+        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state, LOW_PRECISION=low_precision(k),
         num_stages=STATE_KERNEL_STAGES)
     return states, v_new, final_state
 
@@ -342,19 +316,14 @@ def chunk_outputs(q, gc, states, v_new, aqk, scale: float, out_dtype: torch.dtyp
     NT = states.shape[1]
     o = torch.empty(B, T, H, V, dtype=out_dtype, device=q.device)
     _output_kernel[(triton.cdiv(V, BV), NT, B * H)](q, gc, states, v_new, aqk, o, scale, T, H, K, V, NT,
-                                                    BT=chunk_size, BK=BK, BV=BV, LOW_PRECISION=_low_precision(q))
+                                                    BT=chunk_size, BK=BK, BV=BV, LOW_PRECISION=low_precision(q))
     return o
 
 
 def _intermediate_dtype(x: torch.Tensor) -> torch.dtype:
     """What A_qk, W, U, Ṽ and the chunk states are stored in between kernels: bf16 for bf16 / fp16 data (half
     the memory traffic, as fla does), fp32 otherwise. G, A_kk and the final state are always fp32."""
-    return torch.bfloat16 if _low_precision(x) else torch.float32
-
-
-def _low_precision(x: torch.Tensor) -> bool:
-    """bf16 / fp16 data: feed tensor cores bf16 (accumulating in fp32); fp32 data: exact fp32 products."""
-    return x.dtype in (torch.bfloat16, torch.float16)
+    return torch.bfloat16 if low_precision(x) else torch.float32
 
 
 def kda_chunk_forward(q, k, v, g, beta, scale: float, initial_state=None, output_final_state=False,
@@ -370,35 +339,31 @@ def kda_chunk_forward(q, k, v, g, beta, scale: float, initial_state=None, output
 
 
 class _KDAChunkFunction(torch.autograd.Function):
-    """Forward: the Triton kernels. Backward: recompute through the torch chunked op with the same chunk size and
-    lower bound, and differentiate it."""
+    """Forward and backward as Triton kernels. The forward keeps only its inputs; the backward recomputes G, A_kk,
+    A_qk, W, U, the chunk states and Ṽ with the forward kernels (steps 1–6 and 8, all but the output) and runs the
+    backward kernels (:mod:`k3course.kernels.kda_chunk_backward`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, lower_bound):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
-        ctx.scale, ctx.chunk_size, ctx.lower_bound = scale, chunk_size, lower_bound
-        o, final_state = kda_chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
-        return o, final_state
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        return kda_chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_o, grad_final_state):
-        saved = ctx.saved_tensors  # q, k, v, g, beta, initial_state (or None)
-        present = [x for x in saved if x is not None]
-        # recompute in fp32 (one dtype for all, as the torch op requires); gradients go back in each input's dtype
-        inputs = [x.detach().float().requires_grad_() for x in present]
-        with torch.enable_grad():
-            o, final_state = kda_chunk(*inputs[:5], scale=ctx.scale,
-                                       initial_state=inputs[5] if len(inputs) > 5 else None,
-                                       output_final_state=grad_final_state is not None, chunk_size=ctx.chunk_size,
-                                       lower_bound=ctx.lower_bound)
-            outputs, grads_out = [o], [grad_o.float()]
-            if grad_final_state is not None:
-                outputs.append(final_state)
-                grads_out.append(grad_final_state.float())
-            grads = torch.autograd.grad(outputs, inputs, grads_out, allow_unused=True)
-        grads = [None if grad is None else grad.to(x.dtype) for grad, x in zip(grads, present)]
-        dh0 = grads[5] if len(grads) > 5 else None
-        return (*grads[:5], None, dh0, None, None, None)
+        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        scale, chunk_size = ctx.scale, ctx.chunk_size
+        gc = chunk_local_cumsum(g, chunk_size)  # recomputed, not stored: G, A_kk, A_qk, W, U, S, Ṽ
+        akk, aqk = intra_chunk_scores(q, k, gc, beta, scale, chunk_size)
+        w, u = wy_factors(k, v, gc, beta, akk, chunk_size)
+        states, v_new, _ = pass_states(k, gc, w, u, initial_state, False, chunk_size)
+        grads = kda_chunk_backward(q, k, v, gc, beta, akk, aqk, w, states, v_new, grad_o, grad_final_state, scale,
+                                   chunk_size, initial_state is not None)
+        dq, dk, dv, dg, dbeta, dh0 = (None if grad is None else grad.to(x.dtype)
+                                      for grad, x in zip(grads, (q, k, v, g, beta, initial_state)))
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None
 
 
 def kda_chunk_triton(q, k, v, g, beta, scale: float | None = None, initial_state: torch.Tensor | None = None,
@@ -409,12 +374,12 @@ def kda_chunk_triton(q, k, v, g, beta, scale: float | None = None, initial_state
     q, k: [B, T, H, K] (K ≤ 256); v: [B, T, H, V]; g: [B, T, H, K] log-decay ≤ 0; beta: [B, T, H];
     initial_state: [B, H, K, V] or None; scale defaults to K^-1/2; chunk_size ∈ {16, 32, 64}; any T ≥ 1.
     ``lower_bound``: as in the torch op ``k3course.ops.kda_chunk``, a number L < 0 with g ≥ L guaranteed (K3's −5);
-    g is clamped at L (g ← max(g, L), no gradient below it) and the backward's recompute takes the bounded form.
+    g is clamped at L (g ← max(g, L), no gradient below it); the kernels themselves are exact for any g ≤ 0.
     Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
 
-    Forward: five Triton kernels (see the module docstring). Backward: an autograd function that recomputes the
-    forward through the torch chunked path ``k3course.ops.kda_chunk`` (same chunk size and lower bound) and
-    differentiates it (no backward kernels). On a GPU the kernels run natively; on a CPU under the Triton
+    Forward: five Triton kernels (see the module docstring). Backward: the same kernels recompute the chunk
+    intermediates, then two backward kernels (:mod:`k3course.kernels.kda_chunk_backward`) give the gradients of
+    q, k, v, g, β and the initial state. On a GPU the kernels run natively; on a CPU under the Triton
     interpreter in fp32.
     """
     _check_inputs(q, k, v, g, beta, initial_state)
@@ -423,5 +388,4 @@ def kda_chunk_triton(q, k, v, g, beta, scale: float | None = None, initial_state
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if lower_bound is not None:
         g = g.clamp(min=lower_bound)  # what the torch op does: the same forward, and the same zero gradient below L
-    return _KDAChunkFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size,
-                                   lower_bound)
+    return _KDAChunkFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)

@@ -112,6 +112,16 @@ def count_with_the_ratios_layer_plan(cfg):
     return sum(total for total, _ in breakdown.values()), sum(active for _, active in breakdown.values())
 
 
+
+def count_active_per_moe_layer(cfg):
+    """One MoE layer's routed experts, the share of them a token uses, times the MoE layers: a division by zero when
+    every FFN is dense."""
+    model = K3Model.from_config(cfg, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".ffn.experts." in name)
+    per_layer = routed // cfg.n_moe_layers
+    return total, total - routed + cfg.n_moe_layers * (per_layer // cfg.n_routed_experts * cfg.top_k)
+
 def sample_top_k_over_the_batch(logits, temperature, top_k, generator):
     """torch.topk(..., dim=0): the k-th largest of each column (over the rows), not of each row's vocabulary."""
     if temperature == 0:
@@ -275,7 +285,8 @@ WRONG = {
                          layer_norm_after_the_sublayer],
     "11.cache_write": [cache_concatenates, cache_grows_to_exactly_what_fits, cache_never_grows,
                     cache_doubles_the_length_not_the_capacity, cache_grows_in_the_default_dtype],
-    "11.param_count": [count_every_expert_as_active, count_buffers_too, count_with_the_ratios_layer_plan],
+    "11.param_count": [count_every_expert_as_active, count_buffers_too, count_with_the_ratios_layer_plan,
+                       count_active_per_moe_layer],
     "11.sample_next": [sample_top_k_over_the_batch, sample_from_the_logits, sample_temperature_multiplies,
                        sample_top_k_by_index, sample_softmax_in_the_logits_dtype, sample_temperature_floored],
     "11.generate": [generate_without_the_cache, generate_prompt_again_into_the_cache, generate_reseeds_every_step,

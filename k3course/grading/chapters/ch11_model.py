@@ -82,6 +82,7 @@ def _count_cases() -> list[Case]:
             Case("tied embeddings", (tiny.replace(tie_embeddings=True),)),
             Case("no latent, no shared experts", (tiny.replace(latent_dim=None, n_shared_experts=0),)),
             Case("PreNorm (no AttnRes queries)", (tiny.replace(residual="prenorm"),)),
+            Case("no MoE layer (every FFN dense)", (tiny.replace(first_k_dense=tiny.n_layers),)),
             Case("explicit mla_layers (not the ratio's plan)",
                  (K3Config.preset("small").replace(mla_layers=(0, 1, 2)),)),
             Case("Kimi K3", (K3Config.preset("kimi-k3"),))]

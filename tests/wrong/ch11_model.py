@@ -274,6 +274,25 @@ def generate_under_inference_mode(model, tokens, max_new_tokens, temperature, to
     return out
 
 
+
+def generate_prefills_all_but_the_last(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """Prefills tokens[:, :-1], then feeds the last prompt token as the first decode step: the same positions, but
+    a one-token prompt makes an empty prefill."""
+    was_training = model.training
+    model.eval()
+    generator, out = _seeded(seed, tokens), [tokens]
+    cache = model.new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens)
+    with torch.no_grad():
+        if max_new_tokens:
+            _, _, cache = model(tokens[:, :-1], cache)
+        step_input = tokens[:, -1:]
+        for _ in range(max_new_tokens):
+            logits, _, cache = model(step_input, cache)
+            step_input = sample_next(logits[:, -1], temperature, top_k, generator)
+            out.append(step_input)
+    model.train(was_training)
+    return torch.cat(out, dim=1)
+
 def generate_calls_model_generate(model, tokens, max_new_tokens, temperature, top_k, seed):
     """The package's model.generate, which the exercise asks you to write."""
     return model.generate(tokens, max_new_tokens, temperature, top_k, seed)
@@ -291,5 +310,5 @@ WRONG = {
                        sample_top_k_by_index, sample_softmax_in_the_logits_dtype, sample_temperature_floored],
     "11.generate": [generate_without_the_cache, generate_prompt_again_into_the_cache, generate_reseeds_every_step,
                     generate_in_training_mode, generate_leaves_the_model_in_eval_mode, generate_seeds_the_global_rng,
-                    generate_under_inference_mode, generate_calls_model_generate],
+                    generate_under_inference_mode, generate_calls_model_generate, generate_prefills_all_but_the_last],
 }

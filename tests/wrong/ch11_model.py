@@ -293,6 +293,17 @@ def generate_prefills_all_but_the_last(model, tokens, max_new_tokens, temperatur
     model.train(was_training)
     return torch.cat(out, dim=1)
 
+
+def generate_samples_at_temperature_0(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """Greedy as sampling at a tiny temperature: the argmax tokens, but each step draws a random number, from the
+    caller's global RNG when seed is None."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = _cached_loop(model, tokens, max_new_tokens, max(temperature, 1e-6), top_k, _seeded(seed, tokens))
+    model.train(was_training)
+    return out
+
 def generate_calls_model_generate(model, tokens, max_new_tokens, temperature, top_k, seed):
     """The package's model.generate, which the exercise asks you to write."""
     return model.generate(tokens, max_new_tokens, temperature, top_k, seed)
@@ -310,5 +321,6 @@ WRONG = {
                        sample_top_k_by_index, sample_softmax_in_the_logits_dtype, sample_temperature_floored],
     "11.generate": [generate_without_the_cache, generate_prompt_again_into_the_cache, generate_reseeds_every_step,
                     generate_in_training_mode, generate_leaves_the_model_in_eval_mode, generate_seeds_the_global_rng,
-                    generate_under_inference_mode, generate_calls_model_generate, generate_prefills_all_but_the_last],
+                    generate_under_inference_mode, generate_calls_model_generate, generate_prefills_all_but_the_last,
+                    generate_samples_at_temperature_0],
 }

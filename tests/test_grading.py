@@ -190,6 +190,23 @@ def test_a_forbidden_solver_is_refused_but_forward_substitution_passes():
     check("07.ut_transform", ut_transform)  # forward substitution, no solver
 
 
+
+def test_a_rule_made_in_a_module_refuses_only_the_calls_made_through_it():
+    """made_in: clip_grad_norm_'s own call of vector_norm is refused, the learner's direct call is not."""
+    from k3course.grading.forbid import ForbiddenCall, refusing
+    from k3course.grading.registry import Forbidden
+
+    rule = Forbidden(frozenset({"vector_norm"}), "write the clip yourself",
+                     made_in=(os.path.join("torch", "nn", "utils", ""),))
+    weight = torch.nn.Parameter(torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
+    weight.grad = torch.ones(3, 4)
+    with refusing(rule):
+        mine = torch.linalg.vector_norm(weight.grad)
+        with pytest.raises(ForbiddenCall, match="your code called vector_norm: write the clip yourself"):
+            torch.nn.utils.clip_grad_norm_([weight], 1.0, foreach=False)
+    assert mine.item() == pytest.approx(12 ** 0.5)
+
+
 @pytest.mark.skipif(not can_isolate(), reason="needs fork and no initialised CUDA")
 def test_a_crashing_kernel_fails_its_check_quickly_and_names_the_cause():
     crashing = next(fn for fn in WRONG["08.l2norm_rows"] if fn.__name__ == "l2norm_unmasked_store_crashes")

@@ -76,6 +76,23 @@ def test_accumulated_micro_batches_give_the_gradient_of_the_whole_batch(corpus):
         torch.testing.assert_close(param.grad, expected, rtol=1e-4, atol=1e-6)
 
 
+def test_unequal_micro_batches_with_ignored_targets_step_as_one_batch(corpus):
+    """Micro-batches of 1 and 3 sequences, a third of one's targets ignored: the step's loss and gradient norm are
+    those of the one batch holding them all (each micro-batch weighs by its counted targets, not 1 / A)."""
+    inputs, targets = data.batch_at(corpus.train, 0, 4, 32, seed=0)
+    targets = targets.clone()
+    targets[1:, :20] = data.IGNORE
+    reports = []
+    for micro_batches in ([(inputs, targets)], [(inputs[:1], targets[:1]), (inputs[1:], targets[1:])]):
+        model = train.build_model(SMALL, seed=0)
+        optimizer, scheduler = train.make_optimizer(model, FAST)
+        reports.append(train.train_step(model, optimizer, scheduler, micro_batches, 1.0))
+    assert reports[1]["loss"] == pytest.approx(reports[0]["loss"], rel=1e-5)
+    assert reports[1]["grad_norm"] == pytest.approx(reports[0]["grad_norm"], rel=1e-4)
+    with pytest.raises(ValueError, match="micro_batches: every target is ignored"):
+        train.train_step(model, optimizer, scheduler, [(inputs, torch.full_like(targets, data.IGNORE))], 1.0)
+
+
 def test_a_step_updates_weights_and_the_balancing_bias(corpus):
     model = train.build_model(SMALL, seed=0)
     optimizer, scheduler = train.make_optimizer(model, FAST)

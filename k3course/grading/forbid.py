@@ -38,12 +38,15 @@ def _library_dirs() -> tuple[str, ...]:
 GRADER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def _called_by_learner(library_dirs: tuple[str, ...]) -> bool:
-    """Whether the code that made the call, looking through torch's and Triton's frames, is not the grader's."""
-    frame = sys._getframe(2)
+def _called_by_learner(library_dirs: tuple[str, ...], made_in: tuple[str, ...]) -> bool:
+    """Whether the code that made the call, looking through torch's and Triton's frames, is not the grader's (and,
+    when ``made_in`` names modules, whether one of the frames looked through is in one of them)."""
+    frame, through = sys._getframe(2), []
     while frame is not None and frame.f_code.co_filename.startswith(library_dirs):
+        through.append(frame.f_code.co_filename)
         frame = frame.f_back
-    return frame is not None and not frame.f_code.co_filename.startswith(GRADER_DIR)
+    made_there = not made_in or any(part in file for file in through for part in made_in)
+    return made_there and frame is not None and not frame.f_code.co_filename.startswith(GRADER_DIR)
 
 
 def _name(func) -> str:
@@ -62,7 +65,7 @@ class _Refuse(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = _name(func)
-        if name in self.rule.names and _called_by_learner(self.library_dirs):
+        if name in self.rule.names and _called_by_learner(self.library_dirs, self.rule.made_in):
             raise ForbiddenCall(f"your code called {name}: {self.rule.why}")
         return func(*args, **(kwargs or {}))
 

@@ -27,10 +27,13 @@ class Forbidden:
     """Torch functions an exercise's answer must not call (matched by name), and why, for the message.
 
     Only calls made from the learner's own code count: torch's and Triton's internals may call anything.
+    made_in: when given, only the calls made through one of these torch modules (path fragments, e.g.
+    ``torch/distributed/nn/``) count: a shortcut that wraps a function the answer may call itself.
     """
 
     names: frozenset[str]
     why: str
+    made_in: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

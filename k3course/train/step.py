@@ -1,7 +1,7 @@
 """One optimizer step of K3 on bytes: AdamW, warmup + cosine, clipping, accumulation, MoE balancing; evaluation.
 
     for each of the A micro-batches (inputs, targets) [B, T]:   loss_j = model(inputs, targets)   (nats/byte)
-        backward(loss_j / A)                                    gradients of the mean over A·B·T bytes
+        backward(loss_j · n_j / N)                              gradients of the mean over all N counted bytes
     clip ‖g‖₂ to grad_clip;  AdamW step at lr(step);  zero the gradients
     for each MoE layer: read its routing statistics, then update_bias()   (all A micro-batches since the last)
 
@@ -90,6 +90,15 @@ def forward_precision(device: torch.device, autocast: torch.dtype | None):
     return stack
 
 
+def _target_shares(micro_batches) -> list[float]:
+    """n_j / N for each micro-batch: n_j its targets that count (not ``data.IGNORE``), N = Σ_j n_j; so the
+    shares weigh the micro-batches' mean losses into the mean over every counted target of the step."""
+    counts = [int((targets != data.IGNORE).sum()) for _, targets in micro_batches]
+    if sum(counts) == 0:
+        raise ValueError("micro_batches: every target is ignored (-100); a step needs at least one to learn from")
+    return [count / sum(counts) for count in counts]
+
+
 def train_step(model: torch.nn.Module, optimizer, scheduler, micro_batches, grad_clip: float,
                autocast: torch.dtype | None = None) -> dict:
     """One optimizer step over ``micro_batches`` [(inputs [B, T], targets [B, T]), ...]; see the module docstring.
@@ -98,16 +107,20 @@ def train_step(model: torch.nn.Module, optimizer, scheduler, micro_batches, grad
     With expert-parallel experts every rank calls it together with its own shard of each micro-batch: the
     gradients are then averaged over the ranks and clipped by the global norm, the loss averaged over the
     ranks, and the balancing statistics pooled, so every rank gets the one-process numbers of the whole batch.
-    Returns {"loss": mean micro-batch loss, "lr": the rate this step used, "grad_norm": ‖g‖₂ before clipping,
-    "max_violation", "max_violation_per_layer"}.
+    Micro-batch j's loss enters with weight n_j / N (its counted targets over the step's), so unequal micro-batches
+    and ignored (-100) targets give the gradient of one batch holding them all.
+    Returns {"loss": mean loss over the counted targets, "lr": the rate this step used, "grad_norm": ‖g‖₂ before
+    clipping, "max_violation", "max_violation_per_layer"}.
     """
     model.train()
+    shares = _target_shares(micro_batches)
     total = torch.zeros((), dtype=torch.float64)  # the reported loss is summed in float64
-    for inputs, targets in micro_batches:
+    for (inputs, targets), share in zip(micro_batches, shares):
         with forward_precision(inputs.device, autocast):
             _, loss, _ = model(inputs, targets=targets)
-        (loss / len(micro_batches)).backward()
-        total += loss.detach().double().cpu()
+        if share:  # a micro-batch whose targets are all ignored has a NaN mean and nothing to learn from
+            (loss * share).backward()
+            total += loss.detach().double().cpu() * share
     if distributed.expert_parallel_layers(model):  # P ranks: everything but the routed experts is data-parallel
         distributed.average_gradients(model)
         grad_norm = distributed.clip_global_grad_norm(model, grad_clip)
@@ -118,7 +131,7 @@ def train_step(model: torch.nn.Module, optimizer, scheduler, micro_batches, grad
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": total.item() / len(micro_batches), "lr": lr, "grad_norm": grad_norm, **balance_experts(model)}
+    return {"loss": total.item(), "lr": lr, "grad_norm": grad_norm, **balance_experts(model)}
 
 
 @torch.no_grad()

@@ -112,6 +112,16 @@ def count_with_the_ratios_layer_plan(cfg):
     return sum(total for total, _ in breakdown.values()), sum(active for _, active in breakdown.values())
 
 
+
+def count_active_per_moe_layer(cfg):
+    """One MoE layer's routed experts, the share of them a token uses, times the MoE layers: a division by zero when
+    every FFN is dense."""
+    model = K3Model.from_config(cfg, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".ffn.experts." in name)
+    per_layer = routed // cfg.n_moe_layers
+    return total, total - routed + cfg.n_moe_layers * (per_layer // cfg.n_routed_experts * cfg.top_k)
+
 def sample_top_k_over_the_batch(logits, temperature, top_k, generator):
     """torch.topk(..., dim=0): the k-th largest of each column (over the rows), not of each row's vocabulary."""
     if temperature == 0:
@@ -180,13 +190,137 @@ def generate_reseeds_every_step(model, tokens, max_new_tokens, temperature, top_
     return torch.cat(out, dim=1)
 
 
+def sample_top_k_by_index(logits, temperature, top_k, generator):
+    """Keeps exactly the k indices torch.topk returns: of several logits tied with the k-th, some are dropped."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kept = torch.topk(logits, top_k, dim=-1).indices
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, kept, logits.gather(-1, kept))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+
+
+def sample_softmax_in_the_logits_dtype(logits, temperature, top_k, generator):
+    """The softmax in bf16 for bf16 logits: probabilities rounded to 8 bits move the draws."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1).float(), 1, generator=generator)
+
+
+def sample_temperature_floored(logits, temperature, top_k, generator):
+    """temperature 0 as a tiny temperature: the right token, but a draw from the generator the greedy path never
+    makes."""
+    logits = logits.float() / max(temperature, 1e-6)
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+
+
+def _cached_loop(model, tokens, max_new_tokens, temperature, top_k, generator):
+    """The right prefill-then-decode loop, whatever mode the model is in."""
+    cache, step_input, out = model.new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens), tokens, [tokens]
+    for _ in range(max_new_tokens):
+        logits, _, cache = model(step_input, cache)
+        step_input = sample_next(logits[:, -1], temperature, top_k, generator)
+        out.append(step_input)
+    return torch.cat(out, dim=1)
+
+
+def _seeded(seed, tokens):
+    return None if seed is None else torch.Generator(tokens.device).manual_seed(seed)
+
+
+def generate_in_training_mode(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """Never switches to eval mode: a model handed in training runs its MoE layers in training, which adds the
+    generated tokens to the routing record the next bias update reads."""
+    with torch.no_grad():
+        return _cached_loop(model, tokens, max_new_tokens, temperature, top_k, _seeded(seed, tokens))
+
+
+def generate_leaves_the_model_in_eval_mode(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """model.eval() and never back: the caller's training loop goes on in eval mode (no bias updates)."""
+    model.eval()
+    with torch.no_grad():
+        return _cached_loop(model, tokens, max_new_tokens, temperature, top_k, _seeded(seed, tokens))
+
+
+def generate_seeds_the_global_rng(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """torch.manual_seed(seed) instead of a generator of its own: the same draws, but the caller's global RNG is
+    reset."""
+    was_training = model.training
+    model.eval()
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        out = _cached_loop(model, tokens, max_new_tokens, temperature, top_k, None)
+    model.train(was_training)
+    return out
+
+
+def generate_under_inference_mode(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """torch.inference_mode() where no_grad belongs: the tokens come back as inference tensors, which autograd
+    refuses later (train on them: "Inference tensors cannot be saved for backward")."""
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        out = _cached_loop(model, tokens, max_new_tokens, temperature, top_k, _seeded(seed, tokens))
+    model.train(was_training)
+    return out
+
+
+
+def generate_prefills_all_but_the_last(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """Prefills tokens[:, :-1], then feeds the last prompt token as the first decode step: the same positions, but
+    a one-token prompt makes an empty prefill."""
+    was_training = model.training
+    model.eval()
+    generator, out = _seeded(seed, tokens), [tokens]
+    cache = model.new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens)
+    with torch.no_grad():
+        if max_new_tokens:
+            _, _, cache = model(tokens[:, :-1], cache)
+        step_input = tokens[:, -1:]
+        for _ in range(max_new_tokens):
+            logits, _, cache = model(step_input, cache)
+            step_input = sample_next(logits[:, -1], temperature, top_k, generator)
+            out.append(step_input)
+    model.train(was_training)
+    return torch.cat(out, dim=1)
+
+
+def generate_samples_at_temperature_0(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """Greedy as sampling at a tiny temperature: the argmax tokens, but each step draws a random number, from the
+    caller's global RNG when seed is None."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = _cached_loop(model, tokens, max_new_tokens, max(temperature, 1e-6), top_k, _seeded(seed, tokens))
+    model.train(was_training)
+    return out
+
+def generate_calls_model_generate(model, tokens, max_new_tokens, temperature, top_k, seed):
+    """The package's model.generate, which the exercise asks you to write."""
+    return model.generate(tokens, max_new_tokens, temperature, top_k, seed)
+
+
 WRONG = {
     "11.layer_schedule": [schedule_mla_first, schedule_last_layer_not_forced, schedule_one_dense_too_many],
     "11.decoder_layer": [layer_ffn_reads_before_the_mixer_writes, layer_queries_swapped,
                          layer_norm_after_the_sublayer],
     "11.cache_write": [cache_concatenates, cache_grows_to_exactly_what_fits, cache_never_grows,
                     cache_doubles_the_length_not_the_capacity, cache_grows_in_the_default_dtype],
-    "11.param_count": [count_every_expert_as_active, count_buffers_too, count_with_the_ratios_layer_plan],
-    "11.sample_next": [sample_top_k_over_the_batch, sample_from_the_logits, sample_temperature_multiplies],
-    "11.generate": [generate_without_the_cache, generate_prompt_again_into_the_cache, generate_reseeds_every_step],
+    "11.param_count": [count_every_expert_as_active, count_buffers_too, count_with_the_ratios_layer_plan,
+                       count_active_per_moe_layer],
+    "11.sample_next": [sample_top_k_over_the_batch, sample_from_the_logits, sample_temperature_multiplies,
+                       sample_top_k_by_index, sample_softmax_in_the_logits_dtype, sample_temperature_floored],
+    "11.generate": [generate_without_the_cache, generate_prompt_again_into_the_cache, generate_reseeds_every_step,
+                    generate_in_training_mode, generate_leaves_the_model_in_eval_mode, generate_seeds_the_global_rng,
+                    generate_under_inference_mode, generate_calls_model_generate, generate_prefills_all_but_the_last,
+                    generate_samples_at_temperature_0],
 }

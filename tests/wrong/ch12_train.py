@@ -76,13 +76,20 @@ def schedule_divides_by_the_decay_length(step, warmup_steps, total_steps, min_lr
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 def _step(model, optimizer, scheduler, micro_batches, grad_clip, divide=True, clip_first=True,
-          balance_each_micro_batch=False):
-    model.train()
+          balance_each_micro_batch=False, weigh_by_targets=True, train_mode=True, zero_after=True):
+    """The step with one thing changed by a flag; by default the right one (micro-batch j weighs n_j / N, n_j its
+    counted targets, N all of them)."""
+    if train_mode:
+        model.train()
+    if not zero_after:
+        optimizer.zero_grad(set_to_none=True)
+    counts = [int((targets != -100).sum()) for _, targets in micro_batches]
+    weights = [count / sum(counts) if weigh_by_targets else 1 / len(counts) for count in counts]
     total, balance = 0.0, None
-    for inputs, targets in micro_batches:
+    for (inputs, targets), weight in zip(micro_batches, weights):
         _, loss, _ = model(inputs, targets=targets)
-        (loss / len(micro_batches) if divide else loss).backward()
-        total += loss.item()
+        (loss * weight if divide else loss).backward()
+        total += loss.item() * weight
         if balance_each_micro_batch:
             balance = balance_experts(model)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)) if clip_first else None
@@ -91,8 +98,9 @@ def _step(model, optimizer, scheduler, micro_batches, grad_clip, divide=True, cl
     if not clip_first:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": total / len(micro_batches), "lr": lr, "grad_norm": grad_norm, **(balance or balance_experts(model))}
+    if zero_after:
+        optimizer.zero_grad(set_to_none=True)
+    return {"loss": total, "lr": lr, "grad_norm": grad_norm, **(balance or balance_experts(model))}
 
 
 def step_without_dividing(model, optimizer, scheduler, micro_batches, grad_clip):
@@ -109,6 +117,24 @@ def step_updates_the_bias_before_the_step(model, optimizer, scheduler, micro_bat
     """The bias update inside the accumulation loop, before optimizer.step(): the later micro-batches route
     with a bias moved by part of the batch, and the rule sees each micro-batch alone."""
     return _step(model, optimizer, scheduler, micro_batches, grad_clip, balance_each_micro_batch=True)
+
+
+def step_in_the_mode_it_was_handed(model, optimizer, scheduler, micro_batches, grad_clip):
+    """Never calls model.train(): a model handed in eval mode trains without recording its routing, so the
+    balancing bias never moves."""
+    return _step(model, optimizer, scheduler, micro_batches, grad_clip, train_mode=False)
+
+
+def step_zeroes_before_not_after(model, optimizer, scheduler, micro_batches, grad_clip):
+    """zero_grad at the start of the step instead of the end: the step is right, but it leaves its gradients in
+    .grad (memory held until the next step, and a leftover for whatever runs backward next)."""
+    return _step(model, optimizer, scheduler, micro_batches, grad_clip, zero_after=False)
+
+
+def step_weighs_micro_batches_equally(model, optimizer, scheduler, micro_batches, grad_clip):
+    """backward(loss_j / A): the mean of the micro-batch means, not the mean over every counted target (they
+    differ when micro-batches differ in size or in how many targets are ignored)."""
+    return _step(model, optimizer, scheduler, micro_batches, grad_clip, weigh_by_targets=False)
 
 
 def _windows_losses(model, windows, batch_size):
@@ -133,10 +159,38 @@ def bits_per_byte_per_batch(model, windows, batch_size):
     return sum(losses) / len(losses) / math.log(2)
 
 
+def bits_per_byte_from_the_models_loss(model, windows, batch_size):
+    """The loss the model returns with targets, in the mode it was handed: a model in training adds its
+    auxiliary balancing loss to the validation number (and records its routing)."""
+    with torch.no_grad():
+        losses = [model(chunk[:, :-1], targets=chunk[:, 1:])[1].item() * len(chunk)
+                  for chunk in windows.split(batch_size)]
+    return sum(losses) / len(windows) / math.log(2)
+
+
+def bits_per_byte_ends_in_training_mode(model, windows, batch_size):
+    """model.train() at the end whatever the mode it came in: an evaluation inside generation or a lesson's
+    eval-mode model comes back training."""
+    losses = [loss * len(chunk) for loss, chunk in zip(_windows_losses(model, windows, batch_size),
+                                                        windows.split(batch_size))]
+    return sum(losses) / len(windows) / math.log(2)
+
+
+def bits_per_byte_leaves_eval_mode(model, windows, batch_size):
+    """model.eval() and never back: the training loop that called it goes on in eval mode."""
+    model.eval()
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(chunk[:, :-1])[0].flatten(0, 1).float(), chunk[:, 1:].flatten(),
+                                  reduction="sum").item() for chunk in windows.split(batch_size)]
+    return sum(losses) / (windows.shape[0] * (windows.shape[1] - 1)) / math.log(2)
+
+
 WRONG = {
     "12.lr_factor": [schedule_warmup_from_zero, schedule_cosine_to_zero, schedule_linear_decay,
                   schedule_cosine_past_the_end, schedule_divides_by_the_decay_length],
     "12.ngram_bits_per_byte": [ngram_in_nats, ngram_unnormalised, ngram_ignores_history],
-    "12.train_step": [step_without_dividing, step_clips_after_the_step, step_updates_the_bias_before_the_step],
-    "12.evaluate": [bits_per_byte_in_nats, bits_per_byte_per_batch],
+    "12.train_step": [step_without_dividing, step_clips_after_the_step, step_updates_the_bias_before_the_step,
+                      step_in_the_mode_it_was_handed, step_zeroes_before_not_after, step_weighs_micro_batches_equally],
+    "12.evaluate": [bits_per_byte_in_nats, bits_per_byte_per_batch, bits_per_byte_from_the_models_loss,
+                    bits_per_byte_ends_in_training_mode, bits_per_byte_leaves_eval_mode],
 }

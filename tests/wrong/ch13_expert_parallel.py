@@ -150,9 +150,61 @@ def all_to_all_without_autograd(rows, recv_splits, send_splits, group=None):
     return _exchange(rows.detach(), recv_splits, send_splits)
 
 
+
+class _Exchange(torch.autograd.Function):
+    """The right exchange, with a flag for each thing a variant leaves out."""
+
+    @staticmethod
+    def forward(ctx, rows, recv_splits, send_splits, group, group_in_backward, contiguous_rows, contiguous_grad):
+        ctx.splits, ctx.group = (recv_splits, send_splits), group if group_in_backward else None
+        ctx.contiguous_grad = contiguous_grad
+        received = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+        dist.all_to_all_single(received, rows.contiguous() if contiguous_rows else rows, recv_splits, send_splits,
+                               group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_splits, send_splits = ctx.splits
+        grad_rows = grad.new_empty((sum(send_splits), *grad.shape[1:]))
+        dist.all_to_all_single(grad_rows, grad.contiguous() if ctx.contiguous_grad else grad, send_splits,
+                               recv_splits, group=ctx.group)
+        return grad_rows, None, None, None, None, None, None
+
+
+def all_to_all_on_the_default_group(rows, recv_splits, send_splits, group=None):
+    """Takes group and never passes it on: the exchange runs over every rank of the default group."""
+    return _Exchange.apply(rows, list(recv_splits), list(send_splits), None, False, True, True)
+
+
+def all_to_all_backward_on_the_default_group(rows, recv_splits, send_splits, group=None):
+    """The forward on ``group``, the backward on the default group (the group is not kept for it)."""
+    return _Exchange.apply(rows, list(recv_splits), list(send_splits), group, False, True, True)
+
+
+def all_to_all_rows_as_they_come(rows, recv_splits, send_splits, group=None):
+    """Hands all_to_all_single the rows as they come: a strided view (a slice, a transpose) is not contiguous."""
+    return _Exchange.apply(rows, list(recv_splits), list(send_splits), group, True, False, True)
+
+
+def all_to_all_gradient_as_it_comes(rows, recv_splits, send_splits, group=None):
+    """Hands all_to_all_single the upstream gradient as it comes: autograd can pass a non-contiguous one."""
+    return _Exchange.apply(rows, list(recv_splits), list(send_splits), group, True, True, False)
+
+
+def all_to_all_with_torchs_own(rows, recv_splits, send_splits, group=None):
+    """torch.distributed.nn.functional.all_to_all_single: torch's differentiable exchange, not one written here."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    received = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+    return all_to_all_single(received, rows.contiguous(), list(recv_splits), list(send_splits),
+                             group=group or dist.group.WORLD)
+
 WRONG = {
     "13.all_to_all": [all_to_all_splits_swapped, all_to_all_backward_same_splits, all_to_all_backward_identity,
-                      all_to_all_without_autograd],
+                      all_to_all_without_autograd, all_to_all_on_the_default_group,
+                      all_to_all_backward_on_the_default_group, all_to_all_rows_as_they_come,
+                      all_to_all_gradient_as_it_comes, all_to_all_with_torchs_own],
     "13.split_sizes": [splits_count_tokens_not_slots, splits_with_equal_blocks_rounded_up, splits_per_expert],
     "13.dispatch_permutation": [permutation_sorted_descending, permutation_token_major,
                                 permutation_sorted_by_token_index_last],

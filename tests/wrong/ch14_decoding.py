@@ -128,6 +128,17 @@ def tpot_no_embedding_at_all(cfg, context, batch, bandwidth, flops_per_s, dtype_
     return max((weights * dtype_bytes + cache) / bandwidth, flops / flops_per_s)
 
 
+
+def tpot_divides_by_the_moe_layers(cfg, context, batch, bandwidth, flops_per_s, dtype_bytes=2):
+    """Right for every config with an MoE layer; one expert's size is routed / (n · MoE layers), a division by
+    zero when every layer is a dense FFN."""
+    cache = batch * accounting.kv_cache_bytes(cfg, context, dtype_bytes)
+    flops = batch * accounting.decode_flops_per_token(cfg, context)
+    table, rows = cfg.vocab_size * cfg.d_model, min(batch, cfg.vocab_size) * cfg.d_model
+    weights = _weights_for(cfg, _touched(cfg, batch), dtype_bytes) + (0 if cfg.tie_embeddings else (rows - table)
+                                                                      * dtype_bytes)
+    return max((weights + cache) / bandwidth, flops / flops_per_s)
+
 def price_forgets_the_batch(step_s, batch, gpus, usd_per_gpu_hour):
     """Prices a step as if it made one token (it makes one per sequence of the batch)."""
     return 1e6 * gpus * usd_per_gpu_hour / 3600 * step_s
@@ -151,7 +162,7 @@ def price_accepts_anything(step_s, batch, gpus, usd_per_gpu_hour):
 WRONG = {
     "14.predicted_tpot": [tpot_flops_only, tpot_adds_bytes_and_flops, tpot_experts_of_one_token,
                           tpot_every_token_new_experts, tpot_cache_read_once, tpot_whole_embedding_table,
-                          tpot_no_embedding_at_all],
+                          tpot_no_embedding_at_all, tpot_divides_by_the_moe_layers],
     "14.decode_usd_per_million": [price_forgets_the_batch, price_of_one_gpu, price_per_hour_as_per_second,
                                   price_accepts_anything],
     "14.kda_step_bytes": [kda_bytes_without_conv_tails, kda_bytes_state_in_activation_dtype,

@@ -82,6 +82,7 @@ def _count_cases() -> list[Case]:
             Case("tied embeddings", (tiny.replace(tie_embeddings=True),)),
             Case("no latent, no shared experts", (tiny.replace(latent_dim=None, n_shared_experts=0),)),
             Case("PreNorm (no AttnRes queries)", (tiny.replace(residual="prenorm"),)),
+            Case("no MoE layer (every FFN dense)", (tiny.replace(first_k_dense=tiny.n_layers),)),
             Case("explicit mla_layers (not the ratio's plan)",
                  (K3Config.preset("small").replace(mla_layers=(0, 1, 2)),)),
             Case("Kimi K3", (K3Config.preset("kimi-k3"),))]
@@ -90,38 +91,60 @@ def _count_cases() -> list[Case]:
 def _sample_cases() -> list[Case]:
     """Logits [B, V] with B ≠ V (a top-k over the wrong axis changes the answer) and a seeded generator."""
     g = torch.Generator().manual_seed(1102)
-    cases = [Case("greedy (temperature 0)", (3 * torch.randn(5, 40, generator=g), 0.0, None, None))]
+    greedy = 3 * torch.randn(5, 40, generator=g)
+    cases = [Case("greedy (temperature 0)", (greedy, 0.0, None, None)),
+             Case("temperature 0 with a generator: greedy, the generator left as it was",
+                  (greedy, 0.0, 4, torch.Generator().manual_seed(99)))]
     for name, (rows, vocab, temperature, top_k, dtype) in {
             "temperature 1, no top-k": (64, 40, 1.0, None, torch.float32),
             "temperature 0.7, top-k 5": (64, 40, 0.7, 5, torch.float32),
             "hot (temperature 3), top-k 8": (48, 30, 3.0, 8, torch.float32),
             "top-k 1 is greedy": (16, 30, 1.5, 1, torch.float32),
             "top-k = vocabulary": (32, 12, 0.5, 12, torch.float32),
-            "bf16 logits (sampled in fp32)": (64, 40, 0.9, 6, torch.bfloat16)}.items():
+            "bf16 logits (sampled in fp32)": (64, 40, 0.9, 6, torch.bfloat16),
+            "bf16 logits, 2048 rows (softmax in bf16 rounds the probabilities)": (2048, 40, 1.0, None,
+                                                                                  torch.bfloat16)}.items():
         logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
         cases.append(Case(name, (logits, temperature, top_k, torch.Generator().manual_seed(len(cases)))))
+    tied = torch.randint(0, 4, (256, 40), generator=g).float()  # many logits equal the k-th largest
+    cases.append(Case("ties at the k-th logit: every tied token is kept",
+                      (tied, 1.0, 5, torch.Generator().manual_seed(5))))
     return cases
 
 
 class MeteredModel:
     """A K3Model behind a meter: it counts the positions it runs on and refuses to run on more than ``budget``
-    (prompt + new tokens: each position once, which a cached loop never exceeds). Compared by its weights."""
+    (prompt + new tokens: each position once, which a cached loop never exceeds), notes whether any call ran in
+    training mode, and refuses ``generate`` (the exercise is to write it). Compared by its weights."""
 
     def __init__(self, model: K3Model, budget: int):
-        self.model, self.budget, self.positions = model, budget, 0
+        self.model, self.budget, self.positions, self.ran_in_training = model, budget, 0, False
 
     def __call__(self, tokens, cache=None, targets=None):
         self.positions += tokens.shape[1]
+        self.ran_in_training |= self.model.training
         if self.positions > self.budget:
             raise RuntimeError(f"the model ran on {self.positions} positions per sequence, more than prompt + new "
                                f"tokens = {self.budget}: is the prompt run again each step instead of the cache used?")
         return self.model(tokens, cache, targets)
 
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def train(self, mode: bool = True) -> MeteredModel:
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> MeteredModel:
+        return self.train(False)
+
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None):
         return self.model.new_cache(batch, max_len, device, dtype)
 
-    def generate(self, tokens, max_new_tokens, temperature=1.0, top_k=None, seed=None):
-        return self.model.generate(tokens, max_new_tokens, temperature, top_k, seed)
+    def generate(self, *args, **kwargs):
+        raise RuntimeError("model.generate is the package's answer to this exercise: write the loop yourself "
+                           "(model(x, cache) and your sample_next)")
 
     def state_dict(self) -> dict:
         return self.model.state_dict()
@@ -129,9 +152,28 @@ class MeteredModel:
 
 def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
              seed: int | None) -> torch.Tensor:
-    """The package's :meth:`K3Model.generate` (prefill once, then one cached step per new token; the tokens drawn
-    by sample_next with ``torch.Generator(tokens.device).manual_seed(seed)``) -> [B, T + max_new_tokens]."""
-    return model.generate(tokens, max_new_tokens, temperature, top_k, seed)
+    """The package's :meth:`K3Model.generate` (in eval mode, the caller's mode restored after; prefill once, then
+    one cached step per new token; the tokens drawn by sample_next with
+    ``torch.Generator(tokens.device).manual_seed(seed)``, with the global RNG when seed is None)
+    -> [B, T + max_new_tokens]."""
+    return (model.model if isinstance(model, MeteredModel) else model).generate(tokens, max_new_tokens, temperature,
+                                                                                 top_k, seed)
+
+
+def generated_and_what_it_left(answer, model: MeteredModel, tokens: torch.Tensor, max_new_tokens: int,
+                               temperature: float, top_k: int | None, seed: int | None) -> dict:
+    """``answer(model, tokens, ...)`` with the global RNG seeded (so seed None draws the same numbers for both),
+    then restored -> {"tokens", whether the global RNG moved, whether the model ran in training mode, its mode
+    after the call (the caller's, restored), whether the tokens are inference tensors (autograd refuses them)}."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1105)
+        before = torch.random.get_rng_state()
+        out = answer(model, tokens, max_new_tokens, temperature, top_k, seed)
+        rng_moved = not torch.equal(before, torch.random.get_rng_state())
+    return {"tokens": out, "the global RNG changed state": rng_moved,
+            "the model ran in training mode": model.ran_in_training,
+            "the model is in training mode after the call": model.training,
+            "tokens made under torch.inference_mode()": isinstance(out, torch.Tensor) and out.is_inference()}
 
 
 def _grading_model() -> K3Model:
@@ -147,16 +189,22 @@ def _grading_model() -> K3Model:
 
 def _generate_cases() -> list[Case]:
     model, g = _grading_model(), torch.Generator().manual_seed(1104)
+    training = _grading_model().train()
     cases = []
-    for name, (batch, prompt, new, temperature, top_k, seed) in {
-            "greedy": (2, 5, 6, 0.0, None, None),
-            "sampled, temperature 0.8, top-k 20": (2, 5, 8, 0.8, 20, 3),
-            "sampled, temperature 1, no top-k": (3, 4, 8, 1.0, None, 0),
-            "one new token": (2, 6, 1, 1.0, 5, 7),
-            "no new tokens": (1, 4, 0, 1.0, None, 1),
-            "a prompt longer than a KDA chunk": (1, 70, 4, 0.7, 10, 2)}.items():
+    for name, (batch, prompt, new, temperature, top_k, seed, handed) in {
+            "greedy": (2, 5, 6, 0.0, None, None, model),
+            "sampled, temperature 0.8, top-k 20": (2, 5, 8, 0.8, 20, 3, model),
+            "sampled, temperature 1, no top-k": (3, 4, 8, 1.0, None, 0, model),
+            "one new token": (2, 6, 1, 1.0, 5, 7, model),
+            "no new tokens": (1, 4, 0, 1.0, None, 1, model),
+            "a prompt longer than a KDA chunk": (1, 70, 4, 0.7, 10, 2, model),
+            "a one-token prompt": (2, 1, 5, 0.9, 12, 4, model),
+            "temperature 0 with a seed: greedy": (2, 3, 4, 0.0, None, 5, model),
+            "seed None: drawn from the global RNG, as documented": (2, 4, 5, 1.0, None, None, model),
+            "a model handed in training mode: generated in eval mode, handed back in training mode":
+                (2, 5, 4, 0.8, 10, 6, training)}.items():
         tokens = torch.randint(0, model.cfg.vocab_size, (batch, prompt), generator=g)
-        cases.append(Case(name, (MeteredModel(model, prompt + new), tokens, new, temperature, top_k, seed)))
+        cases.append(Case(name, (MeteredModel(handed, prompt + new), tokens, new, temperature, top_k, seed)))
     return cases
 
 
@@ -165,4 +213,4 @@ register(Exercise("11.decoder_layer", attnres_decoder_layer, _layer_cases))
 register(Exercise("11.cache_write", write_rows, _cache_cases, mutable=("buffer",)))
 register(Exercise("11.param_count", total_and_active, _count_cases))
 register(Exercise("11.sample_next", sample_next, _sample_cases, mutable=("generator",)))
-register(Exercise("11.generate", generate, _generate_cases))
+register(Exercise("11.generate", generate, _generate_cases, harness=generated_and_what_it_left))

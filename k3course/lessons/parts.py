@@ -31,6 +31,7 @@ PARTS: dict[str, tuple[str, str]] = {
     "ut_transform": ("k3course.ops.chunk", "ut_transform"),
     "kda_step": ("k3course.ops.recurrent", "kda_step"),
     "depth_attention": ("k3course.layers.residual", "depth_attention"),
+    "all_to_all": ("k3course.distributed.ep", "all_to_all"),  # expert-parallel dispatch and combine (P ranks)
 }
 
 

@@ -11,6 +11,7 @@ where it runs
     kda_step                    the recurrent KDA op: decoding, inference on up to a chunk of tokens (chapter 06)
     ut_transform                the chunked KDA op: training, inference on more than a chunk (chapter 07)
     depth_attention             every read of the Full / Block AttnRes residual stream (chapter 10)
+    all_to_all                  expert-parallel dispatch and combine between ranks (chapter 13)
 
 :func:`use_parts` holds functions for the length of a ``with`` block (process-wide, and always restored); each
 must take and return what the package's function of that name does. ``k3course.lessons.parts`` builds the
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-PART_NAMES = ("topk_route", "router_scores", "kda_step", "ut_transform", "depth_attention")
+PART_NAMES = ("topk_route", "router_scores", "kda_step", "ut_transform", "depth_attention", "all_to_all")
 
 _in_use: dict[str, Callable] = {}  # part name -> the function use_parts put in place of the package's
 

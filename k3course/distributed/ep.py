@@ -38,6 +38,7 @@ from k3course.moe.balancing import HISTOGRAM_BINS, expert_load, histogram_quanti
 from k3course.moe.dispatch import sort_by_expert, unsort
 from k3course.moe.experts import RoutedExperts
 from k3course.moe.layers import MoE
+from k3course.parts import part
 
 
 def parallelize_experts(module: nn.Module, group=None, dedup: bool = False,
@@ -131,7 +132,7 @@ class AllToAllDispatch:
         dispatched = self._clock(z)
         outputs = self._run_local_experts(experts, received, recv_counts)  # [R, w], same order as received
         computed = self._clock(z)
-        returned = all_to_all(outputs, send_splits, recv_splits, self.group)  # [m k, w] in dispatch order
+        returned = self._all_to_all(outputs, send_splits, recv_splits)  # [m k, w] in dispatch order
         self.last_exchange_seconds = dispatched - started + self._clock(z) - computed
         self.last_traffic["combine"] = self._remote_bytes(returned, send_splits)  # this rank's slots, back
         return returned.index_select(0, inverse_permutation(order)).view(m, k, z.shape[1])
@@ -168,8 +169,13 @@ class AllToAllDispatch:
         else:
             sent = z.index_select(0, order // expert_idx.shape[1])  # [m k, w]
             self.last_traffic["dispatch"] = self._remote_bytes(sent, send_splits)
-            received = all_to_all(sent, recv_splits, send_splits, self.group)  # [R, w]
+            received = self._all_to_all(sent, recv_splits, send_splits)  # [R, w]
         return received, recv_counts, send_splits, recv_splits
+
+    def _all_to_all(self, rows: torch.Tensor, recv_splits: list[int], send_splits: list[int]) -> torch.Tensor:
+        """:func:`~k3course.distributed.exchange.all_to_all` in this dispatch's group: the one place the layer calls
+        it, through the parts registry (a learner's own, lesson 16)."""
+        return part("all_to_all", all_to_all)(rows, recv_splits, send_splits, self.group)
 
     def _clock(self, like: torch.Tensor) -> float:
         """perf_counter, after a CUDA synchronisation when ``time_exchanges`` is set and ``like`` is on a GPU."""
@@ -191,7 +197,7 @@ class AllToAllDispatch:
         sent = z.index_select(0, pairs % max(m, 1))  # [R_pairs, w]
         owner = rank_of_expert(self.n_routed_experts, self.world_size).to(device)[expert_idx.reshape(-1)[order]]
         index = (slot_pair[order] - _exclusive_cumsum(pair_counts)[owner]).to(torch.int32)  # row within the block
-        rows = all_to_all(sent, pair_recv, pair_send, self.group)
+        rows = self._all_to_all(sent, pair_recv, pair_send)
         recv_index = exchange(index, recv_splits, send_splits, self.group).to(torch.int64)
         source = torch.repeat_interleave(torch.arange(self.world_size, device=device),
                                          torch.tensor(recv_splits, device=device))

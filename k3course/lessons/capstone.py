@@ -1,32 +1,47 @@
 """The capstone (lesson 16): your own chapter functions, taken from your exercise notebooks, inside the model.
 
-:func:`your_parts` reads the function you wrote for each swappable part (:data:`k3course.lessons.parts.PARTS`)
-from your saved exercise notebook — the cell that defines it, run after the notebook's import cell — and falls
-back to the solved notebook in ``solutions/`` where your exercise is still a stub. :func:`train_briefly` trains
-the same seeded tiny K3 on the same bytes with the package's parts or with yours, so the two loss curves can be
-laid on each other.
+:func:`your_parts` reads each function you wrote (:data:`PART_NOTEBOOKS`) from your saved exercise notebook — the
+cell that defines it, run after the notebook's import cell — and falls back to the solved notebook in
+``solutions/`` where your exercise is still a stub. :func:`finetune` continues a model with your training step
+and schedule. :func:`shipped_model` is the tiny K3 that ``k3course train --preset tiny`` trained for 2400 steps,
+shipped with the package (:data:`SHIPPED`); :func:`train_on_ranks` continues it on P gloo ranks with
+expert-parallel experts.
 
-    part              chapter    the model calls it
+    part              chapter    where it runs
     topk_route        01         in every MoE layer: top-k on s + b, weights from s
     kda_step          06         in the recurrent KDA path (decoding, inputs of up to one chunk)
     ut_transform      07         in the chunked KDA path (training; prefill longer than a chunk)
     depth_attention   10         in every Block AttnRes read
+    sample_next       11         your generate's choice of the next token
+    generate          11         prefill, then one cached step per new token
+    lr_factor         12         the warmup + cosine schedule of your training steps
+    train_step        12         one optimizer step
+    bits_per_byte     12         your evaluator (exercise 12.evaluate)
+    all_to_all        13         the expert-parallel dispatch and combine (on P ranks)
+    predicted_tpot    14         the roofline time per output token
+
+The parts the model looks up by name (:data:`k3course.lessons.parts.PARTS`) enter it through
+:func:`~k3course.lessons.parts.use_parts`; the others the lesson calls itself.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+import numpy as np
+import safetensors.torch
 import torch
 
-from k3course import train
+from k3course import checkpoint, data, distributed, train
 from k3course.config import K3Config
-from k3course.lessons.parts import use_parts
+from k3course.device import best_seconds
+from k3course.lessons.parts import PARTS, use_parts
 
 # part -> the exercise notebook (in exercises/ and solutions/) whose function it is
 PART_NOTEBOOKS: dict[str, str] = {
@@ -34,6 +49,13 @@ PART_NOTEBOOKS: dict[str, str] = {
     "kda_step": "06_kda_exercises.ipynb",
     "ut_transform": "07_chunkwise_exercises.ipynb",
     "depth_attention": "10_residuals_exercises.ipynb",
+    "sample_next": "11_model_exercises.ipynb",
+    "generate": "11_model_exercises.ipynb",  # after sample_next: your generate calls your sample_next
+    "lr_factor": "12_train_exercises.ipynb",
+    "train_step": "12_train_exercises.ipynb",
+    "bits_per_byte": "12_train_exercises.ipynb",
+    "all_to_all": "13_expert_parallel_exercises.ipynb",
+    "predicted_tpot": "14_decoding_exercises.ipynb",
 }
 STUB = "raise NotImplementedError"
 EXERCISE_EPS = 1e-6  # the RMSNorm ε chapter 10's depth_attention exercise writes into its function
@@ -47,6 +69,11 @@ class Part:
     function: Callable
     notebook: Path
 
+    @property
+    def whose(self) -> str:
+        """"yours" when it came from your exercise notebook, "the solution's" when from ``solutions/``."""
+        return "the solution's" if self.notebook.parts[0] == "solutions" else "yours"
+
 
 def _defining_cell(notebook: nbformat.NotebookNode, name: str) -> str | None:
     """The source of the code cell that defines ``def name(``, or None."""
@@ -59,9 +86,10 @@ def _first_code_cell(notebook: nbformat.NotebookNode) -> str:
     return next(cell.source for cell in notebook.cells if cell.cell_type == "code")
 
 
-def function_from_notebook(path: Path | str, name: str) -> Callable | None:
+def function_from_notebook(path: Path | str, name: str, known: dict[str, Callable] | None = None) -> Callable | None:
     """The function ``name`` as the notebook at ``path`` defines it: its import cell, then its defining cell, run
-    in a namespace of their own. None when no cell defines it or the definition is still the stub."""
+    in a namespace of their own that also holds ``known`` (functions found before it, which it may call: your
+    ``generate`` calls your ``sample_next``). None when no cell defines it or the definition is still the stub."""
     path = Path(path)
     if not path.is_file():
         return None
@@ -69,7 +97,7 @@ def function_from_notebook(path: Path | str, name: str) -> Callable | None:
     source = _defining_cell(notebook, name)
     if source is None or STUB in source:
         return None
-    namespace: dict = {"__name__": f"notebook_{path.stem}"}
+    namespace: dict = {**(known or {}), "__name__": f"notebook_{path.stem}"}
     exec(compile(_first_code_cell(notebook), str(path), "exec"), namespace)
     exec(compile(source, str(path), "exec"), namespace)
     return fitted(name, namespace[name])
@@ -97,7 +125,7 @@ def your_parts(root: Path | str = "..", folder: str = "exercises") -> list[Part]
     parts = []
     for name, notebook in PART_NOTEBOOKS.items():
         for where in (root / folder / notebook, root / "solutions" / notebook):
-            function = function_from_notebook(where, name)
+            function = function_from_notebook(where, name, {part.name: part.function for part in parts})
             if function is not None:
                 parts.append(Part(name, function, where.relative_to(root)))
                 break
@@ -106,19 +134,115 @@ def your_parts(root: Path | str = "..", folder: str = "exercises") -> list[Part]
     return parts
 
 
+def model_parts(parts: list[Part]) -> dict[str, Callable]:
+    """{name: function} of the ``parts`` the model looks up by name (:data:`~k3course.lessons.parts.PARTS`), the
+    keyword arguments of :func:`~k3course.lessons.parts.use_parts`."""
+    return {part.name: part.function for part in parts if part.name in PARTS}
+
+
 def capstone_config() -> K3Config:
     """The tiny K3 with 128-byte windows, so the chunked KDA path (two chunks of 64) runs ``ut_transform``."""
     return K3Config.preset("tiny")
 
 
-def train_briefly(cfg: K3Config, tokens, steps: int = 30, batch_size: int = 4, seq_len: int = 128, seed: int = 0,
-                  parts: dict[str, Callable] | None = None) -> tuple[torch.nn.Module, list[float]]:
-    """``steps`` AdamW steps of the seeded model on windows of ``tokens`` (the same batches for every call), with
-    ``parts`` (see :func:`~k3course.lessons.parts.use_parts`) in place of the package's. Returns (model, the loss
-    of each step)."""
-    config = train.TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, warmup_steps=min(5, steps),
-                               seed=seed)
-    stepper = train.Stepper(cfg, config, train.text_batches(tokens, config))
-    with use_parts(**(parts or {})):
-        losses = [stepper()["loss"] for _ in range(steps)]
-    return stepper.model, losses
+def finetune(model: torch.nn.Module, train_step: Callable, lr_factor: Callable, batches: list[list],
+             config: train.TrainConfig) -> list[float]:
+    """Continue ``model`` for len(``batches``) steps of ``train_step`` (chapter 12's signature), step i on the
+    micro-batches ``batches[i]``: AdamW with ``config``'s rate, betas and weight decay, the rate of step i
+    lr · lr_factor(i, warmup_steps, steps, min_lr_ratio). Returns the loss of each step."""
+    optimizer = torch.optim.AdamW(model.param_groups(config.weight_decay), lr=config.lr, betas=config.betas)
+    factor = lambda step: lr_factor(step, config.warmup_steps, config.steps, config.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return [train_step(model, optimizer, scheduler, micro_batches, config.grad_clip)["loss"]
+            for micro_batches in batches]
+
+
+# --- the shipped model ----------------------------------------------------------------------------------
+
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny"
+SHIPPED_DTYPE = torch.bfloat16  # half of float32's bytes; its rounding moves validation bits/byte by ~1e-4
+
+
+def ship_checkpoint(run: Path | str, out: Path | str = SHIPPED) -> Path:
+    """Write the latest checkpoint of the run folder ``run`` as the package ships it, into ``out``:
+    model.safetensors (floating parameters in :data:`SHIPPED_DTYPE`, buffers — the balancing biases — as saved),
+    config.json, the run's metrics.jsonl up to the checkpoint's step, and val_windows.npy: the windows [N, T + 1]
+    uint8 of the run's validation split that its evaluations scored (the split must be the one this machine reads)."""
+    folder, out = checkpoint.find_checkpoint(run), Path(out)
+    saved = json.loads((folder / "config.json").read_text())
+    corpus = train.run_corpus(train.saved_run_config(folder).run)
+    if corpus.meta["key"] != saved["corpus"]["key"]:
+        raise ValueError(f"run: {run} was trained on corpus {saved['corpus']['key']}, this machine reads "
+                         f"{corpus.meta['key']}")
+    model = train.load_model(folder)
+    parameters = {name for name, _ in model.named_parameters()}
+    state = {name: tensor.to(SHIPPED_DTYPE) if name in parameters else tensor
+             for name, tensor in model.state_dict().items()}
+    out.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(saved, indent=1))
+    lines = (Path(run) / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["step"] <= saved["step"]))
+    windows = data.eval_windows(corpus.val, saved["train"]["seq_len"], saved["train"]["eval_bytes"])
+    np.save(out / "val_windows.npy", windows.numpy().astype(np.uint8))
+    return out
+
+
+def shipped_config(folder: Path | str = SHIPPED) -> dict:
+    """The shipped run's config.json: {"model": K3Config, "train": TrainConfig fields, "step", "corpus", ...}."""
+    saved = json.loads((Path(folder) / "config.json").read_text())
+    return {**saved, "model": K3Config.from_dict(saved["model"])}
+
+
+def shipped_model(folder: Path | str = SHIPPED) -> torch.nn.Module:
+    """The shipped tiny K3 in float32 and eval mode: its stored weights widened back from :data:`SHIPPED_DTYPE`."""
+    from k3course.model import K3Model
+
+    model = K3Model.from_config(shipped_config(folder)["model"])
+    stored = safetensors.torch.load_file(str(Path(folder) / "model.safetensors"))
+    expected = model.state_dict()
+    if set(stored) != set(expected):
+        raise checkpoint.CheckpointError(f"folder: {folder} holds another model's weights: "
+                                         f"{sorted(set(stored) ^ set(expected))[:4]} differ")
+    model.load_state_dict({name: tensor.to(expected[name].dtype) for name, tensor in stored.items()})
+    return model.eval()
+
+
+def shipped_metrics(folder: Path | str = SHIPPED) -> list[dict]:
+    """The shipped run's metrics.jsonl: one record a step; steps that evaluated also hold val_loss and val_bpb."""
+    return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def shipped_windows(folder: Path | str = SHIPPED) -> torch.Tensor:
+    """The validation windows [N, T + 1] int64 the shipped run's evaluations scored."""
+    return torch.from_numpy(np.load(Path(folder) / "val_windows.npy").astype(np.int64))
+
+
+def copy_bandwidth(n_bytes: int = 2 ** 27, repeats: int = 3) -> float:
+    """This machine's memory bandwidth in bytes/s, measured: a float32 copy of ``n_bytes`` reads and writes them
+    (2 · n_bytes moved), the best of ``repeats``."""
+    source = torch.ones(n_bytes // 4)
+    target = torch.empty_like(source)
+    return 2 * n_bytes / best_seconds(lambda: target.copy_(source), repeats)
+
+
+# --- the shipped model on P ranks -----------------------------------------------------------------------
+
+def _steps_on_rank(rank: int, world_size: int, batches: list[list], config: train.TrainConfig,
+                   parts: dict[str, Callable]) -> list[float]:
+    """On one rank: the shipped model with expert-parallel experts, trained by the package's step on this rank's
+    1/P of every micro-batch of ``batches`` (AdamW and schedule of ``config``), ``parts`` in place."""
+    model = distributed.parallelize_experts(shipped_model())
+    optimizer, scheduler = train.make_optimizer(model, config)
+    with use_parts(**parts):
+        return [train.train_step(model, optimizer, scheduler, train.rank_shards(micro_batches, rank, world_size),
+                                 config.grad_clip)["loss"] for micro_batches in batches]
+
+
+def train_on_ranks(world_size: int, batches: list[list], config: train.TrainConfig,
+                   parts: dict[str, Callable]) -> list[list[float]]:
+    """Each rank's losses when ``world_size`` forked gloo processes continue the shipped model together for
+    len(``batches``) steps with expert-parallel experts (``k3course train --ep P``'s step), with ``parts`` (e.g.
+    your ``all_to_all``: the dispatch and the combine) in place of the package's. Every rank reports the loss of
+    the whole batch, which equals one process's to float rounding."""
+    return distributed.run_ranks(_steps_on_rank, world_size, batches, config, parts, start_method="fork")

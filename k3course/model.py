@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3course import pretrained
+from k3course import pretrained, pretrained_save
 from k3course.config import K3Config
 from k3course.layers.kda import KDACache, KimiDeltaAttention
 from k3course.layers.mla import GatedMLA, MLACache
@@ -138,7 +138,7 @@ class K3Model(nn.Module):
         (config.json + safetensors, sharded above ``max_shard_bytes``). Raises
         :class:`~k3course.pretrained.UnsupportedCheckpoint` naming each setting Kimi Linear cannot express (Block
         AttnRes, SiTU-GLU, K3's full-rank or biased gates, the bounded KDA gate, latent MoE, RoPE ...)."""
-        return pretrained.save_kimi_linear(self.cfg, self.state_dict(), path, max_shard_bytes)
+        return pretrained_save.save_kimi_linear(self.cfg, self.state_dict(), path, max_shard_bytes)
 
     @torch.no_grad()
     def _assign(self, name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "k3course"
 FLOORS = {
     0: {"config", "data", "device", "debug", "params", "parts", "reference"},
     1: {"ops", "pretrained"},
-    2: {"kernels"},
+    2: {"kernels", "pretrained_save"},
     3: {"layers", "moe"},
     4: {"model"},
     5: {"accounting", "checkpoint", "pretrained_generation"},

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3course import pretrained
+from k3course import pretrained, pretrained_save
 from k3course.accounting import meta_param_count
 from k3course.config import K3Config
 from k3course.layers.mla import GatedMLA
@@ -185,7 +185,7 @@ def test_a_saved_k3_model_opens_in_transformers_with_the_same_logits(tmp_path):
 def test_meta_counts_of_the_presets_equal_transformers_models(preset):
     cfg = K3Config.preset(preset)
     if preset == "kimi-linear-48b":
-        config = transformers.KimiLinearConfig(**pretrained.kimi_linear_config(cfg))
+        config = transformers.KimiLinearConfig(**pretrained_save.kimi_linear_config(cfg))
         build = transformers.KimiLinearForCausalLM
     else:
         config = transformers.DeepseekV3Config(

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from k3course import pretrained
+from k3course import pretrained, pretrained_save
 from k3course.config import K3Config
 from k3course.model import K3Model
 
@@ -115,7 +115,7 @@ def test_save_pretrained_names_what_kimi_linear_cannot_express(tmp_path):
         model.save_pretrained(tmp_path)
     assert not any(tmp_path.iterdir())
     with pytest.raises(pretrained.UnsupportedCheckpoint, match="kda_norm_eps"):
-        pretrained.kimi_linear_config(tiny_kimi_linear(kda_norm_eps=1e-6))
+        pretrained_save.kimi_linear_config(tiny_kimi_linear(kda_norm_eps=1e-6))
 
 
 def test_missing_files_and_tensors_are_named(tmp_path):
@@ -123,7 +123,7 @@ def test_missing_files_and_tensors_are_named(tmp_path):
         K3Model.from_pretrained(tmp_path)
     model = K3Model.from_config(tiny_kimi_linear())
     model.save_pretrained(tmp_path)
-    state = pretrained.hf_outer_tensors(model.state_dict(), model.cfg)
+    state = pretrained_save.hf_outer_tensors(model.state_dict(), model.cfg)
     missing = "tensor model.layers.0.self_attn.q_proj.weight is missing"
     with pytest.raises(pretrained.UnsupportedCheckpoint, match=missing):
         pretrained.convert_state(state, model.cfg)

@@ -1,0 +1,147 @@
+"""K3 → Kimi Linear: a :class:`~k3course.config.K3Config` that Kimi Linear can express, written in the released
+layout that transformers reads (``K3Model.save_pretrained``). The names and shapes are the inverse of
+:mod:`k3course.pretrained`'s table; a tied head is written as ``lm_head`` too, so any reader gets the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from k3course.config import K3Config
+from k3course.pretrained import (
+    CONFIG_FILE,
+    EMBEDDING,
+    HEAD,
+    INDEX_FILE,
+    KIMI_LINEAR_FIXED,
+    SINGLE_FILE,
+    UnsupportedCheckpoint,
+)
+
+
+def kimi_linear_config(cfg: K3Config, dtype: torch.dtype = torch.float32) -> dict:
+    """The config.json (transformers' keys) of a Kimi Linear model equal to ``cfg``; UnsupportedCheckpoint naming
+    every field Kimi Linear cannot express (its layers are fixed: :data:`KIMI_LINEAR_FIXED`; one ε for the
+    decoder norms and the KDA output norm; at least one shared expert)."""
+    differ = [f"{key}={getattr(cfg, key)!r} (Kimi Linear: {value!r})" for key, value in KIMI_LINEAR_FIXED.items()
+              if getattr(cfg, key) != value]
+    if cfg.kda_norm_eps != cfg.norm_eps:
+        differ.append(f"kda_norm_eps={cfg.kda_norm_eps} (Kimi Linear: norm_eps = {cfg.norm_eps}, both rms_norm_eps)")
+    if cfg.n_shared_experts < 1:
+        differ.append("n_shared_experts=0 (Kimi Linear: at least 1)")
+    if differ:
+        raise UnsupportedCheckpoint(f"cfg: Kimi Linear cannot express {'; '.join(differ)}")
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+        "dtype": str(dtype).removeprefix("torch."), "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers, "intermediate_size": cfg.dense_ffn_dim,
+        "moe_intermediate_size": cfg.expert_dim, "num_attention_heads": cfg.mla_n_heads,
+        "num_key_value_heads": cfg.mla_n_heads, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "linear_num_heads": cfg.kda_n_heads, "linear_head_dim": cfg.kda_head_dim,
+        "linear_conv_kernel_dim": cfg.kda_conv_size, "num_experts": cfg.n_routed_experts,
+        "num_experts_per_token": cfg.top_k, "num_shared_experts": cfg.n_shared_experts,
+        "num_expert_group": cfg.n_expert_groups, "topk_group": cfg.topk_groups,
+        "moe_renormalize": cfg.renormalize_top_k, "routed_scaling_factor": cfg.route_scale,
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "pad_token_id": cfg.pad_token_id,
+        "bos_token_id": None, "eos_token_id": None, "hidden_act": "silu", "model_max_length": cfg.context_length,
+        "layer_types": ["full_attention" if kind == "mla" else "linear_attention" for kind in cfg.layer_types()],
+        "mlp_layer_types": ["dense" if kind == "dense" else "sparse" for kind in cfg.ffn_types()],
+    }
+
+
+def hf_layer_tensors(state: dict[str, torch.Tensor], cfg: K3Config, i: int) -> dict[str, torch.Tensor]:
+    """Layer i of a K3Model state dict under Kimi Linear's released names (the inverse of :func:`k3_tensors`)."""
+    get = lambda name: state[f"layers.{i}.{name}"]
+    out = {"input_layernorm.weight": get("mixer_norm.weight"),
+           "post_attention_layernorm.weight": get("ffn_norm.weight")}
+    mixer = _kda_to_hf(get, cfg) if cfg.layer_types()[i] == "kda" else _mla_to_hf(get, cfg)
+    out |= {f"self_attn.{name}": t for name, t in mixer.items()}
+    if cfg.ffn_types()[i] == "dense":
+        out |= {f"mlp.{name}_proj.weight": get(f"ffn.{name}").T for name in ("gate", "up", "down")}
+    else:
+        out |= {f"block_sparse_moe.{name}": t for name, t in _moe_to_hf(get, cfg).items()}
+    return {f"model.layers.{i}.{name}": t.contiguous() for name, t in out.items()}
+
+
+def hf_outer_tensors(state: dict[str, torch.Tensor], cfg: K3Config) -> dict[str, torch.Tensor]:
+    """The embedding, final norm and head under transformers' names. A tied head is written too, as a copy of the
+    embedding (safetensors stores no shared tensors): transformers' Kimi Linear then has the right head whether
+    or not it ties it, and :class:`Checkpoint` reads the pair back as tied."""
+    head = state["embed.weight"].clone() if cfg.tie_embeddings else state["lm_head.weight"]
+    return {EMBEDDING: state["embed.weight"], "model.norm.weight": state["final_norm.weight"], HEAD: head}
+
+
+def _kda_to_hf(get, cfg: K3Config) -> dict[str, torch.Tensor]:
+    out = {f"{name}.weight": get(f"mixer.{name}.weight") for name in ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj")}
+    return out | {f"{x}_conv1d.weight": get(f"mixer.{x}_conv.weight").unsqueeze(1) for x in "qkv"} | {
+        "f_a_proj.weight": get("mixer.f_proj.0.weight"), "f_b_proj.weight": get("mixer.f_proj.1.weight"),
+        "A_log": get("mixer.A_log").view(1, 1, cfg.kda_n_heads, 1), "dt_bias": get("mixer.dt_bias").flatten(),
+        "g_a_proj.weight": get("mixer.gate_proj.0.weight"), "g_b_proj.weight": get("mixer.gate_proj.1.weight"),
+        "o_norm.weight": get("mixer.o_norm_weight")}
+
+
+def _mla_to_hf(get, cfg: K3Config) -> dict[str, torch.Tensor]:
+    if cfg.q_lora_rank is None:
+        out = {"q_proj.weight": get("mixer.q_up.weight")}
+    else:
+        out = {"q_a_proj.weight": get("mixer.q_down.weight"), "q_a_layernorm.weight": get("mixer.q_norm.weight"),
+               "q_b_proj.weight": get("mixer.q_up.weight")}
+    kv_up = torch.cat([get("mixer.k_up"), get("mixer.v_up")], dim=1).flatten(0, 1)  # [H·(n + v), r]
+    return out | {"kv_a_proj_with_mqa.weight": get("mixer.kv_down.weight"),
+                  "kv_a_layernorm.weight": get("mixer.kv_norm.weight"), "kv_b_proj.weight": kv_up,
+                  "o_proj.weight": get("mixer.out.weight")}
+
+
+def _moe_to_hf(get, cfg: K3Config) -> dict[str, torch.Tensor]:
+    gate_up, down, hidden = get("ffn.experts.gate_up"), get("ffn.experts.down"), cfg.expert_dim
+    out = {"gate.weight": get("ffn.router").T, "gate.e_score_correction_bias": get("ffn.bias").float()}
+    for j in range(cfg.n_routed_experts):
+        out |= {f"experts.{j}.w1.weight": gate_up[j, :, :hidden].T, f"experts.{j}.w3.weight": gate_up[j, :, hidden:].T,
+                f"experts.{j}.w2.weight": down[j].T}
+    return out | {f"shared_experts.{name}_proj.weight": get(f"ffn.shared.{name}").T for name in ("gate", "up", "down")}
+
+
+def save_kimi_linear(cfg: K3Config, state: dict[str, torch.Tensor], path: str | Path,
+                     max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``state`` (a K3Model state dict) as a Kimi Linear checkpoint folder: config.json and safetensors,
+    sharded at layer boundaries (at most ``max_shard_bytes`` a shard unless one layer is larger) with an index
+    when there is more than one shard. Converts one layer at a time. Returns the folder."""
+    config = kimi_linear_config(cfg, state["embed.weight"].dtype)
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    parts = [lambda: hf_outer_tensors(state, cfg)] + [lambda i=i: hf_layer_tensors(state, cfg, i)
+                                                       for i in range(cfg.n_layers)]
+    sizes = [sum(t.numel() * t.element_size() for name, t in state.items() if not name.startswith("layers."))]
+    sizes += [sum(t.numel() * t.element_size() for name, t in state.items() if name.startswith(f"layers.{i}."))
+              for i in range(cfg.n_layers)]
+    shards = _shard_plan(sizes, max_shard_bytes)
+    weight_map = {}
+    for number, members in enumerate(shards, 1):
+        file = SINGLE_FILE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: t.detach().cpu() for index in members for name, t in parts[index]().items()}
+        safetensors.torch.save_file(tensors, path / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, file)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=1))
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    return path
+
+
+def _shard_plan(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:
+    """Consecutive parts grouped greedily into shards of at most max_shard_bytes (a larger part alone)."""
+    shards, used = [[]], 0
+    for index, size in enumerate(sizes):
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(index)
+        used += size
+    return shards

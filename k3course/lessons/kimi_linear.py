@@ -5,6 +5,7 @@ The one lesson that uses transformers (the ``oracle`` extra, imported inside the
     tiny_kimi_linear, tiny_deepseek_v3   a tiny random model built and saved by transformers (with a character
                                          tokenizer saved beside it), returned with its folder
     relative_error                       max |ours − theirs| / max |theirs|
+    cached_decode_logits                 transformers' logits from a prefill, then one token at a time through its cache
     decode_needs                         what a preset needs to decode: bf16 weights, FLOPs and weight bytes per token
 
 A checkpoint's own tokenizer and ``k3course generate --pretrained PATH`` are core features:
@@ -54,6 +55,22 @@ def torch_kda_paths():
     finally:
         for name, function in bound.items():
             setattr(modeling, name, function)
+
+
+@torch.no_grad()
+def cached_decode_logits(reference: torch.nn.Module, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """transformers' logits for ``ids`` (batch, T) made the way a server decodes: one forward over the first
+    ``prompt`` tokens (logits (batch, prompt, vocab)), then one forward per later token t, each handed the cache
+    the previous call returned (logits (batch, 1, vocab)); concatenated along time: (batch, T, vocab). The cache
+    goes in and comes out as ``cache``, the name transformers ≥ 5.2x uses (``past_key_values`` is deprecated)."""
+    if not 1 <= prompt <= ids.shape[1]:
+        raise ValueError(f"prompt must be between 1 and the sequence length {ids.shape[1]}, got {prompt}")
+    out = reference(ids[:, :prompt], use_cache=True)
+    logits = [out.logits]
+    for t in range(prompt, ids.shape[1]):
+        out = reference(ids[:, t:t + 1], cache=out.cache, use_cache=True)
+        logits.append(out.logits)
+    return torch.cat(logits, 1)
 
 
 @torch.no_grad()

@@ -34,7 +34,7 @@ def _build_exercises(args) -> int:
 def _progress(args) -> int:
     from tqdm import tqdm
 
-    from k3course.grading.notebooks import execute
+    from k3course.grading.notebooks import execute, first_error_position, progress_table, run_all_label
 
     folder = Path(args.folder)
     paths = sorted(folder.glob("[0-9][0-9]_*.ipynb")) if folder.is_dir() else [folder]
@@ -44,20 +44,19 @@ def _progress(args) -> int:
     rows, reasons = [], []
     for path in tqdm(paths, desc="running notebooks", unit="nb"):
         _, results = execute(path)
+        stopped_at = first_error_position(results)
         rows += [(path.name, exercise_id, cell.status) for cell in results for exercise_id in cell.exercise_ids]
-        reasons += [(path.name, ", ".join(cell.exercise_ids), number, cell) for number, cell in enumerate(results, 1)
-                    if cell.status == "failing" and cell.exercise_ids]
-    width = max([len("exercise"), *(len(r[1]) for r in rows)])
-    print(f"{'notebook':<28} {'exercise':<{width}}  status")
-    for name, exercise_id, status in rows:
-        print(f"{name:<28} {exercise_id:<{width}}  {status}")
+        reasons += [(path.name, ", ".join(cell.exercise_ids), run_all_label(number, stopped_at), cell)
+                    for number, cell in enumerate(results, 1) if cell.status == "failing" and cell.exercise_ids]
+    print("\n".join(progress_table(rows)))
     done = sum(status == "done" for *_, status in rows)
     print(f"{done} of {len(rows)} exercises done")
     if reasons:
-        print("\nwhy each failing one fails ([n]: the code cell's number in JupyterLab after Restart and Run All):")
-        for name, exercise_ids, number, cell in reasons:
+        print("\nwhy each failing one fails ([n]: the code cell's number in JupyterLab after Restart and Run All, "
+              "which stops at the first error):")
+        for name, exercise_ids, label, cell in reasons:
             lines = (cell.error_value or "").strip().splitlines() or [""]
-            print(f"  {name} {exercise_ids} [{number}]: {cell.error_name}: {lines[0]}")
+            print(f"  {name} {exercise_ids} {label}: {cell.error_name}: {lines[0]}")
             for line in lines[1:3]:
                 print(f"      {line}")
         print(f"the full report of one: pytest --nbval --nbval-current-env --nbval-cell-timeout=120 "

@@ -65,11 +65,15 @@ def test_progress_tabulates_done_not_done_and_failing(tmp_path, capsys):
                 nbformat.v4.new_code_cell('# check("99.a", f)\nraise ExerciseNotDone("99.a")'),
                 nbformat.v4.new_code_cell('# check("99.b", f)\nprint("ok")'),
                 nbformat.v4.new_code_cell('# check("99.c", f)\n1 / 0')]
-    nbformat.write(nb, tmp_path / "99_toy.ipynb")
+    name = "99_a_toy_notebook_with_a_long_name.ipynb"  # longer than any real one: the table widens to fit it
+    nbformat.write(nb, tmp_path / name)
     assert main(["progress", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["notebook", "exercise", "status"]
-    assert [line.split()[-2:] for line in lines[1:4]] == [["not", "done"], ["99.b", "done"], ["99.c", "failing"]]
+    table = [("notebook", "exercise", "status"), (name, "99.a", "not done"), (name, "99.b", "done"),
+             (name, "99.c", "failing")]
+    assert lines[:4] == [f"{a:<{len(name)}}  {b:<8}  {c}" for a, b, c in table]  # columns as wide as their content
     assert lines[4] == "1 of 3 exercises done"
-    assert lines[7] == "  99_toy.ipynb 99.c [4]: ZeroDivisionError: division by zero"  # the reason, JupyterLab's [n]
-    assert lines[-1].startswith("the full report of one: pytest --nbval") and lines[-1].endswith("99_toy.ipynb")
+    # Run All stops at the ExerciseNotDone in [2]: the failing check after it has no number in JupyterLab
+    assert lines[7] == f"  {name} 99.c code cell 4 (Run All stops before it, at the error in [2]): " \
+        "ZeroDivisionError: division by zero"
+    assert lines[-1].startswith("the full report of one: pytest --nbval") and lines[-1].endswith(name)

@@ -332,3 +332,17 @@ def test_structures_and_integers():
 def test_unknown_exercise_lists_known_ones():
     with pytest.raises(KeyError, match="exercise_id 'nope' is not a registered exercise"):
         check("nope", lambda: None)
+
+
+def test_run_all_labels_name_only_cells_that_run_all_reaches():
+    from k3course.grading.notebooks import CellResult, first_error_position, run_all_label
+
+    results = [CellResult(0, (), None, None), CellResult(1, ("1.a",), "ExerciseNotDone", "1.a"),
+               CellResult(3, ("1.b",), "AssertionError", "wrong")]
+    stopped_at = first_error_position(results)
+    assert stopped_at == 2 and first_error_position(results[:1]) is None
+    assert [run_all_label(n, stopped_at) for n in (1, 2)] == ["[1]", "[2]"]
+    assert run_all_label(3, stopped_at) == "code cell 3 (Run All stops before it, at the error in [2])"
+    assert run_all_label(3, None) == "[3]"
+    with pytest.raises(ValueError, match="position"):
+        run_all_label(0, None)

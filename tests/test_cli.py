@@ -77,3 +77,13 @@ def test_progress_tabulates_done_not_done_and_failing(tmp_path, capsys):
     assert lines[7] == f"  {name} 99.c code cell 4 (Run All stops before it, at the error in [2]): " \
         "ZeroDivisionError: division by zero"
     assert lines[-1].startswith("the full report of one: pytest --nbval") and lines[-1].endswith(name)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_prints_control_characters_escaped(monkeypatch, capsys, stream):
+    import k3course.train
+
+    pieces = ["def f():\n\tred \x1b[31m", "bell \x07", "del \x7f c1 \x9b é"]  # what a model may write
+    monkeypatch.setattr(k3course.train, "generate_command", lambda *args: iter(pieces))
+    assert main(["generate", "--checkpoint", "unused"] + ["--stream"] * stream) == 0
+    assert capsys.readouterr().out == "def f():\n\tred \\x1b[31mbell \\x07del \\x7f c1 \\x9b é\n"

@@ -58,7 +58,7 @@ def markers_in(path) -> set[str]:
 
 # The numbers the course once printed wrong, and where: each must now be quoted under its computation.
 ONCE_WRONG = {
-    "README.md": ["active_params_b|.0f"],
+    "README.md": ["active_params_b|.0f", "default_minutes|.0f"],
     "notebooks/00_tour.ipynb": ["active_params_b|.0f", 'cache_gib("kimi-k3", 1048576)|.1f',
                                 'cache_gib("kimi-k3", 1048576, "all-mla")|.1f', "crossover|,d"],
     "notebooks/09_gated_mla.ipynb": ["state_mib|.0f", "crossover|,d", 'cache_gib("kimi-k3", 1048576)|.1f'],
@@ -69,6 +69,8 @@ ONCE_WRONG = {
                                            "active_params_b|.0f"],
     "exercises/11_model_exercises.ipynb": ['component_share("kimi-k3", "routed_experts", "active")|.0%'],
     "notebooks/14_decoding.ipynb": ["crossover|,d", "active_params_b|.0f"],
+    "notebooks/12_train.ipynb": ["default_minutes|.0f"],
+    "notebooks/16_capstone.ipynb": ["default_minutes|.0f"],
 }
 
 
@@ -76,6 +78,16 @@ ONCE_WRONG = {
 def test_the_numbers_once_wrong_are_quoted_under_their_computation(name):
     missing = set(ONCE_WRONG[name]) - markers_in(ROOT / name)
     assert not missing, f"{name} no longer quotes {sorted(missing)} under a marker"
+
+
+@pytest.mark.parametrize("path", [*notebooks("notebooks"), *notebooks("solutions"), ROOT / "README.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_default_runs_time_is_the_saved_runs(path):
+    """The 800-step default run once took "6 minutes" in lesson 12 and "about 10" in lesson 16: every paragraph that
+    names the 800-step run and a time in minutes quotes the time of the saved run."""
+    for paragraph in markdown_of(path).split("\n\n"):
+        if re.search(r"\b800[-\s]step", paragraph) and re.search(r"\bminutes?\b", paragraph):
+            assert re.search(r"<!--q:default_minutes\|\.0f-->\d+ minutes", paragraph), paragraph
 
 
 @pytest.mark.parametrize("path", [*notebooks("notebooks"), *notebooks("solutions"), ROOT / "README.md"],

@@ -379,7 +379,7 @@ def test_cpu_seconds_sums_the_runs_trained_here_over_a_sweeps_cells_too():
     assert seed_statistics.cpu_seconds(sweep) == 7.0
 
 
-def test_plot_paired_draws_one_dot_per_seed_and_the_spread_band():
+def test_plot_paired_draws_one_dot_per_seed_the_spread_band_and_the_verdict_under_the_axes():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -388,7 +388,8 @@ def test_plot_paired_draws_one_dot_per_seed_and_the_spread_band():
     seed_statistics.plot_paired(axes, _two_variants([1.0, 1.01, 1.02], [1.1, 1.11, 1.12]), [("a", "b")])
     dots = [line for line in axes.lines if line.get_marker() == "."]
     assert len(dots) == 1 and list(dots[0].get_ydata()) == pytest.approx([0.1, 0.1, 0.1])
-    assert [text.get_text() for text in axes.texts] == ["reproduced"]
+    # the verdict is a line of the pair's tick label, below the axes, not a text that can reach the title
+    assert [label.get_text() for label in axes.get_xticklabels()] == ["a\nvs b\n→ reproduced"] and not axes.texts
     plt.close(figure)
 
 

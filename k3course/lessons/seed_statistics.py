@@ -104,7 +104,10 @@ def plot_paired(axes, result: dict, comparisons: list[tuple[str, str]], metric: 
                 key: str = "variant", higher_is_better: bool = False) -> None:
     """For each (better, worse) of ``comparisons``: every seed's paired difference d_s (:func:`paired`) as a dot,
     their mean as a bar, and the seed-to-seed spread of the two variants as a grey band around 0, on matplotlib
-    ``axes``. A claim is reproduced when all dots sit above 0 and the bar rises out of its band."""
+    ``axes``; under each pair's name on the x axis, its verdict on a line of its own (outside the plot, so it meets
+    neither the dots nor the title). A claim is reproduced when all dots sit above 0 and the bar rises out of its
+    band."""
+    names = []
     for i, (better, worse) in enumerate(comparisons):
         comparison = paired(result, better, worse, metric, key, higher_is_better)
         axes.fill_between([i - 0.4, i + 0.4], -comparison["spread"], comparison["spread"], color="0.88",
@@ -113,10 +116,9 @@ def plot_paired(axes, result: dict, comparisons: list[tuple[str, str]], metric: 
                  if i == 0 else None)
         differences = list(comparison["differences"].values())
         axes.plot([i] * len(differences), differences, "k.", ms=6, label="one seed" if i == 0 else None)
-        axes.annotate(comparison["verdict"], (i, max(0.0, *differences)), textcoords="offset points", xytext=(0, 6),
-                      ha="center", fontsize=8)
+        names.append(f"{better}\nvs {worse}\n→ {comparison['verdict']}")
     axes.axhline(0, color="k", lw=0.8)
-    axes.set_xticks(range(len(comparisons)), [f"{better}\nvs {worse}" for better, worse in comparisons], fontsize=8)
+    axes.set_xticks(range(len(comparisons)), names, fontsize=8)
     axes.set_ylabel(f"paired {metric} difference ({'better − worse' if higher_is_better else 'worse − better'})")
 
 

@@ -126,10 +126,15 @@ def test_the_sdpa_path_matches_transformers(name, request, monkeypatch):
 
 @pytest.mark.parametrize("name", ["kimi_linear", "deepseek"])
 @pytest.mark.filterwarnings("error::FutureWarning", "error::DeprecationWarning")
-def test_prefill_and_cached_decode_match_transformers(name, request):
+def test_prefill_and_cached_decode_match_transformers(name, request, caplog):
     reference, model, _ = request.getfixturevalue(name)
     ids, prompt = tokens(4), 8
-    theirs = cached_decode_logits(reference, ids, prompt)  # a deprecated transformers call would raise here
+    transformers.utils.logging.enable_propagation()  # its log records reach caplog
+    try:
+        theirs = cached_decode_logits(reference, ids, prompt)  # a deprecated transformers call would raise here
+    finally:
+        transformers.utils.logging.disable_propagation()
+    assert not [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]  # nor log it
     with torch.no_grad():
         cache = model.new_cache(ids.shape[0], ids.shape[1])
         ours = [model(ids[:, :prompt], cache)[0]] + [model(ids[:, t:t + 1], cache)[0]

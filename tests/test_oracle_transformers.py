@@ -9,6 +9,7 @@ transformers binds fla's Triton KDA ops when fla is installed; on a CPU the test
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -140,6 +141,20 @@ def test_prefill_and_cached_decode_match_transformers(name, request, caplog):
         ours = [model(ids[:, :prompt], cache)[0]] + [model(ids[:, t:t + 1], cache)[0]
                                                      for t in range(prompt, ids.shape[1])]
     assert relative_error(torch.cat(ours, 1), theirs) < TOLERANCE
+
+
+def test_cached_decode_hands_the_cache_back_by_the_name_an_older_transformers_takes():
+    """transformers 5.23's forward takes and returns the cache as ``past_key_values`` (no ``cache`` argument)."""
+
+    class CountsTokensSeen(torch.nn.Module):
+        def forward(self, ids, use_cache=False, past_key_values=None):
+            seen = (past_key_values or 0) + ids.shape[1]
+            return SimpleNamespace(logits=torch.full((*ids.shape, 1), float(seen)), past_key_values=seen)
+
+    logits = cached_decode_logits(CountsTokensSeen(), torch.zeros(1, 5, dtype=torch.long), prompt=3)
+    assert logits.flatten().tolist() == [3.0, 3.0, 3.0, 4.0, 5.0]
+    with pytest.raises(ValueError, match="prompt"):
+        cached_decode_logits(CountsTokensSeen(), torch.zeros(1, 5, dtype=torch.long), prompt=0)
 
 
 @pytest.mark.parametrize("name", ["kimi_linear", "deepseek"])

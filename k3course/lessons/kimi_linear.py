@@ -61,14 +61,17 @@ def torch_kda_paths():
 def cached_decode_logits(reference: torch.nn.Module, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     """transformers' logits for ``ids`` (batch, T) made the way a server decodes: one forward over the first
     ``prompt`` tokens (logits (batch, prompt, vocab)), then one forward per later token t, each handed the cache
-    the previous call returned (logits (batch, 1, vocab)); concatenated along time: (batch, T, vocab). The cache
-    goes in and comes out as ``cache``, the name transformers ≥ 5.2x uses (``past_key_values`` is deprecated)."""
+    the previous call returned (logits (batch, 1, vocab)); concatenated along time: (batch, T, vocab).
+
+    The cache goes in and comes out under the name the installed transformers takes: ``cache`` where its forward
+    has that argument (5.25 has it and deprecates ``past_key_values``), ``past_key_values`` where it has not (5.23)."""
     if not 1 <= prompt <= ids.shape[1]:
         raise ValueError(f"prompt must be between 1 and the sequence length {ids.shape[1]}, got {prompt}")
+    name = "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
     out = reference(ids[:, :prompt], use_cache=True)
     logits = [out.logits]
     for t in range(prompt, ids.shape[1]):
-        out = reference(ids[:, t:t + 1], cache=out.cache, use_cache=True)
+        out = reference(ids[:, t:t + 1], use_cache=True, **{name: getattr(out, name)})
         logits.append(out.logits)
     return torch.cat(logits, 1)
 

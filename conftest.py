@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from k3course.grading.notebooks import run_all_label
-
 # per notebook (nbval's item parent), the number from 0 of the first code cell that raised in this session
 _FIRST_RAISED: dict[object, int] = {}
 
@@ -20,6 +18,8 @@ _FIRST_RAISED: dict[object, int] = {}
 def jupyterlab_position(cell_num: int, source: str, first_raised: int | None) -> str:
     """The report line for nbval's "Cell ``cell_num``" whose source is ``source``, when the notebook's first cell
     to raise is nbval's "Cell ``first_raised``" (None: none raised)."""
+    from k3course.grading.progress import run_all_label  # here, not at the top: importing k3course.grading loads torch
+
     first = next((line for line in source.splitlines() if line.strip() and not line.startswith("#")), "")
     label = run_all_label(cell_num + 1, None if first_raised is None else first_raised + 1)
     return (f'nbval\'s "Cell {cell_num}" counts code cells from 0: after Kernel > Restart Kernel and Run All Cells, '

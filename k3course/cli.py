@@ -35,7 +35,8 @@ def _build_exercises(args) -> int:
 def _progress(args) -> int:
     from tqdm import tqdm
 
-    from k3course.grading.notebooks import execute, first_error_position, progress_table, run_all_label
+    from k3course.grading.notebooks import execute, first_error_position
+    from k3course.grading.progress import progress_table, run_all_label
 
     folder = Path(args.folder)
     paths = sorted(folder.glob("[0-9][0-9]_*.ipynb")) if folder.is_dir() else [folder]

@@ -335,7 +335,8 @@ def test_unknown_exercise_lists_known_ones():
 
 
 def test_run_all_labels_name_only_cells_that_run_all_reaches():
-    from k3course.grading.notebooks import CellResult, first_error_position, run_all_label
+    from k3course.grading.notebooks import CellResult, first_error_position
+    from k3course.grading.progress import run_all_label
 
     results = [CellResult(0, (), None, None), CellResult(1, ("1.a",), "ExerciseNotDone", "1.a"),
                CellResult(3, ("1.b",), "AssertionError", "wrong")]

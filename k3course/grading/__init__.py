@@ -2,7 +2,7 @@
 
 See the README's "Doing the exercises". The registry lives in :mod:`k3course.grading.registry`, one module per
 chapter in :mod:`k3course.grading.chapters`; notebook execution for ``k3course progress`` and the contract tests in
-:mod:`k3course.grading.notebooks`.
+:mod:`k3course.grading.notebooks`; what ``k3course progress`` prints in :mod:`k3course.grading.progress`.
 """
 
 from k3course.grading.check import ExerciseFailed, ExerciseNotDone, check

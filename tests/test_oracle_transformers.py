@@ -19,6 +19,7 @@ from k3course import pretrained, pretrained_save
 from k3course.accounting import meta_param_count
 from k3course.config import K3Config
 from k3course.layers.mla import GatedMLA
+from k3course.lessons import kimi_linear as kimi_linear_lesson
 from k3course.lessons.kimi_linear import cached_decode_logits, randomize
 from k3course.model import K3Model
 
@@ -141,6 +142,19 @@ def test_prefill_and_cached_decode_match_transformers(name, request, caplog):
         ours = [model(ids[:, :prompt], cache)[0]] + [model(ids[:, t:t + 1], cache)[0]
                                                      for t in range(prompt, ids.shape[1])]
     assert relative_error(torch.cat(ours, 1), theirs) < TOLERANCE
+
+
+def test_the_lessons_torch_kda_paths_run_without_a_fallback_notice(kimi_linear, caplog):
+    """Lesson 15 runs transformers' PyTorch KDA on purpose: no "falling back to its reference PyTorch
+    implementation" under its results (transformers logs each message once per process: the cache is cleared)."""
+    transformers.utils.logging.warning_once.cache_clear()
+    transformers.utils.logging.enable_propagation()
+    try:
+        with kimi_linear_lesson.torch_kda_paths(), torch.no_grad():
+            kimi_linear[0](tokens(5))
+    finally:
+        transformers.utils.logging.disable_propagation()
+    assert not [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
 
 
 def test_cached_decode_hands_the_cache_back_by_the_name_an_older_transformers_takes():

@@ -15,6 +15,7 @@ A checkpoint's own tokenizer and ``k3course generate --pretrained PATH`` are cor
 from __future__ import annotations
 
 import inspect
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,17 +45,22 @@ def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 @contextmanager
 def torch_kda_paths():
     """Inside the block transformers' Kimi Linear runs its PyTorch KDA and convolution on a CPU (the Triton
-    kernels of fla, which it binds when fla is installed, need a GPU); on a GPU it changes nothing."""
+    kernels of fla, which it binds when fla is installed, need a GPU), without logging that it falls back to them;
+    on a GPU it changes nothing."""
     modeling = import_transformers().models.kimi_linear.modeling_kimi_linear
     bound = {name: getattr(modeling, name) for name in KDA_OPS if hasattr(modeling, name)}
+    kernels_log = logging.getLogger("transformers.integrations.hub_kernels")
+    level = kernels_log.level
     try:
         if not torch.cuda.is_available():
             for name, function in bound.items():
                 setattr(modeling, name, inspect.unwrap(function))
+            kernels_log.setLevel(logging.ERROR)  # "falling back to its reference PyTorch implementation" is the point
         yield
     finally:
         for name, function in bound.items():
             setattr(modeling, name, function)
+        kernels_log.setLevel(level)
 
 
 @torch.no_grad()

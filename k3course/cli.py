@@ -136,16 +136,16 @@ def _generate(args) -> int:
         pieces = generate_command(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                                   args.seed)
     if not args.stream:
-        print(_terminal_safe("".join(pieces)))
+        print(terminal_safe("".join(pieces)))
         return 0
     for piece in pieces:
-        sys.stdout.write(_terminal_safe(piece))
+        sys.stdout.write(terminal_safe(piece))
         sys.stdout.flush()
     print()
     return 0
 
 
-def _terminal_safe(text: str) -> str:
+def terminal_safe(text: str) -> str:
     """``text`` with every control character (Unicode category Cc: C0, DEL, C1) other than newline and tab written
     as its escape ``\\xNN``, so a model's output cannot move the cursor, recolour or ring the terminal."""
     return "".join(f"\\x{ord(char):02x}" if unicodedata.category(char) == "Cc" and char not in "\n\t" else char

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3course.cli import main
+from k3course.cli import main, terminal_safe
 from k3course.config import K3Config
 from k3course.lessons import kimi_linear
 from k3course.model import K3Model
@@ -69,7 +69,8 @@ def test_kimi_linear_48b_needs():
 
 def test_a_course_model_without_tokenizer_generates_on_bytes(tmp_path, capsys):
     """A Kimi-Linear-shaped K3Model with the 256 byte values as its vocabulary, saved by save_pretrained (no
-    tokenizer): the prompt goes in as UTF-8 bytes and the greedy continuation is the model's own."""
+    tokenizer): the prompt goes in as UTF-8 bytes and the greedy continuation is the model's own, printed with its
+    control characters escaped."""
     cfg = K3Config.preset("kimi-linear-48b").replace(
         name="byte kimi linear", vocab_size=256, d_model=32, n_layers=2, mla_layers=(1,), kda_n_heads=2,
         kda_head_dim=8, mla_n_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -80,4 +81,5 @@ def test_a_course_model_without_tokenizer_generates_on_bytes(tmp_path, capsys):
     expected = model.generate(torch.tensor([list(b"abc")]), 6, temperature=0.0)[0, 3:].tolist()
     assert main(["generate", "--pretrained", str(tmp_path), "--prompt", "abc", "--max-new-tokens", "6",
                  "--temperature", "0"]) == 0
-    assert capsys.readouterr().out == "abc" + bytes(expected).decode(errors="replace") + "\n"
+    # the terminal gets the model's control bytes (here a bell, \x07) escaped
+    assert capsys.readouterr().out == terminal_safe("abc" + bytes(expected).decode(errors="replace")) + "\n"

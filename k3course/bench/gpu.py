@@ -297,15 +297,19 @@ def step_ratios(rows: list[dict]) -> dict:
             for (model, T, mode), value in ms.items() if (f"dense ({model})", T, mode) in ms}
 
 
+# the training-step table: (header, the row's key, its format)
+STEP_COLUMNS = (("model", "model", "<14"), ("T", "seq_len", ">5"), ("mode", "mode", "<9"),
+                ("ms/step", "step_ms", "8.1f"), ("host ms", "host_ms", "8.1f"), ("kernel ms", "kernel_ms", "9.1f"),
+                ("kernels", "kernels", "8.0f"), ("launches", "launch_calls", "8.0f"), ("reads", "host_reads", "6.0f"),
+                ("syncs", "syncs", "6.0f"), ("first s", "first_step_s", "7.1f"))
+
+
 def train_report(train_step: dict) -> str:
-    """The training-step rows as a table (ms per step, host and kernel ms, kernels, launch calls, host reads and
-    syncs per step, first step) and K3 / dense for each preset, length and mode."""
-    lines = [f"{'model':<14} {'T':>5} {'mode':<9} {'ms/step':>8} {'host ms':>8} {'kernel ms':>9} {'kernels':>8} "
-             f"{'launches':>8} {'reads':>6} {'syncs':>6} {'first':>7}"]
-    for row in train_step["rows"]:
-        lines.append(f"{row['model']:<14} {row['seq_len']:>5} {row['mode']:<9} {row['step_ms']:8.1f} "
-                     f"{row['host_ms']:8.1f} {row['kernel_ms']:9.1f} {row['kernels']:8.0f} {row['launch_calls']:8.0f} "
-                     f"{row['host_reads']:6.0f} {row['syncs']:6.0f} {row['first_step_s']:6.1f}s")
+    """The training-step rows as a table (:data:`STEP_COLUMNS`: ms per step, host and kernel ms, kernels, launch
+    calls, host reads and syncs per step, the first step's seconds) and K3 / dense for each preset, length, mode."""
+    lines = [" ".join(f"{header:{'<' if spec[0] == '<' else '>'}{spec.lstrip('<>').split('.')[0]}}"
+                      for header, _, spec in STEP_COLUMNS)]
+    lines += [" ".join(f"{row[key]:{spec}}" for _, key, spec in STEP_COLUMNS) for row in train_step["rows"]]
     lines += [f"K3 / dense, {case}: {ratio:.2f}x" for case, ratio in train_step.get("ratios", {}).items()]
     return "\n".join(lines)
 

@@ -102,13 +102,25 @@ def test_every_piece_runs_under_the_interpreter_and_round_trips(tmp_path, capsys
     assert "host ms" in shown and "K3 / dense, small T=16 eager" in shown
 
 
-def test_a_piece_that_would_end_past_the_budget_is_not_started():
+def test_a_piece_past_the_budget_is_not_started_and_a_failing_one_does_not_stop_the_rest(tmp_path, capsys):
     ran = []
-    pieces = [gpu.Piece("first", "rows", 1.0, lambda: ran.append("first") or []),
+
+    def broken():
+        ran.append("broken")
+        raise RuntimeError("no such kernel\nsecond line")
+
+    pieces = [gpu.Piece("broken", "rows", 1.0, broken),
+              gpu.Piece("first", "rows", 1.0, lambda: ran.append("first") or []),
               gpu.Piece("too long", "rows", 10.0, lambda: ran.append("too long") or [])]
     results = gpu.collect(pieces, SMOKE, "cpu", budget_s=5.0)
-    assert ran == ["first"]
-    assert [piece["status"] for piece in results["pieces"]] == ["ran", "skipped: past the 5 s budget"]
+    assert ran == ["broken", "first"]
+    assert [piece["status"] for piece in results["pieces"]] == [
+        "failed: RuntimeError: no such kernel", "ran", "skipped: past the 5 s budget"]
+    gpu.save(results, tmp_path / "gpu.json")
+    capsys.readouterr()
+    gpu.show_results(tmp_path / "gpu.json")
+    shown = capsys.readouterr().out
+    assert "failed: RuntimeError: no such kernel: broken" in shown and "skipped: past the 5 s budget: too long" in shown
 
 
 def test_show_results_reads_a_file_saved_before_the_steps_were_profiled(tmp_path, capsys):

@@ -252,8 +252,8 @@ def print_plan(pieces: list[Piece], budget_s: float = BUDGET_S) -> None:
 def collect(pieces: list[Piece], work: kernels.Workload, gpu: str, budget_s: float = BUDGET_S) -> dict:
     """Run ``pieces`` in order and return the results: {"command", "gpu", "machine", "versions", "workload",
     "tests", "accuracy", "rows", "train_step": {"rows", "ratios"}, "pieces", "seconds"}. A piece whose budget
-    would end past ``budget_s`` is not started; "pieces" says of each: its budget, the seconds it took, or why it
-    did not run."""
+    would end past ``budget_s`` is not started; one that raises is recorded as failed (with the error) and the
+    rest still run; "pieces" says of each: its budget, the seconds it took, and "ran" or why not."""
     began = time.perf_counter()
     found = machine(gpu)
     workload = {field.name: getattr(work, field.name) for field in dataclasses.fields(work)}
@@ -268,10 +268,15 @@ def collect(pieces: list[Piece], work: kernels.Workload, gpu: str, budget_s: flo
             results["pieces"].append(record | {"seconds": None, "status": f"skipped: past the {budget_s:.0f} s budget"})
             continue
         started = time.perf_counter()
-        _file(results, piece, piece.run())
+        try:
+            _file(results, piece, piece.run())
+            status = "ran"
+        except Exception as error:  # one broken row must not lose the others' numbers: said, saved, exit code 1
+            status = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+            print(f"{piece.name}: {status}")
         seconds = time.perf_counter() - started
-        results["pieces"].append(record | {"seconds": seconds,
-                                           "status": "ran" if seconds <= piece.budget_s else "ran, over its budget"})
+        over = ", over its budget" if seconds > piece.budget_s and status == "ran" else ""
+        results["pieces"].append(record | {"seconds": seconds, "status": status + over})
     results["train_step"]["ratios"] = step_ratios(results["train_step"]["rows"])
     results["seconds"] = time.perf_counter() - began
     return results
@@ -350,8 +355,8 @@ def show_results(path: Path = RESULTS_FILE) -> dict | None:
     if steps["rows"]:
         print(train_report(steps) if "host_ms" in steps["rows"][0] else bench_train.report(steps))
     for piece in results.get("pieces", []):
-        if piece["seconds"] is None:
-            print(f"not run ({piece['status']}): {piece['name']}")
+        if not piece["status"].startswith("ran"):
+            print(f"{piece['status']}: {piece['name']}")
     return results
 
 
@@ -384,5 +389,5 @@ def main(options: list[str]) -> int:
     results = collect(plan(work, gpu, run_tests=not args.no_tests), work, gpu, budget_s)
     print(train_report(results["train_step"]))
     print(f"saved {save(results, args.out)} ({results['seconds']:.0f} s of the {budget_s:.0f} s budget)")
-    failed = results["tests"]["returncode"] not in (0, None)
-    return 1 if failed else 0
+    failed = [piece for piece in results["pieces"] if piece["status"].startswith("failed")]
+    return 1 if failed or results["tests"]["returncode"] not in (0, None) else 0

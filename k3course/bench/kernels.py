@@ -6,7 +6,8 @@ Rows:
 - KDA decode, one token per sequence at batch 1, 16, 64: ours (``kda_decode_triton``, the state updated in
   place) vs fla's ``fused_recurrent_kda`` vs the torch step; memory-bound, so its roofline is bandwidth.
 - MoE grouped GEMM at K3-like shapes (ℓ = 3584 → expert width 3072 by default; ``--scale`` shrinks both),
-  64 and 128 experts, top-8 and top-16: ours (``moe_grouped_gemm``) vs ``torch._grouped_mm`` vs a per-expert loop.
+  64 and 128 experts, top-8 and top-16, forward and forward + backward: ours (``moe_grouped_gemm``) vs
+  ``torch._grouped_mm`` vs a per-expert loop.
 
 Each row (a dict, see :func:`measure`) gives milliseconds (``triton.testing.do_bench``, median), TFLOP/s, the
 percentage of the GPU's roofline (min(peak FLOP/s, arithmetic intensity × memory bandwidth) for the GPUs in

@@ -161,8 +161,9 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 def step_profile(events: list, calls: int) -> dict:
     """Per step, from the profiler's events of ``calls`` steps: host_ms (CPU time in the outermost torch ops, every
-    thread), kernel_ms (the GPU kernels' durations), kernels (kernels run), launch_calls (launch API calls: a CUDA
-    graph's replay is one), host_reads (``aten::_local_scalar_dense``) and syncs (stream, device, event syncs)."""
+    thread: the autograd engine's included, so it can exceed the step), kernel_ms (the GPU's activities: kernels,
+    copies, fills), kernels (how many such activities), launch_calls (launch API calls: a CUDA graph's replay is
+    one), host_reads (``aten::_local_scalar_dense``) and syncs (stream, device and event synchronisations)."""
     device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     outermost = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None]
 

@@ -225,7 +225,8 @@ def kda_rows(work: Workload, T: int, gpu: str, backward: bool) -> list[dict]:
                   ("fla chunk_kda" if fla_chunk else "fla chunk_kda (not installed)", fla_chunk and call(fla_chunk)),
                   ("torch chunked (k3course)", call(kda_chunk))]
     case = f"KDA {'fwd+bwd' if backward else 'forward'} T={T}"
-    return measure(case, contenders, flops, nbytes, gpu, work.device, {"fla chunk_kda": "target ≥ 0.8× at T = 8192"})
+    target = {"fla chunk_kda": "target ≥ 0.7× at T = 8192 (goal 1.0×)"}  # issue 37's
+    return measure(case, contenders, flops, nbytes, gpu, work.device, target)
 
 
 def decode_flops_bytes(batch: int, H: int, K: int, V: int, element: int) -> tuple[float, float]:

@@ -90,6 +90,13 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return counts.cumsum(0) - counts
 
 
+def _host_splits(send: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Send and receive split sizes [P], [P] (device tensors) as host ints, in one read: ``all_to_all_single``
+    takes its splits as host lists, so each exchange plan costs exactly one device→host copy."""
+    both = torch.cat([send, recv]).tolist()  # [2P]
+    return both[: send.numel()], both[send.numel():]
+
+
 class AllToAllDispatch:
     """How an MoE reaches routed experts spread over the ranks of ``group``: the contract of
     :class:`k3course.moe.LocalDispatch`, with collectives.
@@ -161,8 +168,8 @@ class AllToAllDispatch:
         slot_counts = expert_load(expert_idx, self.n_routed_experts)  # [n]
         recv_counts = exchange_counts(slot_counts, [local_size] * self.world_size, sizes, self.group)
         recv_counts = recv_counts.view(self.world_size, local_size)  # [P, E_r]: from source q for local expert e
-        send_splits = split_sizes(expert_idx, self.n_routed_experts, self.world_size).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
+        send_splits, recv_splits = _host_splits(split_sizes(expert_idx, self.n_routed_experts, self.world_size),
+                                                recv_counts.sum(1))
         self.last_traffic = {"metadata": 8 * (self.n_routed_experts - local_size)}
         if self.dedup:
             received = self._dispatch_dedup(z, expert_idx, order, send_splits, recv_splits)
@@ -193,9 +200,9 @@ class AllToAllDispatch:
         pairs, slot_pair = dedup_pairs(expert_idx, self.n_routed_experts, self.world_size)  # [R_pairs], [m k]
         pair_counts = torch.bincount(pairs // max(m, 1), minlength=self.world_size)  # [P]
         pair_recv = exchange_counts(pair_counts, [1] * self.world_size, [1] * self.world_size, self.group)
-        pair_send, pair_recv = pair_counts.tolist(), pair_recv.tolist()
+        pair_send, pair_recv = _host_splits(pair_counts, pair_recv)
         sent = z.index_select(0, pairs % max(m, 1))  # [R_pairs, w]
-        owner = rank_of_expert(self.n_routed_experts, self.world_size).to(device)[expert_idx.reshape(-1)[order]]
+        owner = rank_of_expert(self.n_routed_experts, self.world_size, device)[expert_idx.reshape(-1)[order]]
         index = (slot_pair[order] - _exclusive_cumsum(pair_counts)[owner]).to(torch.int32)  # row within the block
         rows = self._all_to_all(sent, pair_recv, pair_send)
         recv_index = exchange(index, recv_splits, send_splits, self.group).to(torch.int64)

@@ -16,6 +16,8 @@ distinct (rank, token) pairs, and a small index per slot tells the receiver whic
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 
@@ -26,19 +28,19 @@ def expert_ranges(n_experts: int, world_size: int) -> list[tuple[int, int]]:
                          f"one expert), got {world_size!r}")
     base, extra = divmod(n_experts, world_size)
     sizes = [base + (r < extra) for r in range(world_size)]
-    ends = torch.tensor(sizes).cumsum(0).tolist()
+    ends = list(accumulate(sizes))
     return [(end - size, end) for size, end in zip(sizes, ends)]
 
 
-def rank_of_expert(n_experts: int, world_size: int) -> torch.Tensor:
-    """owner[j] = the rank whose block holds expert j. -> [n] int64."""
-    sizes = [end - start for start, end in expert_ranges(n_experts, world_size)]
-    return torch.repeat_interleave(torch.arange(world_size), torch.tensor(sizes))
+def rank_of_expert(n_experts: int, world_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """owner[j] = the rank whose block holds expert j. -> [n] int64 on ``device`` (made there: no host copy)."""
+    ends = torch.tensor([end for _, end in expert_ranges(n_experts, world_size)], device=device)  # [P]
+    return torch.bucketize(torch.arange(n_experts, device=device), ends, right=True)
 
 
 def split_sizes(expert_idx: torch.Tensor, n_experts: int, world_size: int) -> torch.Tensor:
     """splits[r] = token-slots this rank sends to rank r. expert_idx [m, k] -> [P] int64 (sums to m·k)."""
-    owner = rank_of_expert(n_experts, world_size).to(expert_idx.device)
+    owner = rank_of_expert(n_experts, world_size, expert_idx.device)
     return torch.bincount(owner[expert_idx.reshape(-1)], minlength=world_size)
 
 
@@ -76,7 +78,7 @@ def dedup_pairs(expert_idx: torch.Tensor, n_experts: int, world_size: int) -> tu
     expert_idx [m, k] -> (pairs [R] int64 with rank = pairs // m, token = pairs % m; slot_pair [m k] int64).
     """
     m = expert_idx.shape[0]
-    owner = rank_of_expert(n_experts, world_size).to(expert_idx.device)
+    owner = rank_of_expert(n_experts, world_size, expert_idx.device)
     token = torch.arange(m, device=expert_idx.device)[:, None]
     keys = (owner[expert_idx] * m + token).reshape(-1)  # [m k]
     pairs, slot_pair = torch.unique(keys, sorted=True, return_inverse=True)
@@ -93,7 +95,7 @@ def traffic_bytes(expert_idx: torch.Tensor, n_experts: int, world_size: int, ran
               whose pair counts travel too), plus index_bytes per remote slot with dedup (which pair it reads).
     expert_idx [m, k] -> {"dispatch", "combine", "metadata"} in bytes.
     """
-    owner = rank_of_expert(n_experts, world_size).to(expert_idx.device)
+    owner = rank_of_expert(n_experts, world_size, expert_idx.device)
     remote_slots = int((owner[expert_idx] != rank).sum())
     row = width * value_bytes
     remote_experts = n_experts - int((owner == rank).sum())

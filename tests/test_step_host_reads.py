@@ -139,3 +139,9 @@ def test_compile_for_training_passes_reduce_overhead_for_a_model_on_cuda():
         with mock.patch.object(type(next(model.parameters())), "device", torch.device("cuda")):
             train.compile_for_training(model, STEP, backend="aot_eager")
     assert seen[-1] == {"mode": "reduce-overhead", "backend": "aot_eager"}
+
+
+def test_a_step_without_micro_batches_is_refused_by_name():
+    stepper = tiny_stepper()
+    with pytest.raises(ValueError, match="micro_batches must hold at least one"):
+        train.step_on_device(stepper.model, stepper.optimizer, stepper.scheduler, [], STEP.grad_clip)

@@ -124,7 +124,10 @@ def step_on_device(model: torch.nn.Module, optimizer, scheduler, micro_batches, 
     """:func:`train_step` without a host read on one process (forward, backward, clipping, AdamW, schedule, bias
     update: nothing waits for the device). Returns {"loss": 0-d float64, "lr": float (the scheduler's, a Python
     number), "grad_norm": 0-d, "max_violation_per_layer": [n_moe_layers] float64}, tensors on the model's device.
+    With expert-parallel experts the exchanges and the global norm still read sizes and the norm back.
     """
+    if not micro_batches:
+        raise ValueError("micro_batches must hold at least one (inputs, targets) pair, got none")
     model.train()
     total = None  # the reported loss is summed in float64
     for inputs, targets in micro_batches:

@@ -239,9 +239,23 @@ class K3Model(nn.Module):
                 loss = loss + moe.aux_loss + self.cfg.z_loss_weight * moe.z_loss
         return loss
 
+    def _check_token_ids(self, tokens: torch.Tensor) -> None:
+        """Token ids in [0, vocab_size), without waiting for a device: ids in host memory are read there (a
+        ValueError naming the range found); on an accelerator ``torch._assert_async`` fails the stream instead."""
+        if tokens.device.type != "cpu":
+            low, high = torch.aminmax(tokens)
+            torch._assert_async((low >= 0) & (high < self.cfg.vocab_size),
+                                f"tokens must be ids in [0, vocab_size = {self.cfg.vocab_size})")
+            return
+        ids = tokens.numpy()  # host memory: a plain read, no device to wait for
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"tokens must be ids in [0, vocab_size = {self.cfg.vocab_size}), got ids in "
+                             f"[{ids.min()}, {ids.max()}]")
+
     def _check_inputs(self, tokens, cache: K3Cache | None, targets) -> None:
-        """The model boundary: the one place values are checked (token ids in the vocabulary: one host read, left
-        out of a compiled graph, where the embedding's own bounds check catches a bad id)."""
+        """The model boundary: the one place values are checked (token ids in the vocabulary,
+        :meth:`_check_token_ids`, left out of a compiled graph, where the embedding's own bounds check catches a
+        bad id)."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
             shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be an int tensor [B, T], got {shape}")
@@ -249,10 +263,7 @@ class K3Model(nn.Module):
             raise ValueError(f"tokens must hold at least one sequence of at least one token, got shape "
                              f"{tuple(tokens.shape)}")
         if not torch.compiler.is_compiling():
-            low, high = torch.aminmax(tokens)
-            if low < 0 or high >= self.cfg.vocab_size:
-                raise ValueError(f"tokens must be ids in [0, vocab_size = {self.cfg.vocab_size}), got ids in "
-                                 f"[{int(low)}, {int(high)}]")
+            self._check_token_ids(tokens)
         if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != tokens.shape):
             raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, got "
                              f"{tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__}")

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 _EVENT_IDS = itertools.count()
@@ -65,3 +69,16 @@ def devices_computed_on(build) -> tuple[object, set[str]]:
     with Devices() as mode:
         built = build()
     return built, mode.seen
+
+
+class HostReads(TorchDispatchMode):
+    """Counts ``aten._local_scalar_dense`` calls made while active (``.item()``, ``float(t)``, ``bool(t)``: each
+    stalls a GPU's stream), except reads of the tensors ``ignored(tensor)`` names."""
+
+    def __init__(self, ignored: Callable[[torch.Tensor], bool] = lambda tensor: False):
+        super().__init__()
+        self.count, self.ignored = 0, ignored
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default and not self.ignored(args[0])
+        return func(*args, **(kwargs or {}))

@@ -10,21 +10,9 @@ from unittest import mock
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import HostReads
 
 from k3course.moe import LatentMoE, MoE
-
-
-class HostReads(TorchDispatchMode):
-    """Counts ``aten._local_scalar_dense`` calls made while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
 
 
 def host_reads(layer: MoE, x: torch.Tensor) -> tuple[int, int]:

@@ -116,3 +116,18 @@ def test_every_chapters_numbers_are_registered_and_reachable_as_attributes():
     assert all(function.__module__.startswith("k3course.lessons.quoted.") for function in quoted.QUOTED.values())
     with pytest.raises(AttributeError, match="no attribute 'no_such_number'"):
         quoted.no_such_number  # noqa: B018
+
+
+def test_the_train_sweep_crossover_is_the_length_from_which_k3_stays_no_slower(monkeypatch):
+    from k3course.lessons.quoted import claims
+
+    ratios = {128: 2.1, 256: 1.6, 512: 0.9, 1024: 1.05, 2048: 0.6, 4096: 0.4}  # 512 alone is not a crossover
+    points = [{"seq_len": seq, "mode": "eager", "ratio": ratio} for seq, ratio in ratios.items()]
+    monkeypatch.setattr(claims, "_train_sweep", lambda: {"bytes_per_step": 4096, "points": points})
+    assert quoted.evaluate("train_sweep_crossover|d") == "2048" and quoted.evaluate("train_sweep_bytes|,d") == "4,096"
+    assert quoted.evaluate("train_sweep_ratio(512)|.2f") == "0.90"
+    with pytest.raises(KeyError, match="mode"):
+        claims.train_sweep_ratio(512, "compiled")
+    points[-1]["ratio"] = 1.2
+    with pytest.raises(ValueError, match="slower"):
+        claims.train_sweep_crossover()

@@ -9,6 +9,12 @@ Then the variants take turns over ``--rounds`` rounds (a busy spell of a shared 
 each timed by the best of ``--repeats`` steps per round. Printed: ms per step, tokens/s, K3 / dense in each mode
 and compiled / eager for each model. ``--save`` writes them to ``k3course/results/train_bench.json``, which
 lesson 12 shows (:func:`show_results`); ``--out`` saves them elsewhere.
+
+``--sweep`` times the step instead at every sequence length T of ``--seqs`` with the same ``--bytes`` per step
+(batch = bytes / T, one micro-batch), all (T, model, mode) variants taking turns in the same rounds: where K3
+overtakes its dense baseline. At constant bytes a step's MLP, MoE and KDA work stay constant (O(T) per sequence,
+the KDA state carried along it), while attention's grows with T (O(T²) per sequence: O(T) per byte).
+``--save`` writes it to ``k3course/results/train_sweep.json`` (:func:`show_sweep` prints and draws it).
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 from k3course.baselines import dense_transformer
 from k3course.bench import add_options, apply_options
@@ -29,6 +37,8 @@ from k3course.lessons.experiments import machine
 from k3course.train import RunOptions, Stepper, TrainConfig, compile_for_training, run_corpus, text_batches
 
 RESULTS_FILE = Path(__file__).resolve().parents[1] / "results" / "train_bench.json"
+SWEEP_FILE = RESULTS_FILE.with_name("train_sweep.json")
+SWEEP_SEQS = (128, 256, 512, 1024, 2048, 4096)  # --sweep's sequence lengths T (bytes)
 MODES = ("eager", "compiled", "torch ops")  # "torch ops": eager with chapter 08's Triton kernels switched off
 
 
@@ -38,17 +48,28 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16, help="sequences per micro-batch (default 16)")
     parser.add_argument("--seq", type=int, default=128, help="bytes per sequence (default 128)")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=["eager", "compiled"],
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=None,
                         help="eager, compiled, and on a GPU 'torch ops' (eager without the Triton kernels) "
-                             "(default: eager compiled)")
+                             "(default: eager compiled; with --sweep: eager)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda (default: cpu)")
-    parser.add_argument("--save", action="store_true", help=f"write the results to {RESULTS_FILE}")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time one preset at every --seqs length with --bytes per step (batch = bytes / T)")
+    parser.add_argument("--bytes", type=int, default=4096, help="--sweep: bytes per step (default 4096)")
+    parser.add_argument("--seqs", type=int, nargs="+", default=list(SWEEP_SEQS),
+                        help="--sweep: sequence lengths, each dividing --bytes (default "
+                             f"{' '.join(map(str, SWEEP_SEQS))})")
+    parser.add_argument("--save", action="store_true",
+                        help=f"write the results to {RESULTS_FILE} (with --sweep: {SWEEP_FILE})")
     parser.add_argument("--out", type=Path, default=None, help="save the results as JSON here (default: don't)")
     add_options(parser, threads=0, repeats=3, rounds=3)
     args = parser.parse_args(options)
-    for name in ("batch", "seq", "grad_accum"):
+    args.modes = args.modes or (["eager"] if args.sweep else ["eager", "compiled"])
+    for name in ("batch", "seq", "grad_accum", "bytes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    if args.sweep and (len(args.presets) != 1 or any(seq < 1 or args.bytes % seq for seq in args.seqs)):
+        parser.error(f"--sweep needs one of --presets and --seqs that divide --bytes {args.bytes}, got presets "
+                     f"{args.presets} and seqs {args.seqs}")
     return args
 
 
@@ -145,19 +166,81 @@ def show_results(path: Path = RESULTS_FILE, axes=None) -> dict:
     return results
 
 
+def measure_sweep(preset: str, bytes_per_step: int, seqs: Sequence[int], modes: list[str], device: str = "cpu",
+                  repeats: int = 3, rounds: int = 3) -> dict:
+    """The step of ``preset`` and of its dense baseline at each T in ``seqs``, batch = ``bytes_per_step`` / T,
+    every (T, model, mode) timed in the same interleaved rounds. Returns {"preset", "bytes_per_step", "points":
+    [{"seq_len", "batch_size", "mode", "k3_step_s", "dense_step_s", "ratio": K3 / dense}]} in T order."""
+    models = variants(K3Config.preset(preset))
+    calls = {}
+    for seq in seqs:
+        train = TrainConfig(batch_size=bytes_per_step // seq, seq_len=seq)
+        for name, cfg in models.items():
+            for mode in modes:
+                calls[(seq, name, mode)] = step_function(cfg, train, mode, device)[0], repeats
+    best = interleaved_best_seconds(calls, rounds, device)
+    k3, dense = models
+    points = [{"seq_len": seq, "batch_size": bytes_per_step // seq, "mode": mode,
+               "k3_step_s": best[(seq, k3, mode)], "dense_step_s": best[(seq, dense, mode)],
+               "ratio": best[(seq, k3, mode)] / best[(seq, dense, mode)]} for seq in seqs for mode in modes]
+    return {"preset": preset, "bytes_per_step": bytes_per_step, "points": points}
+
+
+def sweep_report(results: dict) -> str:
+    """The sweep's table (ms per step of both models and K3 / dense at each T and mode), as text."""
+    lines = [f"{'T':>5} {'batch':>5} {'mode':<9} {'K3 ms':>9} {'dense ms':>9} {'K3 / dense':>10}"]
+    for point in results["points"]:
+        lines.append(f"{point['seq_len']:5d} {point['batch_size']:5d} {point['mode']:<9} "
+                     f"{point['k3_step_s'] * 1e3:9.1f} {point['dense_step_s'] * 1e3:9.1f} {point['ratio']:9.2f}x")
+    return "\n".join(lines)
+
+
+def show_sweep(path: Path = SWEEP_FILE, axes=None) -> dict:
+    """Print a saved ``bench train --sweep`` (its machine and settings, the table) and, given matplotlib ``axes``,
+    draw ms per step of K3 and of the dense baseline against T (log–log), one pair of lines per mode, with
+    K3 / dense written at each T. Returns the result."""
+    results = json.loads(path.read_text())
+    print(f"{results['command']} on {results['machine']} (torch {results['torch']}): {results['settings']}")
+    print(sweep_report(results))
+    if axes is not None:
+        for mode in dict.fromkeys(point["mode"] for point in results["points"]):
+            points = [point for point in results["points"] if point["mode"] == mode]
+            seqs = [point["seq_len"] for point in points]
+            axes.plot(seqs, [p["k3_step_s"] * 1e3 for p in points], "o-", label=f"{results['preset']} K3, {mode}")
+            axes.plot(seqs, [p["dense_step_s"] * 1e3 for p in points], "s--", label=f"dense, {mode}")
+            for point in points:
+                axes.annotate(f"{point['ratio']:.2f}×", (point["seq_len"], point["k3_step_s"] * 1e3),
+                              textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xlabel("sequence length T (batch = bytes / T)")
+        axes.set_ylabel("ms per training step")
+        axes.set_title(f"{results['bytes_per_step']} bytes per step ({results['device']}); K3 / dense above K3")
+        axes.legend()
+    return results
+
+
 def main(options: list[str]) -> int:
     args = _options(options)
     settings = apply_options(args.threads, args.return_freed_memory)
-    train = TrainConfig(batch_size=args.batch, seq_len=args.seq, grad_accum=args.grad_accum)
-    print(f"settings: {settings}; {args.grad_accum} × {args.batch} × {args.seq} bytes per step on {args.device}")
     began = time.perf_counter()
-    results = measure(args.presets, train, args.modes, args.device, args.repeats, args.rounds)
+    if args.sweep:
+        print(f"settings: {settings}; {args.bytes} bytes per step at T = {args.seqs} on {args.device}")
+        results = measure_sweep(args.presets[0], args.bytes, args.seqs, args.modes, args.device, args.repeats,
+                                args.rounds)
+        text, saved = sweep_report(results), SWEEP_FILE
+    else:
+        train = TrainConfig(batch_size=args.batch, seq_len=args.seq, grad_accum=args.grad_accum)
+        print(f"settings: {settings}; {args.grad_accum} × {args.batch} × {args.seq} bytes per step on {args.device}")
+        results = measure(args.presets, train, args.modes, args.device, args.repeats, args.rounds)
+        text, saved = report(results), RESULTS_FILE
     results |= {"command": "k3course bench train " + " ".join(options), "machine": machine(),
+                "torch": torch.__version__, "threads": torch.get_num_threads(),
                 "settings": f"{settings}; {args.rounds} interleaved rounds, best of {args.repeats} steps each",
                 "device": args.device, "seconds": time.perf_counter() - began}
-    print(report(results))
+    print(text)
     print(f"(took {results['seconds']:.0f} s)")
-    for path in [RESULTS_FILE] * args.save + [args.out] * (args.out is not None):
+    for path in [saved] * args.save + [args.out] * (args.out is not None):
         path.write_text(json.dumps(results, indent=1))
         print(f"saved {path}")
     return 0

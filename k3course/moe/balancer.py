@@ -15,7 +15,7 @@ from torch import nn
 
 from k3course.config import BALANCING
 from k3course.moe.balancing import AUX_LOSS_WEIGHT, SIGN_RULE_STEP, router_z_loss, sign_rule_update, switch_aux_loss
-from k3course.moe.stats import load_statistics
+from k3course.moe.stats import load_statistics, load_violation
 
 
 def keep_fp32(module: nn.Module, fn, recurse: bool, names: tuple[str, ...]) -> None:
@@ -140,3 +140,11 @@ class Balancer(nn.Module):
         if tokens == 0:
             raise RuntimeError("load_statistics needs a forward in training mode since the last update_bias()")
         return {**load_statistics(load.clone()), "tokens": tokens}
+
+    def max_violation(self, dispatcher) -> torch.Tensor:
+        """max_j load_j / mean load − 1 of the record pooled by ``dispatcher``, as a 0-d float64 tensor on the
+        record's device (:func:`k3course.moe.stats.load_violation`): no host read, for the training step."""
+        tokens, load = self.pooled_counts(dispatcher)
+        if tokens == 0:
+            raise RuntimeError("max_violation needs a forward in training mode since the last update_bias()")
+        return load_violation(load)

@@ -13,10 +13,16 @@ import torch
 
 def max_violation(load: torch.Tensor) -> float:
     """max_j load_j / mean load − 1: 0 when perfectly balanced, 1 when the busiest expert has twice its share."""
-    load = load.to(torch.float64)
     if load.dim() != 1 or load.sum() <= 0:
         raise ValueError(f"load must be a 1-D tensor of counts with a positive sum, got shape {tuple(load.shape)}")
-    return float(load.max() / load.mean() - 1)
+    return float(load_violation(load))
+
+
+def load_violation(load: torch.Tensor) -> torch.Tensor:
+    """:func:`max_violation` of load [n] as a 0-d float64 tensor on load's device, unchecked: nothing is read back
+    to the host (the training step's record; a zero load gives NaN)."""
+    load = load.to(torch.float64)
+    return load.max() / load.mean() - 1
 
 
 def load_entropy(load: torch.Tensor) -> float:

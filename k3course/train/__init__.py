@@ -42,6 +42,7 @@ from k3course.train.step import (
     LN2,
     Stepper,
     balance_experts,
+    balance_experts_on_device,
     build_model,
     compile_for_training,
     evaluate,
@@ -50,14 +51,18 @@ from k3course.train.step import (
     make_optimizer,
     make_scheduler,
     rank_shards,
+    read_record,
+    step_on_device,
     text_batches,
     train_step,
+    training_compile_options,
 )
 
-__all__ = ["DTYPES", "LN2", "SECTIONS", "TRAIN_PRESETS", "RunConfig", "RunOptions", "Start", "StopOnSignal",
-           "Stepper", "TrainConfig", "TrainingInterrupted", "balance_experts", "build_model", "compile_for_training",
-           "configure", "evaluate", "find_start", "forward_precision", "generate_command", "generate_text",
-           "load_model", "lr_factor", "main", "make_optimizer", "make_scheduler", "parse_set", "plot_losses",
-           "prepare_run", "rank_shards", "read_config_file", "resolve_config", "run", "run_config_of", "run_corpus",
-           "save_checkpoint", "saved_run_config", "stream_text", "text_batches", "train_command",
-           "train_expert_parallel", "train_preset", "train_rank", "train_run", "train_step"]
+__all__ = ["DTYPES", "LN2", "SECTIONS", "TRAIN_PRESETS", "RunConfig", "RunOptions", "Start", "Stepper",
+           "StopOnSignal", "TrainConfig", "TrainingInterrupted", "balance_experts", "balance_experts_on_device",
+           "build_model", "compile_for_training", "configure", "evaluate", "find_start", "forward_precision",
+           "generate_command", "generate_text", "load_model", "lr_factor", "main", "make_optimizer", "make_scheduler",
+           "parse_set", "plot_losses", "prepare_run", "rank_shards", "read_config_file", "read_record",
+           "resolve_config", "run", "run_config_of", "run_corpus", "save_checkpoint", "saved_run_config",
+           "step_on_device", "stream_text", "text_batches", "train_command", "train_expert_parallel", "train_preset",
+           "train_rank", "train_run", "train_step", "training_compile_options"]

@@ -65,12 +65,26 @@ def balance_experts(model: torch.nn.Module) -> dict:
     """Routing statistics of every MoE layer over the micro-batches since the last call, then ``update_bias()``
     (with expert-parallel experts both pool all ranks' routing: collectives).
 
-    Returns {"max_violation": the worst layer's max_j load_j / mean load − 1, "max_violation_per_layer": [...]}.
+    Returns {"max_violation": the worst layer's max_j load_j / mean load − 1, "max_violation_per_layer": [...]}
+    as floats: :func:`balance_experts_on_device`, read back once.
     """
+    return _violation_record(balance_experts_on_device(model).tolist())
+
+
+def balance_experts_on_device(model: torch.nn.Module) -> torch.Tensor:
+    """:func:`balance_experts` without reading anything back: each MoE layer's max-violation (its pooled record's
+    max_j load_j / mean load − 1), then its ``update_bias()``. Returns [n_moe_layers] float64 on the model's
+    device."""
     per_layer = []
     for moe in model.moe_layers():
-        per_layer.append(float(moe.load_statistics()["max_violation"]))
+        per_layer.append(moe.balancer.max_violation(moe.dispatcher))
         moe.update_bias()
+    if not per_layer:
+        return torch.zeros(0, dtype=torch.float64, device=next(model.parameters()).device)
+    return torch.stack(per_layer)
+
+
+def _violation_record(per_layer: list[float]) -> dict:
     return {"max_violation": max(per_layer, default=0.0), "max_violation_per_layer": per_layer}
 
 
@@ -90,13 +104,18 @@ def forward_precision(device: torch.device, autocast: torch.dtype | None):
     return stack
 
 
-def _target_shares(micro_batches) -> list[float]:
-    """n_j / N for each micro-batch: n_j its targets that count (not ``data.IGNORE``), N = Σ_j n_j; so the
-    shares weigh the micro-batches' mean losses into the mean over every counted target of the step."""
-    counts = [int((targets != data.IGNORE).sum()) for _, targets in micro_batches]
-    if sum(counts) == 0:
-        raise ValueError("micro_batches: every target is ignored (-100); a step needs at least one to learn from")
-    return [count / sum(counts) for count in counts]
+def _target_shares(micro_batches) -> torch.Tensor:
+    """n_j / N for each micro-batch [A] (float64, on the targets' device): n_j its targets that count (not
+    ``data.IGNORE``), N = Σ_j n_j; so the shares weigh the micro-batches' mean losses into the mean over every counted
+    target of the step. Computed without a host read; a step with no counted target at all is refused."""
+    counts = torch.stack([(targets != data.IGNORE).sum() for _, targets in micro_batches]).double()
+    message = "micro_batches: every target is ignored (-100); a step needs at least one to learn from"
+    if counts.device.type == "cpu":
+        if counts.numpy().sum() == 0:  # host memory: a plain read, no device to wait for
+            raise ValueError(message)
+    else:
+        torch._assert_async(counts.sum() > 0, message)  # fails the stream instead of waiting for it
+    return counts / counts.sum()
 
 
 def train_step(model: torch.nn.Module, optimizer, scheduler, micro_batches, grad_clip: float,
@@ -110,28 +129,52 @@ def train_step(model: torch.nn.Module, optimizer, scheduler, micro_batches, grad
     Micro-batch j's loss enters with weight n_j / N (its counted targets over the step's), so unequal micro-batches
     and ignored (-100) targets give the gradient of one batch holding them all.
     Returns {"loss": mean loss over the counted targets, "lr": the rate this step used, "grad_norm": ‖g‖₂ before
-    clipping, "max_violation", "max_violation_per_layer"}.
+    clipping, "max_violation", "max_violation_per_layer"} as Python numbers: :func:`step_on_device`, then
+    :func:`read_record` (the step's one host read, after all its work is queued).
     """
+    return read_record(step_on_device(model, optimizer, scheduler, micro_batches, grad_clip, autocast))
+
+
+def step_on_device(model: torch.nn.Module, optimizer, scheduler, micro_batches, grad_clip: float,
+                   autocast: torch.dtype | None = None) -> dict:
+    """:func:`train_step` without a host read on one process (forward, backward, clipping, AdamW, schedule, bias
+    update: nothing waits for the device). Returns {"loss": 0-d float64, "lr": float (the scheduler's, a Python
+    number), "grad_norm": 0-d, "max_violation_per_layer": [n_moe_layers] float64}, tensors on the model's device.
+    With expert-parallel experts the exchanges and the global norm still read sizes and the norm back.
+    """
+    if not micro_batches:
+        raise ValueError("micro_batches must hold at least one (inputs, targets) pair, got none")
     model.train()
-    shares = _target_shares(micro_batches)
-    total = torch.zeros((), dtype=torch.float64)  # the reported loss is summed in float64
+    shares = _target_shares(micro_batches)  # [A] on the targets' device
+    total = None  # the reported loss, summed in float64
     for (inputs, targets), share in zip(micro_batches, shares):
         with forward_precision(inputs.device, autocast):
             _, loss, _ = model(inputs, targets=targets)
-        if share:  # a micro-batch whose targets are all ignored has a NaN mean and nothing to learn from
-            (loss * share).backward()
-            total += loss.detach().double().cpu() * share
+        # a micro-batch whose targets are all ignored has a NaN mean and weight 0: it adds nothing, not a NaN
+        weighted = torch.where(share > 0, loss * share, torch.zeros_like(loss))
+        weighted.backward()
+        total = weighted.detach().double() if total is None else total + weighted.detach().double()
     if distributed.expert_parallel_layers(model):  # P ranks: everything but the routed experts is data-parallel
         distributed.average_gradients(model)
-        grad_norm = distributed.clip_global_grad_norm(model, grad_clip)
+        grad_norm = total.new_tensor(distributed.clip_global_grad_norm(model, grad_clip))
         total = distributed.average_over_ranks(total, model)
     else:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": total.item(), "lr": lr, "grad_norm": grad_norm, **balance_experts(model)}
+    return {"loss": total, "lr": lr, "grad_norm": grad_norm,
+            "max_violation_per_layer": balance_experts_on_device(model)}
+
+
+def read_record(on_device: dict) -> dict:
+    """:func:`step_on_device`'s record as Python floats, read back in one transfer: {"loss", "lr", "grad_norm",
+    "max_violation" (the worst layer's), "max_violation_per_layer"}."""
+    values = torch.cat([on_device["loss"].reshape(1), on_device["grad_norm"].double().reshape(1),
+                        on_device["max_violation_per_layer"]])
+    loss, grad_norm, *per_layer = values.tolist()
+    return {"loss": loss, "lr": on_device["lr"], "grad_norm": grad_norm, **_violation_record(per_layer)}
 
 
 @torch.no_grad()
@@ -185,11 +228,19 @@ def compile_for_training(model: torch.nn.Module, train: TrainConfig, **compile_o
     step's tokens (:meth:`~k3course.moe.MoE.reserve_statistics`), so the compiled forward has fixed shapes. The
     first step compiles (each of its micro-batches at most once: the record's write position is part of the
     graph); later steps reuse those graphs, with no graph break anywhere (tests/test_train.py reads dynamo's
-    counters). ``compile_options`` go to ``torch.compile`` (e.g. ``backend="aot_eager"``). Returns the model."""
+    counters). ``compile_options`` go to ``torch.compile`` (e.g. ``backend="aot_eager"``), over
+    :func:`training_compile_options` of the model's device. Returns the model."""
     for moe in model.moe_layers():
         moe.reserve_statistics(train.tokens_per_step)
-    model.compile(**compile_options)
+    model.compile(**{**training_compile_options(next(model.parameters()).device), **compile_options})
     return model
+
+
+def training_compile_options(device: torch.device | str) -> dict:
+    """``torch.compile``'s options for a training step on ``device``: on CUDA ``mode="reduce-overhead"`` (CUDA
+    graphs replay the step's kernels without launching each from the host: the step reads nothing back,
+    :func:`step_on_device`), elsewhere torch's defaults ({})."""
+    return {"mode": "reduce-overhead"} if torch.device(device).type == "cuda" else {}
 
 
 def build_model(model_config: K3Config, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
@@ -242,10 +293,16 @@ class Stepper:
         self.train, self.batches, self.autocast, self.steps_taken = train, batches, autocast, 0
 
     def __call__(self) -> dict:
+        """The next step: :func:`train_step`'s record, in Python numbers (one host read, after the step)."""
+        return read_record(self.step_on_device())
+
+    def step_on_device(self) -> dict:
+        """The next step with no host read (one process): :func:`step_on_device`'s record, tensors on the device."""
         batches = self.batches(self.steps_taken)
         if self.expert_parallel:
             batches = rank_shards(batches, dist.get_rank(), dist.get_world_size())
-        record = train_step(self.model, self.optimizer, self.scheduler, batches, self.train.grad_clip, self.autocast)
+        record = step_on_device(self.model, self.optimizer, self.scheduler, batches, self.train.grad_clip,
+                                self.autocast)
         self.steps_taken += 1
         return record
 

@@ -288,6 +288,42 @@ def compile_speedup(model: str = "tiny") -> float:
     """The saved ``bench train``: ``model``'s eager step time over its compiled step time."""
     return 1 / _train_bench()["ratios"]["tiny"][f"{model} compiled / eager"]
 
+@functools.cache
+def _train_sweep() -> dict:
+    return json.loads((experiments.RESULTS / "train_sweep.json").read_text())
+
+
+def _sweep_ratios(mode: str) -> dict[int, float]:
+    ratios = {point["seq_len"]: point["ratio"] for point in _train_sweep()["points"] if point["mode"] == mode}
+    if not ratios:
+        raise KeyError(f"mode: the saved train sweep has no {mode!r} points")
+    return ratios
+
+
+@quoted
+def train_sweep_ratio(seq_len: int, mode: str = "eager") -> float:
+    """The saved ``bench train --sweep``: the tiny K3's step time over its dense baseline's at sequence length
+    ``seq_len``, the same bytes per step at every length (below 1: K3's step is the faster)."""
+    return _sweep_ratios(mode)[seq_len]
+
+
+@quoted
+def train_sweep_crossover(mode: str = "eager") -> int:
+    """The saved ``bench train --sweep``: the shortest sequence length from which on (it and every longer one
+    swept) the tiny K3's step is no slower than its dense baseline's."""
+    ratios = _sweep_ratios(mode)
+    winning = [seq for seq in sorted(ratios) if all(ratios[longer] <= 1 for longer in ratios if longer >= seq)]
+    if not winning:
+        raise ValueError(f"in the saved train sweep K3 is slower than dense at the longest length ({mode})")
+    return winning[0]
+
+
+@quoted
+def train_sweep_bytes() -> int:
+    """The saved ``bench train --sweep``: bytes per training step at every sequence length."""
+    return _train_sweep()["bytes_per_step"]
+
+
 @quoted
 def claim_equal_time_steps(name: str) -> int:
     """Steps the faster variant of a saved equal-time claim took in the slower one's wall time."""

@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                                        args.extend_to)
         train_run(config, out, start or find_start(out, resume=False), extend=args.extend_to is not None,
                   device=device, progress=rank == 0, expert_parallel=True)
-    except TrainingInterrupted as stopped:
+        dist.barrier()  # every rank done before any tears its connections down (as run_ranks does)
+    except TrainingInterrupted as stopped:  # every rank stops at the same step (loop.py), so all of them are here
+        dist.barrier()
         if rank == 0:
             print(stopped, file=sys.stderr)
         return 128 + stopped.signum

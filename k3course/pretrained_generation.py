@@ -68,12 +68,13 @@ def pretrained_text(path: Path | str, prompt: str, max_new_tokens: int = 64, tem
     and decoded with the checkpoint's tokenizer (:func:`load_tokenizer`), or as UTF-8 bytes when it has none and
     its vocabulary holds the 256 byte values (a course model saved with ``save_pretrained``). Yields the prompt,
     then the continuation as it grows (text held back while it ends in an incomplete character, U+FFFD)."""
-    vocab = Checkpoint(path).config.vocab_size  # the folder, its config and its files checked before any weight
+    checkpoint = Checkpoint(path)  # the folder, its config and its files checked before any weight is read
     tokenizer = load_tokenizer(path, trust_remote_code)
+    vocab = checkpoint.config.vocab_size
     if tokenizer is None and vocab != 256:
         raise ValueError(f"path: {path} holds no tokenizer, and its vocabulary ({vocab} tokens) is not the 256 byte "
                          "values that text is read as without one")
-    model = K3Model.from_pretrained(path, device=device, dtype=dtype)
+    model = K3Model.from_checkpoint(checkpoint, device=device, dtype=dtype)
     encode = (lambda text: tokenizer(text)["input_ids"]) if tokenizer else (lambda text: list(text.encode()))
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else \
         (lambda ids: bytes(ids).decode(errors="replace"))

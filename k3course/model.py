@@ -40,7 +40,7 @@ from k3course.layers.mla import GatedMLA, MLACache
 from k3course.layers.residual import block_attnres_read, make_residual
 from k3course.moe.experts import GLUFFN
 from k3course.moe.layers import MoE
-from k3course.params import carry_marks, is_decayed, is_residual_output, no_weight_decay
+from k3course.params import carry_marks, is_decayed, is_residual_output, no_weight_decay, param_groups
 
 IGNORE = -100  # targets at positions without a label (torch's cross-entropy ignore_index)
 INIT_STD = 0.02  # N(0, 0.02²) for projections and the embedding; output projections get 0.02 / √(2L)
@@ -191,13 +191,11 @@ class K3Model(nn.Module):
             elif is_decayed(param):
                 param.normal_(0.0, INIT_STD)
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW groups by the layers' marks: weight decay on the projections (the matrices that map
-        activations), none on the parameters marked no_weight_decay (norms, biases, gate rates and biases,
-        convolution taps, AttnRes queries)."""
-        params = list(self.parameters())
-        return [{"params": [p for p in params if is_decayed(p)], "weight_decay": weight_decay},
-                {"params": [p for p in params if not is_decayed(p)], "weight_decay": 0.0}]
+    def param_groups(self, weight_decay: float, gate_lr_scale: float = 1.0) -> list[dict]:
+        """AdamW groups by the layers' marks (:func:`k3course.params.param_groups`): weight decay on the
+        projections, none on the parameters marked no_weight_decay (norms, biases, gate rates and biases,
+        convolution taps, AttnRes queries); the forget gates' parameters at ``gate_lr_scale`` × the rate."""
+        return param_groups(self.parameters(), weight_decay, gate_lr_scale)
 
     def moe_layers(self) -> list[MoE]:
         """The MoE modules, in layer order (for the bias update and routing statistics)."""

@@ -7,6 +7,9 @@
                           gate rates (A_log, dt_bias), convolution taps, AttnRes queries
     residual_output(p)    p is the last map of a sub-layer, which writes into the residual stream: initialised
                           N(0, (σ/√(2L))²) instead of N(0, σ²), and decayed
+    forget_gate(p)        p computes a forget gate (the decay's projection, bias and rate of KDA, GDN and decayed
+                          linear attention): with ``gate_lr_scale`` ≠ 1 it trains at that multiple of the learning
+                          rate (:func:`param_groups`); combines with either mark above
 
 Every unmarked parameter is a projection (a matrix mapping activations): initialised N(0, σ²), and decayed.
 A mark is an attribute of the ``nn.Parameter`` object: ``module.to(...)``, ``load_state_dict`` and pickling keep
@@ -33,6 +36,39 @@ def residual_output(param: nn.Parameter) -> nn.Parameter:
     return param
 
 
+def forget_gate(param: nn.Parameter) -> nn.Parameter:
+    """Mark ``param`` as a forget gate's parameter (its own learning-rate scale); returns it."""
+    if not isinstance(param, nn.Parameter):
+        raise TypeError(f"param must be an nn.Parameter, got {type(param).__name__}")
+    param._forget_gate = True
+    return param
+
+
+def is_forget_gate(param: nn.Parameter) -> bool:
+    """True when ``param`` is marked :func:`forget_gate`."""
+    return getattr(param, "_forget_gate", False)
+
+
+def param_groups(params, weight_decay: float, gate_lr_scale: float = 1.0) -> list[dict]:
+    """AdamW groups by the marks: weight decay on the projections, none on the :func:`no_weight_decay`
+    parameters; with ``gate_lr_scale`` ≠ 1 the :func:`forget_gate` parameters form groups of their own whose
+    ``"lr_scale"`` multiplies the learning rate (``gate_lr_scale`` = 1: two groups, the gates among them).
+    Empty groups are left out."""
+    params = list(params)
+    if not (isinstance(gate_lr_scale, int | float) and not isinstance(gate_lr_scale, bool) and gate_lr_scale > 0):
+        raise ValueError(f"gate_lr_scale must be a number > 0, got {gate_lr_scale!r}")
+    scales = (1.0,) if gate_lr_scale == 1 else (1.0, float(gate_lr_scale))
+    groups = []
+    for scale in scales:
+        chosen = [p for p in params if gate_lr_scale == 1 or is_forget_gate(p) == (scale != 1.0)]
+        for decayed in (True, False):
+            members = [p for p in chosen if is_decayed(p) == decayed]
+            if members or scale == 1.0:
+                groups.append({"params": members, "weight_decay": weight_decay if decayed else 0.0,
+                               "lr_scale": scale})
+    return groups
+
+
 def is_decayed(param: nn.Parameter) -> bool:
     """True unless ``param`` is marked :func:`no_weight_decay`."""
     return not getattr(param, "_no_weight_decay", False)
@@ -49,6 +85,8 @@ def carry_marks(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
         no_weight_decay(new)
     if getattr(old, "_residual_output", False):
         residual_output(new)
+    if is_forget_gate(old):
+        forget_gate(new)
     return new
 
 

@@ -26,7 +26,7 @@ from k3course.ops.checks import check_kda_chunk_size, check_mixer_input
 from k3course.ops.chunk import gdn_chunk, gla_chunk, kda_chunk
 from k3course.ops.norm import NORM_EPS, rms_norm
 from k3course.ops.recurrent import gdn_recurrent, gla_recurrent, kda_recurrent
-from k3course.params import no_weight_decay, residual_output
+from k3course.params import forget_gate, no_weight_decay, residual_output
 
 KDA_LOWER_BOUND = -5.0  # K3's bounded forget gate: g ∈ (−5, 0), so α ∈ (e^-5, 1)
 MODES = ("auto", "chunk", "recurrent")
@@ -266,9 +266,11 @@ class KimiDeltaAttention(_GatedMixer):
         self.lower_bound = lower_bound
         self.f_proj = nn.Sequential(nn.Linear(d_model, head_dim, bias=False),
                                     nn.Linear(head_dim, n_heads * head_dim, bias=False))
-        self.A_log = no_weight_decay(nn.Parameter(torch.zeros(n_heads)))
+        for weight in (self.f_proj[0].weight, self.f_proj[1].weight):
+            forget_gate(weight)
+        self.A_log = forget_gate(no_weight_decay(nn.Parameter(torch.zeros(n_heads))))
         dt_bias = initial_dt_bias(n_heads * head_dim, lower_bound).view(n_heads, head_dim)
-        self.dt_bias = no_weight_decay(nn.Parameter(dt_bias))
+        self.dt_bias = forget_gate(no_weight_decay(nn.Parameter(dt_bias)))
 
     @staticmethod
     def _config_fields(cfg) -> dict:
@@ -298,8 +300,9 @@ class GatedDeltaNet(_GatedMixer):
     def __init__(self, d_model: int, n_heads: int, head_dim: int, **kwargs):
         super().__init__(d_model, n_heads, head_dim, **kwargs)
         self.a_proj = nn.Linear(d_model, n_heads, bias=False)
-        self.A_log = no_weight_decay(nn.Parameter(torch.zeros(n_heads)))
-        self.dt_bias = no_weight_decay(nn.Parameter(initial_dt_bias(n_heads, None)))
+        forget_gate(self.a_proj.weight)
+        self.A_log = forget_gate(no_weight_decay(nn.Parameter(torch.zeros(n_heads))))
+        self.dt_bias = forget_gate(no_weight_decay(nn.Parameter(initial_dt_bias(n_heads, None))))
 
     def log_decay(self, x):
         return -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)  # [B, T, H]

@@ -35,6 +35,8 @@ def _is_number(value) -> bool:
 class TrainConfig:
     """How to train: ``steps`` optimizer steps of ``grad_accum`` micro-batches of ``batch_size × seq_len`` bytes.
 
+    ``gate_lr_scale``: the forget gates' parameters (the decay's projection, bias and rate, marked
+    :func:`k3course.params.forget_gate`) train at that multiple of the learning rate, in parameter groups of their own.
     Evaluation every ``eval_every`` steps on ``eval_bytes`` validation bytes (and at the end); a checkpoint
     every ``checkpoint_every`` steps (and at the end); 0 turns either off (except at the end).
     """
@@ -49,6 +51,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
+    gate_lr_scale: float = 1.0
     eval_every: int = 200
     eval_bytes: int = 131072
     checkpoint_every: int = 200
@@ -64,7 +67,8 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int ≥ 0, got {value!r}")
         for name, low, high, bounds in (("lr", 0, math.inf, "> 0"), ("min_lr_ratio", 0, 1, "in [0, 1]"),
-                                        ("weight_decay", 0, math.inf, "≥ 0"), ("grad_clip", 0, math.inf, "> 0")):
+                                        ("weight_decay", 0, math.inf, "≥ 0"), ("grad_clip", 0, math.inf, "> 0"),
+                                        ("gate_lr_scale", 0, math.inf, "> 0")):
             value = getattr(self, name)
             if not _is_number(value) or not low <= value <= high or (bounds == "> 0" and value == 0):
                 raise ValueError(f"{name} must be a number {bounds}, got {value!r}")

@@ -91,6 +91,12 @@ def kda_gate(z, A_log, dt_bias, lower_bound=KDA_LOWER_BOUND):
     return lower_bound * torch.sigmoid(rate * (z + dt_bias))
 
 
+def gdn_gate(a, A_log, dt_bias):
+    """The GDN forget gate (log-decay), one per head: g = −e^{A_log} ⊙ softplus(a + dt_bias), a ``[..., H]``
+    (W_a x), A_log and dt_bias ``[H]``; g ∈ (−∞, 0)."""
+    return -A_log.exp() * F.softplus(a + dt_bias)
+
+
 def initial_dt_bias(count: int, lower_bound: float | None, slowest=0.01, fastest=0.5) -> torch.Tensor:
     """dt_bias that starts the forget gates spread geometrically between −g = ``slowest`` and ``fastest``
     (α from e^-0.01 to e^-0.5) with z = 0 and A_log = 0: memories of ~2 to ~100 tokens from step one."""
@@ -98,6 +104,26 @@ def initial_dt_bias(count: int, lower_bound: float | None, slowest=0.01, fastest
     if lower_bound is None:
         return torch.log(torch.expm1(target))  # softplus(dt_bias) = −g
     return torch.logit(target / -lower_bound)  # lower_bound · σ(dt_bias) = g
+
+
+# How KDA's starting decays (−g at z = 0) are laid out over its H·K channels, each spread geometrically from
+# 0.01 to 0.5 (:func:`initial_dt_bias`):
+#   across_heads  over all H·K channels in order (K3's layer, the default): head 0 the slowest, the last the fastest
+#   per_head      one value per head on all its channels: GDN's head h starts at the same −g (H values)
+#   within_heads  over each head's own K channels: every head spans 0.01 to 0.5
+DECAY_INITS = ("across_heads", "per_head", "within_heads")
+
+
+def kda_initial_dt_bias(n_heads: int, head_dim: int, lower_bound: float | None,
+                        decay_init: str = "across_heads") -> torch.Tensor:
+    """KDA's dt_bias ``[H, K]`` laid out by ``decay_init`` (one of :data:`DECAY_INITS`)."""
+    if decay_init == "across_heads":
+        return initial_dt_bias(n_heads * head_dim, lower_bound).view(n_heads, head_dim)
+    if decay_init == "per_head":
+        return initial_dt_bias(n_heads, lower_bound)[:, None].repeat(1, head_dim)
+    if decay_init == "within_heads":
+        return initial_dt_bias(head_dim, lower_bound).repeat(n_heads, 1)
+    raise ValueError(f"decay_init must be one of {DECAY_INITS}, got {decay_init!r}")
 
 
 class ShortConv(nn.Module):
@@ -194,6 +220,11 @@ class _GatedMixer(nn.Module):
     def log_decay(self, x):
         raise NotImplementedError
 
+    def starting_decays(self) -> torch.Tensor:
+        """−g ``[H, K]`` at a zero gate input (z = 0, W_a x = 0) with the layer's gate parameters: the decay rates
+        each head's channels start from (a per-head gate repeats its value over the K channels)."""
+        raise NotImplementedError
+
     def mix(self, q, k, v, g, beta, initial_state, chunked: bool):
         """The one place the layer calls its op: ``(o [B, T, H, V], final_state [B, H, K, V] fp32 or fp64)``."""
         raise NotImplementedError
@@ -251,14 +282,15 @@ class KimiDeltaAttention(_GatedMixer):
 
     ``lower_bound=-5.0`` is K3's bounded gate g = −5·σ(e^{A_log}(z + dt_bias)); ``lower_bound=None`` is
     Kimi Linear's g = −e^{A_log}·softplus(z + dt_bias). The defaults are K3's (bounded gate, full-rank output
-    gate); Kimi Linear is ``lower_bound=None, output_gate="low_rank"``. Other options: see the shared body.
+    gate); Kimi Linear is ``lower_bound=None, output_gate="low_rank"``. ``decay_init``: how the starting decays
+    are laid out over the channels (:data:`DECAY_INITS`; default "across_heads", K3's layer). Other options: see the shared body.
     On CUDA (or with ``K3COURSE_KERNELS=triton``) the op is chapter 08's Triton kernels, on the same path (``mode``)
     with the same ``chunk_size`` and ``lower_bound``: the chunk kernels, or the fused recurrent kernel (decoding).
     chunk_size must be 16, 32 or 64 on every device (the kernels' tiles).
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, lower_bound: float | None = KDA_LOWER_BOUND,
-                 **kwargs):
+                 decay_init: str = "across_heads", **kwargs):
         super().__init__(d_model, n_heads, head_dim, **kwargs)
         check_kda_chunk_size(self.chunk_size)
         if lower_bound is not None and not lower_bound < 0:
@@ -269,7 +301,7 @@ class KimiDeltaAttention(_GatedMixer):
         for weight in (self.f_proj[0].weight, self.f_proj[1].weight):
             forget_gate(weight)
         self.A_log = forget_gate(no_weight_decay(nn.Parameter(torch.zeros(n_heads))))
-        dt_bias = initial_dt_bias(n_heads * head_dim, lower_bound).view(n_heads, head_dim)
+        dt_bias = kda_initial_dt_bias(n_heads, head_dim, lower_bound, decay_init)
         self.dt_bias = forget_gate(no_weight_decay(nn.Parameter(dt_bias)))
 
     @staticmethod
@@ -278,6 +310,10 @@ class KimiDeltaAttention(_GatedMixer):
 
     def log_decay(self, x):
         return kda_gate(self._heads(self.f_proj(x)), self.A_log, self.dt_bias, self.lower_bound)
+
+    @torch.no_grad()
+    def starting_decays(self) -> torch.Tensor:
+        return -kda_gate(torch.zeros_like(self.dt_bias), self.A_log, self.dt_bias, self.lower_bound)
 
     def mix(self, q, k, v, g, beta, initial_state, chunked: bool):
         from k3course.kernels import use_triton  # imported here: the attention ops do not depend on the kernels
@@ -305,7 +341,11 @@ class GatedDeltaNet(_GatedMixer):
         self.dt_bias = forget_gate(no_weight_decay(nn.Parameter(initial_dt_bias(n_heads, None))))
 
     def log_decay(self, x):
-        return -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)  # [B, T, H]
+        return gdn_gate(self.a_proj(x), self.A_log, self.dt_bias)  # [B, T, H]
+
+    @torch.no_grad()
+    def starting_decays(self) -> torch.Tensor:
+        return -gdn_gate(torch.zeros_like(self.dt_bias), self.A_log, self.dt_bias)[:, None].repeat(1, self.head_dim)
 
     def mix(self, q, k, v, g, beta, initial_state, chunked: bool):
         op = gdn_chunk if chunked else gdn_recurrent

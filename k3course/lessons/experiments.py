@@ -23,6 +23,9 @@ hybrid-ratio-default, residuals-default, latent-moe-default  those claims at the
                  16 × 128 bytes), where the tiny K3 is past its first steps (1.99 bits/byte).
 mqar-sweep       the cheapest harder-MQAR setting (steps, pairs, head width; more pairs than head channels) at which
                  a mixer solves recall in most seeds, and the three mixers compared there.
+mqar-controlled  at the sweep's chosen cell, KDA (three layouts of its starting decays, one of them GDN's per head),
+                 GDN and decayed linear attention, each at its own learning rate by the tuning rule
+                 (:mod:`k3course.lessons.tuning`); mqar-controlled-8 the same in 8-channel heads.
 
 Every claim at 120 steps of 8 × 64 bytes (the names without "-default") measures how fast a variant starts to
 learn; the "-default" ones decide the four text claims, each verdict by
@@ -57,7 +60,9 @@ from k3course.config import K3Config
 from k3course.data import mqar
 from k3course.device import interleaved_best_seconds, keep_freed_memory, on_cuda
 from k3course.lessons import claims
-from k3course.lessons.recall import MIXERS, RecallModel, fit_cross_entropy, recall_accuracy
+from k3course.lessons.recall import MIXERS, RecallModel, fit_cross_entropy, recall_accuracy, recall_by_pair
+from k3course.lessons.tuning import LR_GRID, RULE, check_grid, choose_lr, tail_loss, tuning_settings
+from k3course.params import param_groups
 from k3course.train import TrainConfig, lr_factor
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -80,26 +85,35 @@ def torch_threads(count: int):
 
 
 def recall_run(mixer: str, seed: int, steps: int, batch_size: int, lr: float, warmup_steps: int, d_model: int,
-               n_heads: int, stop_after: int | None = None, n_pairs: int = claims.MQAR_TASK["n_pairs"]) -> dict:
-    """Train a :class:`RecallModel` with ``mixer`` on :data:`k3course.lessons.claims.MQAR_TASK` with ``n_pairs``
-    pairs; {"losses", "accuracy", "seconds"}.
+               n_heads: int, stop_after: int | None = None, n_pairs: int = claims.MQAR_TASK["n_pairs"],
+               gate_lr_scale: float = 1.0, decay_init: str | None = None) -> dict:
+    """Train a :class:`RecallModel` with ``mixer`` (KDA: its starting decays laid out by ``decay_init``) on
+    :data:`k3course.lessons.claims.MQAR_TASK` with ``n_pairs`` pairs; {"losses", "accuracy", "accuracy_by_pair"
+    (:func:`~k3course.lessons.recall.recall_by_pair`), "starting_decays" (:meth:`RecallModel.starting_decays`),
+    "seconds"}.
 
-    AdamW (no weight decay) at lr · f(step), f = :func:`k3course.train.lr_factor` (warmup, cosine to 0.1);
+    AdamW (no weight decay) at lr · f(step), f = :func:`k3course.train.lr_factor` (warmup, cosine to 0.1), the
+    forget gates' parameters at ``gate_lr_scale`` × that (:func:`k3course.params.param_groups`);
     batch ``step`` is ``mqar(..., seed=seed·10⁶ + step)``; accuracy on 256 held-out sequences (seed 10⁹ + seed).
     ``stop_after`` ends the run early without changing any earlier step (for replaying a saved run).
     """
     task = {**claims.MQAR_TASK, "n_pairs": n_pairs}
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = RecallModel(task["vocab_size"], mixer, d_model=d_model, n_heads=n_heads)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        model = RecallModel(task["vocab_size"], mixer, d_model=d_model, n_heads=n_heads, decay_init=decay_init)
+    starting_decays = model.starting_decays()
+    groups = [{**group, "lr": lr * group["lr_scale"]}
+              for group in param_groups(model.parameters(), weight_decay=0.0, gate_lr_scale=gate_lr_scale)]
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     factor = functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=steps, min_lr_ratio=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     began = time.perf_counter()
     losses = fit_cross_entropy(model, range(steps if stop_after is None else stop_after), optimizer, scheduler,
                                lambda step: mqar(batch_size, seed=seed * 10**6 + step, **task))
     held_out = mqar(claims.MQAR_HELD_OUT, seed=10**9 + seed, **task)
-    return {"losses": losses, "accuracy": recall_accuracy(model, *held_out), "seconds": time.perf_counter() - began}
+    return {"losses": losses, "accuracy": recall_accuracy(model, *held_out),
+            "accuracy_by_pair": recall_by_pair(model, *held_out, n_pairs), "starting_decays": starting_decays,
+            "seconds": time.perf_counter() - began}
 
 
 def mqar_mixers(steps: int, batch_size: int, lr: float, warmup_steps: int, d_model: int, n_heads: int,
@@ -187,6 +201,72 @@ def sweep_table(result: dict, seed: int = 0) -> str:
                     + "".join(f"{accuracy[m]:>16.3f}" for m in mixers) + ("   <- chosen" if index == result["chosen"]
                                                                            else ""))
     return "\n".join(rows)
+
+
+# --- MQAR, controlled: the mixers started alike and tuned alike (issue 38) -----------------------------------
+
+# label -> (mixer, KDA's decay_init): GDN and decayed linear attention start head h at −g = logspace(0.01, 0.5, H)[h];
+# "KDA (per head)" starts every channel of head h there too; the other two spread 0.01 → 0.5 over channels.
+CONTROLLED_VARIANTS = {"KDA (per head)": ("KDA", "per_head"), "KDA (within heads)": ("KDA", "within_heads"),
+                       "KDA (across heads, K3)": ("KDA", "across_heads"), "GDN": ("GDN", None),
+                       "decayed linear": ("decayed linear", None)}
+# The sweep's chosen cell (20 pairs in heads of 16 channels, 1500 steps) and its 8-channel neighbour.
+MQAR_CONTROLLED = dict(steps=1500, n_pairs=20, head_dim=16, n_heads=2, batch_size=16, warmup_steps=30,
+                       gate_lr_scale=1.0, lr_grid=LR_GRID, seeds=(0, 1, 2))
+MQAR_CONTROLLED_8 = {**MQAR_CONTROLLED, "head_dim": 8}
+
+
+def recall_settings(steps: int, batch_size: int, warmup_steps: int, gate_lr_scale: float) -> TrainConfig:
+    """The training settings of a recall run as a TrainConfig (lr left at its default: the tuning sets it), for
+    :func:`k3course.lessons.tuning.tuning_settings`."""
+    return TrainConfig(steps=steps, batch_size=batch_size, seq_len=claims.MQAR_TASK["seq_len"], weight_decay=0.0,
+                       warmup_steps=warmup_steps, gate_lr_scale=gate_lr_scale, eval_every=0, checkpoint_every=0)
+
+
+def tuned_lr(train_at, grid) -> dict:
+    """The rate :mod:`k3course.lessons.tuning`'s rule picks: ``train_at(lr)`` -> the per-step losses of the tuning
+    run at ``lr``, for every rate of ``grid``. {"lr_grid", "trials": [{"lr", "tail_loss", "losses"}], "lr"}."""
+    trials = {lr: train_at(lr) for lr in check_grid(grid)}
+    return {"lr_grid": list(trials), "trials": [{"lr": lr, "tail_loss": tail_loss(losses), "losses": losses}
+                                                for lr, losses in trials.items()], "lr": choose_lr(trials)}
+
+
+def controlled_run(variant: str, settings: TrainConfig, n_pairs: int, head_dim: int, n_heads: int,
+                   stop_after: int | None = None) -> dict:
+    """One :func:`recall_run` of a :data:`CONTROLLED_VARIANTS` label with ``settings`` (steps, batch, lr, warmup,
+    gate_lr_scale, seed) in heads of ``head_dim`` channels."""
+    mixer, decay_init = CONTROLLED_VARIANTS[variant]
+    return recall_run(mixer, settings.seed, settings.steps, settings.batch_size, settings.lr, settings.warmup_steps,
+                      n_heads * head_dim, n_heads, stop_after, n_pairs, settings.gate_lr_scale, decay_init)
+
+
+def mqar_controlled(steps: int, n_pairs: int, head_dim: int, n_heads: int, batch_size: int, warmup_steps: int,
+                    gate_lr_scale: float, lr_grid: tuple[float, ...], seeds: tuple[int, ...]) -> dict:
+    """Every :data:`CONTROLLED_VARIANTS` mixer on MQAR with ``n_pairs`` pairs in ``n_heads`` heads of ``head_dim``
+    channels, each at its own learning rate: :func:`tuned_lr` over ``lr_grid`` on the tuning run
+    (:func:`k3course.lessons.tuning.tuning_settings` of these settings), then every seed at the full ``steps``.
+
+    Returns {"task", "rule", "variants": {label: {"mixer", "decay_init", "gate_lr_scale", "starting_decays"
+    ([min, max] of −g at z = 0 per head, first layer), "lr_grid", "trials", "lr"}}, "runs": [{"variant", "seed",
+    ...run}], "torch_threads": 1}, on one thread.
+    """
+    settings = recall_settings(steps, batch_size, warmup_steps, gate_lr_scale)
+    tuning = tuning_settings(settings)
+    shape = dict(n_pairs=n_pairs, head_dim=head_dim, n_heads=n_heads)
+    variants, runs = {}, []
+    with torch_threads(1):
+        for label, (mixer, decay_init) in CONTROLLED_VARIANTS.items():
+            chosen = tuned_lr(lambda lr: controlled_run(label, tuning.replace(lr=lr), **shape)["losses"], lr_grid)
+            print(f"mqar-controlled: {label}: lr {chosen['lr']:g}", file=sys.stderr, flush=True)
+            for seed in seeds:
+                run = controlled_run(label, settings.replace(lr=chosen["lr"], seed=seed), **shape)
+                runs.append({"variant": label, "seed": seed, **run})
+                print(f"mqar-controlled: {label}, seed {seed}: {run['accuracy']:.3f} in {run['seconds']:.0f} s",
+                      file=sys.stderr, flush=True)
+            variants[label] = {"mixer": mixer, "decay_init": decay_init, "gate_lr_scale": gate_lr_scale,
+                               "starting_decays": runs[-1]["starting_decays"], **chosen}
+    return {"task": {**claims.MQAR_TASK, "n_pairs": n_pairs}, "rule": RULE, "variants": variants, "runs": runs,
+            "torch_threads": 1}
 
 
 def describe(cfg) -> dict:
@@ -332,6 +412,8 @@ EXPERIMENTS = {
     "tiny-default": (tiny_default, {}),
     "mqar-mixers": (mqar_mixers, MQAR_SETTINGS),
     "mqar-sweep": (mqar_sweep, MQAR_SWEEP),
+    "mqar-controlled": (mqar_controlled, MQAR_CONTROLLED),
+    "mqar-controlled-8": (mqar_controlled, MQAR_CONTROLLED_8),
     "dense-baseline": (claim_variants, {"claim": "dense-baseline", **_TEXT, "sample_prompt": "def "}),
     "dense-baseline-default": (claim_variants, {"claim": "dense-baseline", "seeds": SEEDS, "task": "text",
                                                 "train": dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN),

@@ -18,21 +18,33 @@ MIXERS = {"decayed linear": DecayedLinearAttention, "GDN": GatedDeltaNet, "KDA":
 
 
 class RecallModel(nn.Module):
-    """Embedding -> ``n_layers`` × (mixer, MLP) -> norm -> logits ``[B, T, vocab]``."""
+    """Embedding -> ``n_layers`` × (mixer, MLP) -> norm -> logits ``[B, T, vocab]``.
+
+    ``decay_init`` (KDA only): how its starting decays are laid out (:data:`k3course.layers.kda.DECAY_INITS`;
+    None: the layer's default, K3's "across_heads")."""
 
     def __init__(self, vocab_size: int, mixer: str, d_model: int = 64, n_layers: int = 2, n_heads: int = 2,
-                 chunk_size: int = 32):
+                 chunk_size: int = 32, decay_init: str | None = None):
         super().__init__()
         if mixer not in MIXERS:
             raise ValueError(f"mixer must be one of {sorted(MIXERS)}, got {mixer!r}")
+        if decay_init is not None and mixer != "KDA":
+            raise ValueError(f"decay_init applies to KDA only (its per-channel gate); got {decay_init!r} for {mixer!r}")
         self.embed = nn.Embedding(vocab_size, d_model)
         head_dim = d_model // n_heads
-        self.mixers = nn.ModuleList(MIXERS[mixer](d_model, n_heads, head_dim, chunk_size=chunk_size)
+        options = {} if decay_init is None else {"decay_init": decay_init}
+        self.mixers = nn.ModuleList(MIXERS[mixer](d_model, n_heads, head_dim, chunk_size=chunk_size, **options)
                                     for _ in range(n_layers))
         self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(),
                                                 nn.Linear(2 * d_model, d_model)) for _ in range(n_layers))
         self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(2 * n_layers + 1))
         self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def starting_decays(self) -> list[list[float]]:
+        """[min, max] of −g at z = 0 over each head's channels, head by head, in the first mixer layer (its
+        :meth:`~k3course.layers.kda.KimiDeltaAttention.starting_decays`): the decay rates recall starts from."""
+        decays = self.mixers[0].starting_decays()
+        return [[row.min().item(), row.max().item()] for row in decays]
 
     def forward(self, tokens):
         x = self.embed(tokens)
@@ -48,6 +60,20 @@ def recall_accuracy(model: nn.Module, tokens, targets) -> float:
     asked = targets != IGNORE
     predictions = model(tokens).argmax(-1)
     return (predictions[asked] == targets[asked]).float().mean().item()
+
+
+@torch.no_grad()
+def recall_by_pair(model: nn.Module, tokens, targets, n_pairs: int) -> list[float]:
+    """Recall accuracy by write order: entry i is the fraction of queries for the i-th pair written (i = 0 the
+    oldest, n_pairs − 1 the last) that the arg-max prediction answers. ``tokens``, ``targets`` as from
+    :func:`k3course.data.mqar` (the pairs k_1 v_1 … k_n v_n first)."""
+    asked = targets != IGNORE
+    correct = (model(tokens).argmax(-1) == targets) & asked
+    written = tokens[:, 0:2 * n_pairs:2]  # [N, n_pairs]: the keys in write order
+    order = (tokens[:, :, None] == written[:, None, :]).float().argmax(-1)  # [N, T]: write index of each token's key
+    hits = torch.zeros(n_pairs).index_add_(0, order[asked], correct[asked].float())
+    counts = torch.zeros(n_pairs).index_add_(0, order[asked], torch.ones(int(asked.sum())))
+    return (hits / counts.clamp(min=1)).tolist()
 
 
 def fit_cross_entropy(model: nn.Module, steps: range, optimizer, scheduler, batch_at) -> list[float]:

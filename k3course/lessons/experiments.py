@@ -256,7 +256,8 @@ def mqar_controlled(steps: int, n_pairs: int, head_dim: int, n_heads: int, batch
     variants, runs = {}, []
     with torch_threads(1):
         for label, (mixer, decay_init) in CONTROLLED_VARIANTS.items():
-            chosen = tuned_lr(lambda lr: controlled_run(label, tuning.replace(lr=lr), **shape)["losses"], lr_grid)
+            chosen = tuned_lr(lambda lr, label=label: controlled_run(label, tuning.replace(lr=lr), **shape)["losses"],
+                              lr_grid)
             print(f"mqar-controlled: {label}: lr {chosen['lr']:g}", file=sys.stderr, flush=True)
             for seed in seeds:
                 run = controlled_run(label, settings.replace(lr=chosen["lr"], seed=seed), **shape)

@@ -26,6 +26,8 @@ mqar-sweep       the cheapest harder-MQAR setting (steps, pairs, head width; mor
 mqar-controlled  at the sweep's chosen cell, KDA (three layouts of its starting decays, one of them GDN's per head),
                  GDN and decayed linear attention, each at its own learning rate by the tuning rule
                  (:mod:`k3course.lessons.tuning`); mqar-controlled-8 the same in 8-channel heads.
+mqar-depth       hybrid-mqar's all-KDA K3 at 2 layers and at 8, each at its own tuned rate: where §6.2's all-KDA
+                 (at chance) and §6.3's 2-layer recall model (KDA recalls) part.
 
 Every claim at 120 steps of 8 × 64 bytes (the names without "-default") measures how fast a variant starts to
 learn; the "-default" ones decide the four text claims, each verdict by
@@ -59,8 +61,16 @@ from k3course import accounting
 from k3course.config import K3Config
 from k3course.data import mqar
 from k3course.device import interleaved_best_seconds, keep_freed_memory, on_cuda
+from k3course.layers.kda import KimiDeltaAttention
 from k3course.lessons import claims
-from k3course.lessons.recall import MIXERS, RecallModel, fit_cross_entropy, recall_accuracy, recall_by_pair
+from k3course.lessons.recall import (
+    MIXERS,
+    RecallModel,
+    decay_ranges,
+    fit_cross_entropy,
+    recall_accuracy,
+    recall_by_pair,
+)
 from k3course.lessons.tuning import LR_GRID, RULE, check_grid, choose_lr, tail_loss, tuning_settings
 from k3course.params import param_groups
 from k3course.train import TrainConfig, lr_factor
@@ -270,6 +280,49 @@ def mqar_controlled(steps: int, n_pairs: int, head_dim: int, n_heads: int, batch
             "torch_threads": 1}
 
 
+# §6.2's all-KDA K3 (8 layers, at chance) against §6.3's 2-layer recall model (KDA at 0.79): the same K3 block,
+# all KDA, at 2 layers and at 8 (hybrid-mqar's all-KDA), every other setting hybrid-mqar's; both tuned alike.
+def depth_variants() -> dict[str, K3Config]:
+    """hybrid-mqar's all-KDA config (:data:`k3course.lessons.claims.DEEP`, no MLA layer) at 2 and at 8 layers."""
+    all_kda = claims.DEEP.replace(mla_layers=())
+    return {"K3 all-KDA, 2 layers": all_kda.replace(n_layers=2), "K3 all-KDA, 8 layers": all_kda}
+
+
+MQAR_DEPTH = dict(seeds=(0, 1, 2), train=dataclasses.asdict(claims.MQAR_TRAIN), lr_grid=LR_GRID,
+                  reuse={"K3 all-KDA, 8 layers": ("hybrid-mqar", "all-KDA")})
+
+
+def mqar_depth(seeds: tuple[int, ...], train: dict, lr_grid: tuple[float, ...],
+               reuse: dict[str, tuple[str, str]]) -> dict:
+    """Each :func:`depth_variants` config on MQAR (:func:`k3course.lessons.claims.run_variant`, task "mqar") at its
+    own rate: :func:`tuned_lr` over ``lr_grid`` on the tuning run of ``TrainConfig(**train)``, then every seed.
+
+    ``reuse`` {label: (experiment, its label)}: when the rate chosen is the one that experiment trained at, the
+    seeds' runs are copied from it (:func:`reused_runs` checks the config, settings and seeds). Returns
+    {"rule", "variants": {label: {**describe, "lr_grid", "trials", "lr", "gate_lr_scale", "starting_decays"}},
+    "runs": [{"variant", "seed", ...run}], "torch_threads": 1}, on one thread.
+    """
+    settings = train_config(train)
+    tuning = tuning_settings(settings)
+    variants, runs = {}, []
+    with torch_threads(1):
+        for label, cfg in depth_variants().items():
+            chosen = tuned_lr(lambda lr, cfg=cfg: claims.run_variant(cfg, tuning.replace(lr=lr), tuning.seed,
+                                                                     "mqar")["losses"], lr_grid)
+            tuned = settings.replace(lr=chosen["lr"])
+            print(f"mqar-depth: {label}: lr {tuned.lr:g}", file=sys.stderr, flush=True)
+            source = reuse.get(label)
+            if source and load(source[0])["settings"]["train"]["lr"] == tuned.lr:
+                runs += reused_runs(cfg, label, *source, seeds=seeds, task="mqar", train=dataclasses.asdict(tuned))
+            else:
+                runs += [_train_variant(label, cfg, tuned, seed, "mqar", None, "cpu")
+                         for seed in seeds]
+            decays = decay_ranges(KimiDeltaAttention.from_config(cfg).starting_decays())
+            variants[label] = {**describe(cfg), **chosen, "gate_lr_scale": tuned.gate_lr_scale,
+                               "starting_decays": decays}
+    return {"rule": RULE, "variants": variants, "runs": runs, "torch_threads": 1}
+
+
 def describe(cfg) -> dict:
     """What a claim's table shows about a variant: its config, parameters, schedule and MoE accounting."""
     count = accounting.param_count(cfg)
@@ -366,7 +419,8 @@ def reused_runs(cfg, label: str, experiment: str, their_label: str, seeds: tuple
     saved = load(experiment)
     plain = lambda value: json.loads(json.dumps(value))
     checks = {"config": (K3Config.from_dict(saved["result"]["variants"][their_label]["config"]), cfg),
-              "train": (saved["settings"]["train"], plain(train)), "seeds": (saved["settings"]["seeds"], list(seeds)),
+              "train": (train_config(saved["settings"]["train"]), train_config(plain(train))),
+              "seeds": (saved["settings"]["seeds"], list(seeds)),
               "task": (saved["settings"]["task"], task)}
     differ = [name for name, (theirs, ours) in checks.items() if theirs != ours]
     if differ:
@@ -415,6 +469,7 @@ EXPERIMENTS = {
     "mqar-sweep": (mqar_sweep, MQAR_SWEEP),
     "mqar-controlled": (mqar_controlled, MQAR_CONTROLLED),
     "mqar-controlled-8": (mqar_controlled, MQAR_CONTROLLED_8),
+    "mqar-depth": (mqar_depth, MQAR_DEPTH),
     "dense-baseline": (claim_variants, {"claim": "dense-baseline", **_TEXT, "sample_prompt": "def "}),
     "dense-baseline-default": (claim_variants, {"claim": "dense-baseline", "seeds": SEEDS, "task": "text",
                                                 "train": dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN),

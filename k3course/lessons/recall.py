@@ -17,6 +17,11 @@ from k3course.layers.kda import DecayedLinearAttention, GatedDeltaNet, KimiDelta
 MIXERS = {"decayed linear": DecayedLinearAttention, "GDN": GatedDeltaNet, "KDA": KimiDeltaAttention}
 
 
+def decay_ranges(decays) -> list[list[float]]:
+    """[min, max] over each head's channels of decay rates ``[H, K]``, head by head."""
+    return [[row.min().item(), row.max().item()] for row in decays]
+
+
 class RecallModel(nn.Module):
     """Embedding -> ``n_layers`` × (mixer, MLP) -> norm -> logits ``[B, T, vocab]``.
 
@@ -43,8 +48,7 @@ class RecallModel(nn.Module):
     def starting_decays(self) -> list[list[float]]:
         """[min, max] of −g at z = 0 over each head's channels, head by head, in the first mixer layer (its
         :meth:`~k3course.layers.kda.KimiDeltaAttention.starting_decays`): the decay rates recall starts from."""
-        decays = self.mixers[0].starting_decays()
-        return [[row.min().item(), row.max().item()] for row in decays]
+        return decay_ranges(self.mixers[0].starting_decays())
 
     def forward(self, tokens):
         x = self.embed(tokens)

@@ -1,0 +1,113 @@
+"""Chapter 12 §6.3: MQAR, controlled — the mixers started alike and tuned alike (``mqar-controlled``, its 8-channel
+twin ``mqar-controlled-8``) and the depth experiment that reconciles §6.2's all-KDA with §6.3 (``mqar-depth``).
+Each function is a number a lesson quotes (see :mod:`k3course.lessons.quoted`); every ``name`` is one of those
+saved experiments, every ``variant`` one of its labels."""
+
+from __future__ import annotations
+
+import functools
+
+from k3course.lessons import experiments, seed_statistics
+from k3course.lessons.quoted.markers import Pair, plus_minus, quoted, span
+
+
+@functools.cache
+def _saved(name: str) -> dict:
+    return experiments.load(name)
+
+
+def _variant(name: str, variant: str) -> dict:
+    variants = _saved(name)["result"]["variants"]
+    if variant not in variants:
+        raise KeyError(f"variant: {name} has no {variant!r}; its variants are {list(variants)}")
+    return variants[variant]
+
+
+def _accuracies(name: str, variant: str) -> list[float]:
+    _variant(name, variant)
+    return [run["accuracy"] for run in _saved(name)["result"]["runs"] if run["variant"] == variant]
+
+
+def _paired(name: str, better: str, worse: str) -> dict:
+    """:func:`k3course.lessons.seed_statistics.paired` on held-out accuracy (higher is better)."""
+    return seed_statistics.paired(_saved(name)["result"], better, worse, metric="accuracy", key="variant",
+                                  higher_is_better=True)
+
+
+@quoted
+def mqar_lr(name: str, variant: str) -> float:
+    """The learning rate the tuning rule chose for ``variant``."""
+    return _variant(name, variant)["lr"]
+
+
+@quoted
+def mqar_accuracy(name: str, variant: str) -> Pair:
+    """Held-out recall accuracy of ``variant``: mean ± sample std over its seeds."""
+    row = seed_statistics.spread(_saved(name)["result"], "accuracy")[variant]
+    return plus_minus(row["mean"], row["std"])
+
+
+@quoted
+def mqar_accuracy_range(name: str, variant: str) -> Pair:
+    """Held-out recall accuracy of ``variant``: min–max over its seeds."""
+    values = _accuracies(name, variant)
+    return span(min(values), max(values))
+
+
+@quoted
+def mqar_solved(name: str, variant: str, threshold: float = 0.9) -> str:
+    """``solved/seeds``: the seeds of ``variant`` whose held-out accuracy is at least ``threshold``."""
+    values = _accuracies(name, variant)
+    return f"{sum(v >= threshold for v in values)}/{len(values)}"
+
+
+@quoted
+def mqar_paired_mean(name: str, better: str, worse: str) -> Pair:
+    """Mean ± sample std over the seeds of accuracy(``better``) − accuracy(``worse``), seed by seed."""
+    comparison = _paired(name, better, worse)
+    return plus_minus(comparison["mean"], comparison["std"])
+
+
+@quoted
+def mqar_agreeing(name: str, better: str, worse: str) -> str:
+    """``agreeing/seeds``: the seeds in which ``better`` recalled more than ``worse``."""
+    comparison = _paired(name, better, worse)
+    return f"{comparison['agreeing']}/{comparison['seeds']}"
+
+
+@quoted
+def mqar_spread(name: str, better: str, worse: str) -> float:
+    """The seed-to-seed spread the paired mean must clear: the larger of the two variants' sample std."""
+    return _paired(name, better, worse)["spread"]
+
+
+@quoted
+def mqar_verdict(name: str, better: str, worse: str) -> str:
+    """"reproduced", "reversed" or "undecided" for "``better`` recalls more than ``worse``" (chapter 12's rule)."""
+    return _paired(name, better, worse)["verdict"]
+
+
+@quoted
+def mqar_starting_decay(name: str, variant: str, head: int, end: str = "min") -> float:
+    """−g at z = 0 that ``variant``'s head ``head`` starts from (first layer): the "min" or "max" over its
+    channels."""
+    low, high = _variant(name, variant)["starting_decays"][head]
+    return {"min": low, "max": high}[end]
+
+
+@quoted
+def mqar_recall_of_pairs(name: str, variant: str, which: str, count: int) -> float:
+    """Held-out recall of the ``count`` "oldest" or "newest" pairs written (by write order,
+    ``accuracy_by_pair``), averaged over those pairs and ``variant``'s seeds."""
+    if which not in ("oldest", "newest"):
+        raise ValueError(f"which must be 'oldest' or 'newest', got {which!r}")
+    _variant(name, variant)
+    rows = [run["accuracy_by_pair"] for run in _saved(name)["result"]["runs"] if run["variant"] == variant]
+    chosen = [row[:count] if which == "oldest" else row[-count:] for row in rows]
+    return sum(map(sum, chosen)) / (count * len(chosen))
+
+
+@quoted
+def mqar_cpu_minutes(name: str) -> float:
+    """What the saved experiment took, tuning runs included: its wall time on one thread, in minutes."""
+    return _saved(name)["seconds"] / 60

@@ -1,0 +1,173 @@
+"""MQAR, controlled (chapter 12 §6.3): KDA's starting decays laid out three ways, one of them exactly GDN's per head;
+each variant's learning rate the one tuning.py's rule picks from its saved tuning runs; the saved runs replay."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from k3course.data import IGNORE, mqar
+from k3course.layers.kda import DECAY_INITS, DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
+from k3course.lessons import claims, experiments, tuning
+from k3course.lessons.recall import RecallModel, recall_by_pair
+
+CONTROLLED = ("mqar-controlled", "mqar-controlled-8")
+REPLAY_STEPS = 2
+
+
+def _replayed(losses: list[float], saved: list[float]) -> None:
+    """To float32 rounding, as tests/test_experiments.py replays the other saved runs."""
+    assert losses == pytest.approx(saved, rel=1e-5, abs=0)
+
+
+# --- the starting decays --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("n_heads, head_dim", [(1, 8), (2, 16), (4, 8)])
+def test_per_head_kda_starts_every_channel_at_gdns_decay_for_that_head(n_heads, head_dim, lower_bound):
+    kda = KimiDeltaAttention(8, n_heads, head_dim, lower_bound=lower_bound, decay_init="per_head")
+    gdn = GatedDeltaNet(8, n_heads, head_dim)
+    ours, theirs = kda.starting_decays(), gdn.starting_decays()
+    assert ours.shape == theirs.shape == (n_heads, head_dim)
+    assert torch.equal(ours, ours[:, :1].expand_as(ours))  # one value per head
+    # the same −g (softplus of the same bias, or −5·σ(logit(−g/5)) for K3's bounded gate) to float32 rounding
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
+    assert torch.equal(DecayedLinearAttention(8, n_heads, head_dim).starting_decays(), theirs)
+    assert theirs[0, 0].item() == pytest.approx(0.01, rel=1e-6)
+    if n_heads > 1:
+        assert theirs[-1, 0].item() == pytest.approx(0.5, rel=1e-6)
+
+
+def test_within_heads_spans_the_whole_range_in_every_head_and_across_heads_is_the_default():
+    within = KimiDeltaAttention(8, 2, 16, decay_init="within_heads").starting_decays()
+    assert torch.equal(within[0], within[1])
+    assert within[0, 0].item() == pytest.approx(0.01, rel=1e-6) and within[0, -1].item() == pytest.approx(0.5, rel=1e-6)
+    assert torch.all(within[:, 1:] > within[:, :-1])
+    default = KimiDeltaAttention(8, 2, 16).starting_decays()  # K3's layer: the shipped checkpoint starts here
+    assert torch.equal(default, KimiDeltaAttention(8, 2, 16, decay_init="across_heads").starting_decays())
+    assert default[0].max() < default[1].min()  # head 0 all slow, head 1 all fast
+    assert torch.all(default.flatten()[1:] > default.flatten()[:-1])
+    assert DECAY_INITS == ("across_heads", "per_head", "within_heads")
+
+
+def test_bad_decay_init_is_a_clear_error():
+    with pytest.raises(ValueError, match="decay_init must be one of"):
+        KimiDeltaAttention(8, 2, 4, decay_init="per_channel")
+    with pytest.raises(ValueError, match="decay_init applies to KDA only"):
+        RecallModel(64, "GDN", d_model=16, decay_init="per_head")
+
+
+@pytest.mark.parametrize("name", CONTROLLED)
+def test_the_saved_variants_started_from_the_decays_their_layers_give_and_alike_per_head(name):
+    saved = experiments.load(name)
+    settings, variants = saved["settings"], saved["result"]["variants"]
+    assert list(variants) == list(experiments.CONTROLLED_VARIANTS)
+    for label, (mixer, decay_init) in experiments.CONTROLLED_VARIANTS.items():
+        model = RecallModel(64, mixer, d_model=settings["n_heads"] * settings["head_dim"],
+                            n_heads=settings["n_heads"], decay_init=decay_init)
+        assert sum(variants[label]["starting_decays"], []) == pytest.approx(sum(model.starting_decays(), []),
+                                                                             rel=1e-6), label
+        assert (variants[label]["mixer"], variants[label]["decay_init"]) == (mixer, decay_init)
+        assert variants[label]["gate_lr_scale"] == settings["gate_lr_scale"]
+    per_head = [variants[label]["starting_decays"] for label in ("KDA (per head)", "GDN", "decayed linear")]
+    assert sum(per_head[0], []) == pytest.approx(sum(per_head[1], []), rel=1e-6) and per_head[1] == per_head[2]
+
+
+# --- the learning-rate rule --------------------------------------------------------------------------------
+
+def test_tuned_lr_trains_every_rate_once_and_picks_the_lowest_tail_diverged_runs_losing():
+    tails = {1e-3: 2.0, 3e-3: 1.5, 1e-2: math.nan}
+    trained = []
+
+    def fake(lr):
+        trained.append(lr)
+        return [4.0] * 30 + [tails[lr]] * 10
+
+    chosen = experiments.tuned_lr(fake, [1e-2, 1e-3, 3e-3])
+    assert trained == [1e-3, 3e-3, 1e-2] and chosen["lr"] == 3e-3 and chosen["lr_grid"] == [1e-3, 3e-3, 1e-2]
+    assert [t["tail_loss"] for t in chosen["trials"]] == [2.0, 1.5, math.inf]
+    with pytest.raises(ValueError, match="lr_grid must hold at least 3"):
+        experiments.tuned_lr(fake, (1e-3, 3e-3))
+
+
+@pytest.mark.parametrize("name", [*CONTROLLED, "mqar-depth"])
+def test_each_saved_rate_is_the_one_the_rule_picks_from_the_saved_tuning_runs(name):
+    saved = experiments.load(name)
+    result = saved["result"]
+    assert result["rule"] == tuning.RULE
+    steps = saved["settings"]["steps"] if name in CONTROLLED else saved["settings"]["train"]["steps"]
+    for label, variant in result["variants"].items():
+        assert variant["lr_grid"] == list(tuning.LR_GRID)
+        trials = {trial["lr"]: trial["losses"] for trial in variant["trials"]}
+        assert list(trials) == variant["lr_grid"]
+        assert all(len(losses) == steps // tuning.TUNING_FRACTION for losses in trials.values()), label
+        assert [t["tail_loss"] for t in variant["trials"]] == [tuning.tail_loss(x) for x in trials.values()]
+        assert tuning.choose_lr(trials) == variant["lr"], label
+        runs = [run for run in result["runs"] if run["variant"] == label]
+        assert [run["seed"] for run in runs] == [0, 1, 2] and all(len(run["losses"]) == steps for run in runs)
+
+
+# --- the saved runs replay --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", CONTROLLED)
+def test_the_last_controlled_run_replays_at_its_tuned_rate(name):
+    saved = experiments.load(name)
+    settings, result = saved["settings"], saved["result"]
+    last = result["runs"][-1]
+    train = experiments.recall_settings(settings["steps"], settings["batch_size"], settings["warmup_steps"],
+                                        settings["gate_lr_scale"])
+    train = train.replace(lr=result["variants"][last["variant"]]["lr"], seed=last["seed"])
+    with experiments.torch_threads(result["torch_threads"]):
+        replay = experiments.controlled_run(last["variant"], train, settings["n_pairs"], settings["head_dim"],
+                                            settings["n_heads"], stop_after=REPLAY_STEPS)
+    _replayed(replay["losses"], last["losses"][:REPLAY_STEPS])
+
+
+def test_the_last_depth_run_replays_and_the_variants_differ_in_depth_only():
+    saved = experiments.load("mqar-depth")
+    settings, result = saved["settings"], saved["result"]
+    two, eight = experiments.depth_variants().values()
+    assert two == eight.replace(n_layers=2) and eight == claims.hybrid_variants()["all-KDA"]
+    last = result["runs"][-1]
+    tuned = experiments.train_config(settings["train"]).replace(lr=result["variants"][last["variant"]]["lr"])
+    with experiments.torch_threads(result["torch_threads"]):
+        replay = claims.run_variant(experiments.depth_variants()[last["variant"]], tuned, last["seed"], "mqar",
+                                    stop_after=REPLAY_STEPS)
+    _replayed(replay["losses"], last["losses"][:REPLAY_STEPS])
+
+
+# --- what recall_run adds ---------------------------------------------------------------------------------
+
+class _Oracle(torch.nn.Module):
+    """Logits whose arg-max is the stored value at the queries of the pairs written last (``newest`` of them)."""
+
+    def __init__(self, n_pairs: int, newest: int):
+        super().__init__()
+        self.n_pairs, self.newest = n_pairs, newest
+
+    def forward(self, tokens):
+        written = tokens[:, 0:2 * self.n_pairs:2]
+        logits = torch.zeros(*tokens.shape, 64)
+        for row, col in zip(*torch.nonzero(tokens[:, 2 * self.n_pairs:] > 0, as_tuple=True)):
+            col = col + 2 * self.n_pairs
+            index = (written[row] == tokens[row, col]).nonzero().item()
+            if index >= self.n_pairs - self.newest:
+                logits[row, col, tokens[row, 2 * index + 1]] = 1.0
+        return logits
+
+
+def test_recall_by_pair_scores_each_pair_by_its_write_order():
+    tokens, targets = mqar(16, seq_len=64, n_pairs=20, vocab_size=64, seed=3)
+    assert (targets != IGNORE).sum() == 16 * 20
+    assert recall_by_pair(_Oracle(20, 20), tokens, targets, 20) == [1.0] * 20
+    assert recall_by_pair(_Oracle(20, 5), tokens, targets, 20) == [0.0] * 15 + [1.0] * 5
+
+
+def test_the_gate_learning_rate_scale_moves_only_the_gate_parameters_steps():
+    options = dict(steps=4, batch_size=2, lr=3e-3, warmup_steps=1, d_model=16, n_heads=2, n_pairs=4)
+    same = experiments.recall_run("KDA", 0, stop_after=3, **options)
+    scaled = experiments.recall_run("KDA", 0, stop_after=3, gate_lr_scale=10.0, **options)
+    assert scaled["losses"][0] == same["losses"][0] and scaled["losses"][2] != same["losses"][2]
+    assert sum(same["starting_decays"], []) == pytest.approx([0.01, 0.0621, 0.0806, 0.5], rel=2e-3)

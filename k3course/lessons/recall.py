@@ -25,20 +25,22 @@ def decay_ranges(decays) -> list[list[float]]:
 class RecallModel(nn.Module):
     """Embedding -> ``n_layers`` × (mixer, MLP) -> norm -> logits ``[B, T, vocab]``.
 
-    ``decay_init`` (KDA only): how its starting decays are laid out (:data:`k3course.layers.kda.DECAY_INITS`;
-    None: the layer's default, K3's "across_heads")."""
+    ``kda_options`` (KDA only): :class:`~k3course.layers.kda.KimiDeltaAttention`'s ``decay_init`` (how its
+    starting decays are laid out) and ``lower_bound`` (K3's bounded gate, or None: Kimi Linear's softplus gate);
+    left out, the layer's defaults (K3's)."""
 
     def __init__(self, vocab_size: int, mixer: str, d_model: int = 64, n_layers: int = 2, n_heads: int = 2,
-                 chunk_size: int = 32, decay_init: str | None = None):
+                 chunk_size: int = 32, **kda_options):
         super().__init__()
         if mixer not in MIXERS:
             raise ValueError(f"mixer must be one of {sorted(MIXERS)}, got {mixer!r}")
-        if decay_init is not None and mixer != "KDA":
-            raise ValueError(f"decay_init applies to KDA only (its per-channel gate); got {decay_init!r} for {mixer!r}")
+        if kda_options and mixer != "KDA":
+            raise ValueError(f"kda_options ({', '.join(kda_options)}) apply to KDA only, got them for {mixer!r}")
+        if not set(kda_options) <= {"decay_init", "lower_bound"}:
+            raise ValueError(f"kda_options must be decay_init or lower_bound, got {sorted(kda_options)}")
         self.embed = nn.Embedding(vocab_size, d_model)
         head_dim = d_model // n_heads
-        options = {} if decay_init is None else {"decay_init": decay_init}
-        self.mixers = nn.ModuleList(MIXERS[mixer](d_model, n_heads, head_dim, chunk_size=chunk_size, **options)
+        self.mixers = nn.ModuleList(MIXERS[mixer](d_model, n_heads, head_dim, chunk_size=chunk_size, **kda_options)
                                     for _ in range(n_layers))
         self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(),
                                                 nn.Linear(2 * d_model, d_model)) for _ in range(n_layers))

@@ -108,6 +108,26 @@ def mqar_recall_of_pairs(name: str, variant: str, which: str, count: int) -> flo
 
 
 @quoted
+def mqar_loss(name: str, variant: str, first: int, last: int) -> float:
+    """``variant``'s mean training loss (nats) over steps ``first`` ≤ step < ``last``, averaged over its seeds."""
+    _variant(name, variant)
+    spans = [run["losses"][first:last] for run in _saved(name)["result"]["runs"] if run["variant"] == variant]
+    if not all(spans) or any(len(losses) != last - first for losses in spans):
+        raise ValueError(f"first, last: steps {first}..{last} are not all inside {name}'s runs")
+    return sum(map(sum, spans)) / ((last - first) * len(spans))
+
+
+@quoted
+def mqar_sweep_accuracy(steps: int, n_pairs: int, head_dim: int, mixer: str, seed: int = 0) -> float:
+    """Held-out recall of ``mixer`` at ``seed`` in the saved MQAR sweep's cell (``steps``, ``n_pairs``,
+    ``head_dim``): the untuned numbers the controlled experiments start from."""
+    for cell in _saved("mqar-sweep")["result"]["cells"]:
+        if (cell["steps"], cell["n_pairs"], cell["head_dim"]) == (steps, n_pairs, head_dim):
+            return next(run["accuracy"] for run in cell["runs"] if (run["mixer"], run["seed"]) == (mixer, seed))
+    raise KeyError(f"the saved MQAR sweep tried no cell of {steps} steps, {n_pairs} pairs, {head_dim} channels")
+
+
+@quoted
 def mqar_cpu_minutes(name: str) -> float:
     """What the saved experiment took, tuning runs included: its wall time on one thread, in minutes."""
     return _saved(name)["seconds"] / 60

@@ -61,11 +61,11 @@ def test_bad_decay_init_is_a_clear_error():
         RecallModel(64, "KDA", d_model=16, chunk=8)
 
 
-@pytest.mark.parametrize("name", [*CONTROLLED, "mqar-gate-form"])
+@pytest.mark.parametrize("name", CONTROLLED)
 def test_the_saved_variants_started_from_the_decays_their_layers_give_and_alike_per_head(name):
     saved = experiments.load(name)
     settings, variants = saved["settings"], saved["result"]["variants"]
-    assert list(variants) == list(settings.get("variants", experiments.CONTROLLED_MIXERS))
+    assert list(variants) == list(experiments.CONTROLLED_VARIANTS)
     for label, variant in variants.items():
         options = dict(experiments.CONTROLLED_VARIANTS[label])
         assert {key: variant[key] for key in options} == options, label
@@ -73,23 +73,8 @@ def test_the_saved_variants_started_from_the_decays_their_layers_give_and_alike_
                             n_heads=settings["n_heads"], **options)
         assert sum(variant["starting_decays"], []) == pytest.approx(sum(model.starting_decays(), []), rel=1e-6)
         assert variant["gate_lr_scale"] == settings["gate_lr_scale"]
-    per_head = [sum(variant["starting_decays"], []) for label, variant in variants.items()
-                if label.startswith("KDA (per head") or label in ("GDN", "decayed linear")]
-    assert len(per_head) >= 2 and all(decays == pytest.approx(per_head[0], rel=1e-6) for decays in per_head)
-
-
-def test_the_gate_form_experiment_copies_kda_per_head_and_gdn_from_mqar_controlled():
-    saved = experiments.load("mqar-gate-form")
-    settings, result = saved["settings"], saved["result"]
-    source = experiments.load(settings["reuse"])["result"]
-    for label in ("KDA (per head)", "GDN"):
-        ours = [run for run in result["runs"] if run["variant"] == label]
-        assert [r["losses"] for r in ours] == [r["losses"] for r in source["runs"] if r["variant"] == label]
-        assert all(run["reused_from"] == f"mqar-controlled: {label}" for run in ours)
-        assert result["variants"][label] == source["variants"][label]
-    common = {k: v for k, v in settings.items() if k not in ("variants", "reuse")}
-    with pytest.raises(ValueError, match="reuse: mqar-controlled was trained with other settings"):
-        experiments.reused_variants("mqar-controlled", {**common, "steps": 10}, ["GDN"])
+    per_head = [sum(variants[label]["starting_decays"], []) for label in ("KDA (per head)", "GDN", "decayed linear")]
+    assert all(decays == pytest.approx(per_head[0], rel=1e-6) for decays in per_head)
 
 
 # --- the learning-rate rule --------------------------------------------------------------------------------
@@ -109,7 +94,7 @@ def test_tuned_lr_trains_every_rate_once_and_picks_the_lowest_tail_diverged_runs
         experiments.tuned_lr(fake, (1e-3, 3e-3))
 
 
-@pytest.mark.parametrize("name", [*CONTROLLED, "mqar-gate-form", "mqar-depth"])
+@pytest.mark.parametrize("name", [*CONTROLLED, "mqar-depth"])
 def test_each_saved_rate_is_the_one_the_rule_picks_from_the_saved_tuning_runs(name):
     saved = experiments.load(name)
     result = saved["result"]
@@ -128,7 +113,7 @@ def test_each_saved_rate_is_the_one_the_rule_picks_from_the_saved_tuning_runs(na
 
 # --- the saved runs replay --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", [*CONTROLLED, "mqar-gate-form"])
+@pytest.mark.parametrize("name", CONTROLLED)
 def test_the_last_controlled_run_replays_at_its_tuned_rate(name):
     saved = experiments.load(name)
     settings, result = saved["settings"], saved["result"]

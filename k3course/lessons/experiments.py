@@ -26,8 +26,6 @@ mqar-sweep       the cheapest harder-MQAR setting (steps, pairs, head width; mor
 mqar-controlled  at the sweep's chosen cell, KDA (three layouts of its starting decays, one of them GDN's per head),
                  GDN and decayed linear attention, each at its own learning rate by the tuning rule
                  (:mod:`k3course.lessons.tuning`); mqar-controlled-8 the same in 8-channel heads.
-mqar-gate-form   KDA per head with Kimi Linear's softplus gate (GDN's form) beside mqar-controlled's KDA per head
-                 (K3's bounded gate) and GDN.
 mqar-depth       hybrid-mqar's all-KDA K3 at 2 layers and at 8, each at its own tuned rate: where §6.2's all-KDA
                  (at chance) and §6.3's 2-layer recall model (KDA recalls) part.
 
@@ -219,20 +217,15 @@ def sweep_table(result: dict, seed: int = 0) -> str:
 
 # label -> how recall_run builds it: the mixer and KDA's options. GDN and decayed linear attention start head h at
 # −g = logspace(0.01, 0.5, H)[h]; "KDA (per head)" starts every channel of head h there too; the other two KDA layouts
-# spread 0.01 → 0.5 over channels. "KDA (per head, softplus gate)" is Kimi Linear's unbounded gate (GDN's form).
+# spread 0.01 → 0.5 over channels.
 CONTROLLED_VARIANTS = {"KDA (per head)": {"mixer": "KDA", "decay_init": "per_head"},
                        "KDA (within heads)": {"mixer": "KDA", "decay_init": "within_heads"},
                        "KDA (across heads, K3)": {"mixer": "KDA", "decay_init": "across_heads"},
-                       "GDN": {"mixer": "GDN"}, "decayed linear": {"mixer": "decayed linear"},
-                       "KDA (per head, softplus gate)": {"mixer": "KDA", "decay_init": "per_head", "lower_bound": None}}
-CONTROLLED_MIXERS = ("KDA (per head)", "KDA (within heads)", "KDA (across heads, K3)", "GDN", "decayed linear")
+                       "GDN": {"mixer": "GDN"}, "decayed linear": {"mixer": "decayed linear"}}
 # The sweep's chosen cell (20 pairs in heads of 16 channels, 1500 steps) and its 8-channel neighbour.
 MQAR_CONTROLLED = dict(steps=1500, n_pairs=20, head_dim=16, n_heads=2, batch_size=16, warmup_steps=30,
                        gate_lr_scale=1.0, lr_grid=LR_GRID, seeds=(0, 1, 2))
 MQAR_CONTROLLED_8 = {**MQAR_CONTROLLED, "head_dim": 8}
-# KDA per head with GDN's softplus gate, beside mqar-controlled's KDA (per head) and GDN (copied from it).
-MQAR_GATE_FORM = {**MQAR_CONTROLLED, "variants": ("KDA (per head)", "GDN", "KDA (per head, softplus gate)"),
-                  "reuse": "mqar-controlled"}
 
 
 def recall_settings(steps: int, batch_size: int, warmup_steps: int, gate_lr_scale: float) -> TrainConfig:
@@ -260,28 +253,11 @@ def controlled_run(variant: str, settings: TrainConfig, n_pairs: int, head_dim: 
                       n_heads * head_dim, n_heads, stop_after, n_pairs, settings.gate_lr_scale, **options)
 
 
-def reused_variants(experiment: str, settings: dict, labels) -> tuple[dict, list[dict]]:
-    """The variants ``labels`` that the saved :func:`mqar_controlled` ``experiment`` trained with the same
-    ``settings`` (ValueError if they differ): ({label: its record}, their runs, each with a "reused_from" note)."""
-    saved = load(experiment)
-    plain = lambda value: json.loads(json.dumps(value))
-    theirs = {k: v for k, v in saved["settings"].items() if k not in ("variants", "reuse")}
-    if theirs != plain(settings):
-        raise ValueError(f"reuse: {experiment} was trained with other settings ({theirs}) than these ({settings})")
-    records = {label: saved["result"]["variants"][label] for label in labels if label in saved["result"]["variants"]}
-    runs = [{**run, "reused_from": f"{experiment}: {run['variant']}"} for run in saved["result"]["runs"]
-            if run["variant"] in records]
-    return records, runs
-
-
 def mqar_controlled(steps: int, n_pairs: int, head_dim: int, n_heads: int, batch_size: int, warmup_steps: int,
-                    gate_lr_scale: float, lr_grid: tuple[float, ...], seeds: tuple[int, ...],
-                    variants: tuple[str, ...] = CONTROLLED_MIXERS, reuse: str | None = None) -> dict:
-    """The ``variants`` (labels of :data:`CONTROLLED_VARIANTS`) on MQAR with ``n_pairs`` pairs in ``n_heads`` heads
-    of ``head_dim`` channels, each at its own learning rate: :func:`tuned_lr` over ``lr_grid`` on the tuning run
+                    gate_lr_scale: float, lr_grid: tuple[float, ...], seeds: tuple[int, ...]) -> dict:
+    """Every :data:`CONTROLLED_VARIANTS` mixer on MQAR with ``n_pairs`` pairs in ``n_heads`` heads of ``head_dim``
+    channels, each at its own learning rate: :func:`tuned_lr` over ``lr_grid`` on the tuning run
     (:func:`k3course.lessons.tuning.tuning_settings` of these settings), then every seed at the full ``steps``.
-    ``reuse``: a saved experiment of this function with the same settings; the variants it trained are copied
-    (:func:`reused_variants`), not trained again.
 
     Returns {"task", "rule", "variants": {label: {"mixer", KDA's options, "gate_lr_scale", "starting_decays"
     ([min, max] of −g at z = 0 per head, first layer), "lr_grid", "trials", "lr"}}, "runs": [{"variant", "seed",
@@ -290,16 +266,9 @@ def mqar_controlled(steps: int, n_pairs: int, head_dim: int, n_heads: int, batch
     settings = recall_settings(steps, batch_size, warmup_steps, gate_lr_scale)
     tuning = tuning_settings(settings)
     shape = dict(n_pairs=n_pairs, head_dim=head_dim, n_heads=n_heads)
-    common = dict(steps=steps, n_pairs=n_pairs, head_dim=head_dim, n_heads=n_heads, batch_size=batch_size,
-                  warmup_steps=warmup_steps, gate_lr_scale=gate_lr_scale, lr_grid=lr_grid, seeds=seeds)
-    copied, copied_runs = reused_variants(reuse, common, variants) if reuse else ({}, [])
     records, runs = {}, []
     with torch_threads(1):
-        for label in variants:
-            if label in copied:
-                records[label] = copied[label]
-                runs += [run for run in copied_runs if run["variant"] == label]
-                continue
+        for label in CONTROLLED_VARIANTS:
             chosen = tuned_lr(lambda lr, label=label: controlled_run(label, tuning.replace(lr=lr), **shape)["losses"],
                               lr_grid)
             print(f"mqar-controlled: {label}: lr {chosen['lr']:g}", file=sys.stderr, flush=True)
@@ -524,7 +493,6 @@ EXPERIMENTS = {
     "mqar-controlled": (mqar_controlled, MQAR_CONTROLLED),
     "mqar-controlled-8": (mqar_controlled, MQAR_CONTROLLED_8),
     "mqar-depth": (mqar_depth, MQAR_DEPTH),
-    "mqar-gate-form": (mqar_controlled, MQAR_GATE_FORM),
     "dense-baseline": (claim_variants, {"claim": "dense-baseline", **_TEXT, "sample_prompt": "def "}),
     "dense-baseline-default": (claim_variants, {"claim": "dense-baseline", "seeds": SEEDS, "task": "text",
                                                 "train": dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN),

@@ -41,6 +41,15 @@ def mqar_lr(name: str, variant: str) -> float:
 
 
 @quoted
+def mqar_tuning_loss(name: str, variant: str, lr: float) -> float:
+    """The tail loss (:func:`k3course.lessons.tuning.tail_loss`) of ``variant``'s tuning run at rate ``lr``."""
+    trials = {trial["lr"]: trial["tail_loss"] for trial in _variant(name, variant)["trials"]}
+    if lr not in trials:
+        raise KeyError(f"lr: {name}'s {variant!r} was tuned at {sorted(trials)}, not at {lr!r}")
+    return trials[lr]
+
+
+@quoted
 def mqar_accuracy(name: str, variant: str) -> Pair:
     """Held-out recall accuracy of ``variant``: mean ± sample std over its seeds."""
     row = seed_statistics.spread(_saved(name)["result"], "accuracy")[variant]

@@ -407,6 +407,8 @@ def test_cpu_seconds_sums_the_runs_trained_here_over_a_sweeps_cells_too():
     assert seed_statistics.cpu_seconds(claim) == 15.0
     sweep = {"cells": [{"runs": [{"seconds": 1.0}]}, {"runs": [{"seconds": 2.0}, {"seconds": 4.0}]}]}
     assert seed_statistics.cpu_seconds(sweep) == 7.0
+    tuned = {**claim, "tuning": {"trials": {"a": [{"seconds": 3.0}, {"seconds": 8.0, "reused_from": "other: a"}]}}}
+    assert seed_statistics.cpu_seconds(tuned) == 18.0  # the tuning runs trained here count too
 
 
 def test_plot_paired_draws_one_dot_per_seed_the_spread_band_and_the_verdict_under_the_axes():

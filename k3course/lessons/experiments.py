@@ -13,11 +13,13 @@ mqar-mixers      KDA vs Gated DeltaNet vs decayed linear attention on harder MQA
 dense-baseline   the tiny K3 vs a dense Transformer of equal active parameters, and a sample of each.
 dense-baseline-default  the same at the default run's budget (800 steps of 16 × 128 bytes), and the dense model
                  again for the tiny K3's wall time (equal time).
-hybrid-ratio     KDA:MLA 0:1 (all-MLA), 1:1, 3:1, 7:1 and all-KDA in an 8-layer K3, validation bits/byte.
+hybrid-ratio     KDA:MLA 0:1 (all-MLA, RoPE), 1:1, 3:1, 7:1, all-KDA and the NoPE all-MLA ablation in an 8-layer K3,
+                 validation bits/byte.
 hybrid-mqar      the same five schedules trained on the harder MQAR, held-out recall accuracy.
 residuals        PreNorm vs Block vs Full AttnRes in the same 8-layer, 64-wide K3.
 balancing        quantile balancing vs the sign rule vs the aux loss: max-violation per step and final loss.
-latent-moe       full-width vs latent MoE at equal active FLOPs, with all-to-all bytes per token.
+latent-moe       full-width vs latent MoE at equal active FLOPs (as published: n·d/ℓ experts, k·d/ℓ active; and the
+                 same n, k with wider experts), with all-to-all bytes per token.
 expert-count     8, 32 and 112 routed experts at top-2 and fixed expert width (activation ratio 25% → 1.8%).
 hybrid-ratio-default, residuals-default, latent-moe-default  those claims at the default run's budget (800 steps of
                  16 × 128 bytes), where the tiny K3 is past its first steps (1.99 bits/byte).
@@ -29,12 +31,13 @@ learn; the "-default" ones decide the four text claims, each verdict by
 :func:`~k3course.lessons.seed_statistics.paired`. ``--budget gpu`` runs the
 four text claims (:data:`GPU_CLAIMS`) on a CUDA GPU at :data:`GPU_TEXT_TRAIN`, saved as ``NAME-gpu.json``.
 
-The claim experiments (all but the first two) train each variant of :mod:`k3course.lessons.claims` for every seed with
-one runner, :func:`k3course.lessons.claims.run_variant`, on one thread per run; ``--jobs N`` trains N runs at a time in
-separate processes (the same numbers: each run is seeded and single-threaded, whichever process runs it). A
-variant that another experiment already trained with the same config, settings and seeds is copied from its saved
-result (checked), not trained again: residuals' Block AttnRes is hybrid-ratio's 3:1, expert-count's 8 experts is
-balancing's quantile.
+The claim experiments (all but the first three) train each variant of :mod:`k3course.lessons.claims` for every seed with
+one runner, :func:`k3course.lessons.claims.run_variant`, on one thread per run, each variant at its own learning rate
+from one shared grid, chosen by :mod:`k3course.lessons.tuning`'s rule before its seeds run (tuned alike); ``--jobs N``
+trains N runs at a time in separate processes (the same numbers: each run is seeded and single-threaded, whichever
+process runs it). A run (or tuning run) that a saved result already holds with the same config, settings, seed, task
+and device is copied from it, not trained again (:func:`saved_runs`): residuals' Block AttnRes is hybrid-ratio's 3:1,
+expert-count's 8 experts is balancing's quantile.
 """
 
 from __future__ import annotations

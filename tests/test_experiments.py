@@ -12,7 +12,7 @@ import torch
 from k3course import accounting, baselines, checkpoint, data, train
 from k3course.cli import main
 from k3course.config import K3Config
-from k3course.lessons import claims, experiments, seed_statistics
+from k3course.lessons import claims, experiments, seed_statistics, tuning
 
 CLAIM_EXPERIMENTS = [name for name, (function, _) in experiments.EXPERIMENTS.items()
                      if function is experiments.claim_variants]
@@ -72,11 +72,10 @@ def test_the_gpu_budget_is_the_four_text_claims_on_cuda_at_their_own_training_se
     for name in experiments.GPU_CLAIMS:
         settings = experiments.budget_settings(name, "gpu")
         assert settings["device"] == "cuda" and settings["train"] == dataclasses.asdict(experiments.GPU_TEXT_TRAIN)
-        assert {k: v for k, v in settings.items() if k not in ("train", "device", "reuse")} == \
-            {k: v for k, v in experiments.EXPERIMENTS[name][1].items() if k not in ("train", "reuse")}
+        assert {k: v for k, v in settings.items() if k not in ("train", "device")} == \
+            {k: v for k, v in experiments.EXPERIMENTS[name][1].items() if k != "train"}
+        assert settings["lr_grid"] == tuning.LR_GRID  # tuned alike on the GPU too
         assert experiments.result_name(name, "gpu") == f"{name}-gpu"
-    assert experiments.budget_settings("residuals-default", "gpu")["reuse"] == \
-        {"Block AttnRes": ("hybrid-ratio-default-gpu", "3:1")}
     assert experiments.budget_settings("balancing") is experiments.EXPERIMENTS["balancing"][1]
     with pytest.raises(ValueError, match="budget: balancing has no GPU budget"):
         experiments.budget_settings("balancing", "gpu")
@@ -84,15 +83,24 @@ def test_the_gpu_budget_is_the_four_text_claims_on_cuda_at_their_own_training_se
         experiments.budget_settings("hybrid-ratio-default", "tpu")
 
 
-def test_the_gpu_budget_is_about_one_gpu_hour_by_the_step_times_measured_on_an_h200():
+def test_the_gpu_budget_is_about_one_and_a_half_gpu_hours_by_the_step_times_measured_on_an_h200():
     measured = json.loads((experiments.RESULTS / "gpu_budget.json").read_text())
     assert (measured["batch_size"], measured["seq_len"]) == (experiments.GPU_TEXT_TRAIN.batch_size,
                                                              experiments.GPU_TEXT_TRAIN.seq_len)
     assert set(measured["step_ms"]) == set(experiments.GPU_CLAIMS)
-    assert 0.8 <= experiments.gpu_budget_hours(measured["step_ms"], experiments.GPU_TEXT_TRAIN) <= 1.2
-    # the sum by hand for one claim: latent-moe's two variants × 3 seeds, the unmeasured one at the claim's mean
+    assert 1.2 <= experiments.gpu_budget_hours(measured["step_ms"], experiments.GPU_TEXT_TRAIN) <= 1.8
+    # by hand: latent-moe's three variants × (3 seeds + 3 tuning runs of a quarter of the steps), the unmeasured ones
+    # at the claim's mean; every other claim free
     step_ms = {**{name: {"free": 0.0} for name in experiments.GPU_CLAIMS}, "latent-moe-default": {"full width": 100.0}}
-    assert experiments.gpu_budget_hours(step_ms, experiments.GPU_TEXT_TRAIN.replace(steps=3600)) == pytest.approx(0.6)
+    hours = experiments.gpu_budget_hours(step_ms, experiments.GPU_TEXT_TRAIN.replace(steps=3600))
+    assert hours == pytest.approx(3 * 0.1 * (3 + 3 / 4))
+    # a config two claims train (residuals' Block AttnRes is hybrid-ratio's 3:1) is counted once
+    zero = lambda claim, measured: {**dict.fromkeys(claims.CLAIMS[claim](), 0.0), **measured}
+    shared = {**{name: {"free": 0.0} for name in experiments.GPU_CLAIMS},
+              "residuals-default": zero("residuals", {"Block AttnRes": 1e3}),
+              "hybrid-ratio-default": zero("hybrid-ratio", {"3:1": 1e3})}
+    assert experiments.gpu_budget_hours(shared, experiments.GPU_TEXT_TRAIN.replace(steps=3600)) == \
+        pytest.approx(3 + 3 / 4)
 
 
 def test_the_gpu_budget_needs_a_gpu_or_a_device_named_and_checks_the_device(monkeypatch, capsys):
@@ -108,10 +116,12 @@ def test_the_gpu_budget_needs_a_gpu_or_a_device_named_and_checks_the_device(monk
 
 
 def test_the_gpu_budget_smoke_tested_on_the_cpu_for_two_steps(tmp_path, monkeypatch):
-    """Every GPU-budget claim, in the order a GPU would run them (residuals reads hybrid-ratio's GPU result), for 2
-    steps of GPU_TEXT_TRAIN's batches on the CPU: each run trains, evaluates and is saved as NAME-gpu.json."""
+    """Every GPU-budget claim, in the order a GPU would run them (residuals copies hybrid-ratio's 3:1 runs), for 4
+    steps of GPU_TEXT_TRAIN's batches on the CPU (tuning runs of 1): each run trains, evaluates and is saved as
+    NAME-gpu.json."""
     monkeypatch.setattr(experiments, "RESULTS", tmp_path)
-    monkeypatch.setattr(experiments, "GPU_TEXT_TRAIN", experiments.GPU_TEXT_TRAIN.replace(steps=2, eval_bytes=2048))
+    monkeypatch.setattr(experiments, "GPU_TEXT_TRAIN", experiments.GPU_TEXT_TRAIN.replace(steps=4, warmup_steps=2,
+                                                                                         eval_bytes=2048))
     for name in ("hybrid-ratio-default", "residuals-default", "latent-moe-default", "dense-baseline-default"):
         settings = {**experiments.EXPERIMENTS[name][1], "seeds": (0,)}
         monkeypatch.setitem(experiments.EXPERIMENTS, name, (experiments.claim_variants, settings))
@@ -121,9 +131,9 @@ def test_the_gpu_budget_smoke_tested_on_the_cpu_for_two_steps(tmp_path, monkeypa
         assert saved["command"] == f"k3course experiments {name} --budget gpu" and saved["settings"]["device"] == "cpu"
         runs = saved["result"]["runs"]
         assert {run["variant"] for run in runs} >= set(claims.CLAIMS[settings["claim"]]())
-        assert all(math.isfinite(run["val_bpb"]) and len(run["losses"]) == run.get("steps", 2) for run in runs)
+        assert all(math.isfinite(run["val_bpb"]) and len(run["losses"]) == run.get("steps", 4) for run in runs)
     reused = [run for run in experiments.load("residuals-default-gpu")["result"]["runs"] if "reused_from" in run]
-    assert [run["reused_from"] for run in reused] == ["hybrid-ratio-default-gpu: 3:1"]
+    assert [run["reused_from"] for run in reused] == ["hybrid-ratio-default-gpu: 3:1"]  # the same run, copied
 
 
 # --- the MQAR sweep ----------------------------------------------------------------------------------------
@@ -221,34 +231,54 @@ def test_a_saved_claim_run_replays_and_its_variants_are_the_current_configs(name
     assert [(r["variant"], r["seed"]) for r in result["runs"]] == \
         [(label, seed) for label in variants for seed in settings["seeds"]]
     last = result["runs"][-1]
+    trained = experiments.train_config(result["training"][last["variant"]]["train"])
     with experiments.torch_threads(result["torch_threads"]):
-        replay = claims.run_variant(variants[last["variant"]], experiments.train_config(settings["train"]),
-                                    last["seed"], settings["task"], stop_after=REPLAY_STEPS)
+        replay = claims.run_variant(variants[last["variant"]], trained, last["seed"], settings["task"],
+                                    stop_after=REPLAY_STEPS)
     _replayed(replay["losses"], last["losses"][:REPLAY_STEPS], saved["machine"])
     assert replay["max_violation"] == pytest.approx(last["max_violation"][:REPLAY_STEPS], abs=1e-6)
 
 
-@pytest.mark.parametrize("name", [n for n in CLAIM_EXPERIMENTS if experiments.EXPERIMENTS[n][1].get("reuse")])
-def test_reused_runs_are_the_other_experiments_runs_of_the_same_config(name):
-    settings = experiments.EXPERIMENTS[name][1]
-    saved = experiments.load(name)["result"]
-    for label, (experiment, their_label) in settings["reuse"].items():
-        source = experiments.load(experiment)
-        assert source["settings"]["train"] == saved_train(name)
-        assert source["settings"]["seeds"] == list(settings["seeds"])
-        assert claims.CLAIMS[settings["claim"]]()[label] == claims.CLAIMS[source["settings"]["claim"]]()[their_label]
-        theirs = [r for r in source["result"]["runs"] if r["variant"] == their_label]
-        ours = [r for r in saved["runs"] if r["variant"] == label]
-        assert [r["losses"] for r in ours] == [r["losses"] for r in theirs] and len(ours) == len(settings["seeds"])
-        assert all(r["reused_from"] == f"{experiment}: {their_label}" for r in ours)
-    other = claims.SMALL.replace(n_routed_experts=32)
-    with pytest.raises(ValueError, match="reuse: .* differ .* in config"):
-        experiments.reused_runs(other, "x", experiment, their_label, seeds=settings["seeds"], task="text",
-                                train=settings["train"])
+def test_a_saved_run_is_found_by_everything_it_is_a_function_of_and_nothing_else():
+    """saved_runs: residuals-default's Block AttnRes at its chosen rate is hybrid-ratio-default's 3:1 run (the same
+    config); another rate, seed, task, device or config is not found; a found run is copied with its source named."""
+    saved = experiments.saved_runs()
+    training = experiments.load("hybrid-ratio-default")["result"]["training"]["3:1"]
+    settings = experiments.train_config(training["train"])
+    block = claims.residual_variants()["Block AttnRes"]
+    key = experiments.run_key(block, settings, 1, "text", "cpu", None)
+    run, source = saved[key]
+    assert source in ("hybrid-ratio-default: 3:1", "residuals-default: Block AttnRes") and run["seed"] == 1
+    other_lr = next(lr for lr in tuning.LR_GRID if lr != settings.lr)
+    for changed in (experiments.run_key(block, settings.replace(lr=other_lr), 1, "text", "cpu", None),
+                    experiments.run_key(block, settings, 7, "text", "cpu", None),
+                    experiments.run_key(block, settings, 1, "mqar", "cpu", None),
+                    experiments.run_key(block, settings, 1, "text", "cuda", None),
+                    experiments.run_key(block, settings, 1, "text", "cpu", 5),
+                    experiments.run_key(block.replace(n_routed_experts=5), settings, 1, "text", "cpu", None)):
+        assert changed not in saved
+    residuals = experiments.load("residuals-default")["result"]["runs"]
+    copied = [r for r in residuals if r["variant"] == "Block AttnRes"]
+    assert all(r.get("reused_from") == "hybrid-ratio-default: 3:1" for r in copied) and len(copied) == 3
 
 
-def saved_train(name: str) -> dict:
-    return experiments.load(name)["settings"]["train"]
+def test_a_copied_run_is_not_trained_again(monkeypatch, tmp_path):
+    """claim_variants trains only the runs no saved result holds: a second identical call trains nothing."""
+    monkeypatch.setattr(experiments, "RESULTS", tmp_path)
+    budget = dataclasses.asdict(train.TrainConfig(steps=4, batch_size=2, seq_len=16, warmup_steps=2, eval_every=0,
+                                                  eval_bytes=256, checkpoint_every=0))
+    monkeypatch.setitem(experiments.EXPERIMENTS, "balancing", (experiments.claim_variants, {
+        "claim": "balancing", "seeds": (0,), "task": "text", "train": budget, "lr_grid": tuning.LR_GRID}))
+    first = json.loads(experiments.run_experiment("balancing").read_text())["result"]
+    assert not any("reused_from" in run for run in first["runs"])
+    trained = []
+    monkeypatch.setattr(experiments, "_train_variant", lambda *job: trained.append(job))
+    second = experiments.claim_variants("balancing", (0,), "text", budget, lr_grid=tuning.LR_GRID)
+    assert trained == []
+    assert [r["losses"] for r in second["runs"]] == [r["losses"] for r in first["runs"]]
+    labels = claims.balancing_variants()
+    assert {r["reused_from"] for r in second["runs"]} == {f"balancing: {label}" for label in labels}
+    assert second["tuning"]["chosen"] == first["tuning"]["chosen"]
 
 
 def test_the_saved_mqar_run_replays():
@@ -377,6 +407,8 @@ def test_cpu_seconds_sums_the_runs_trained_here_over_a_sweeps_cells_too():
     assert seed_statistics.cpu_seconds(claim) == 15.0
     sweep = {"cells": [{"runs": [{"seconds": 1.0}]}, {"runs": [{"seconds": 2.0}, {"seconds": 4.0}]}]}
     assert seed_statistics.cpu_seconds(sweep) == 7.0
+    tuned = {**claim, "tuning": {"trials": {"a": [{"seconds": 3.0}, {"seconds": 8.0, "reused_from": "other: a"}]}}}
+    assert seed_statistics.cpu_seconds(tuned) == 18.0  # the tuning runs trained here count too
 
 
 def test_plot_paired_draws_one_dot_per_seed_the_spread_band_and_the_verdict_under_the_axes():
@@ -409,12 +441,17 @@ def test_the_dense_baseline_matches_tiny_k3s_active_parameters():
     assert counted.active == sum(p.numel() for p in train.build_model(dense, 0).parameters())
 
 
-def test_hybrid_variants_have_the_stated_kda_and_mla_layer_counts():
+def test_hybrid_variants_have_the_stated_kda_and_mla_layer_counts_and_all_mla_has_positions():
     variants = claims.hybrid_variants()
     counts = {label: (cfg.n_kda_layers, cfg.n_mla_layers) for label, cfg in variants.items()}
-    assert counts == {"0:1 (all-MLA)": (0, 8), "1:1": (4, 4), "3:1": (6, 2), "7:1": (7, 1), "all-KDA": (8, 0)}
+    assert counts == {"0:1 (all-MLA)": (0, 8), "1:1": (4, 4), "3:1": (6, 2), "7:1": (7, 1), "all-KDA": (8, 0),
+                      "0:1 (all-MLA, NoPE)": (0, 8)}
     assert variants["3:1"].layer_types() == ("kda", "kda", "kda", "mla") * 2
-    _same_except(variants, {"kda_per_mla", "mla_layers"})
+    # all-MLA has no KDA layer to carry position: RoPE; the hybrids keep K3's NoPE MLA; NoPE all-MLA is the ablation
+    assert {label: cfg.mla_rope for label, cfg in variants.items()} == {
+        "0:1 (all-MLA)": True, "1:1": False, "3:1": False, "7:1": False, "all-KDA": False, "0:1 (all-MLA, NoPE)": False}
+    assert variants["0:1 (all-MLA)"].replace(mla_rope=False) == variants["0:1 (all-MLA, NoPE)"]
+    _same_except(variants, {"kda_per_mla", "mla_layers", "mla_rope"})
     model = train.build_model(variants["1:1"], 0)
     assert [layer.mixer_kind for layer in model.layers] == ["kda", "mla"] * 4
 
@@ -438,16 +475,43 @@ def test_balancing_variants_differ_only_in_the_balancing_rule():
     assert rules == ["quantile", "sign", "aux_loss"]
 
 
-def test_latent_variants_have_equal_active_flops_and_half_the_all_to_all_bytes():
+def test_latent_variants_as_published_scale_n_and_k_by_d_over_l_at_equal_flops_and_bytes():
     variants = claims.latent_variants()
-    full, latent = variants["full width"], variants["latent"]
-    assert full.latent_dim is None and latent.latent_dim == full.d_model // 2
-    assert abs(claims.moe_flops(latent) / claims.moe_flops(full) - 1) < 0.01
+    full, published, wider = variants.values()
+    assert list(variants) == ["full width", "latent (16 experts, top-4)", "latent, wider experts"]
+    scale = full.d_model // published.latent_dim
+    assert published.latent_dim == wider.latent_dim == full.d_model // 2 and full.latent_dim is None
+    assert (published.n_routed_experts, published.top_k) == (full.n_routed_experts * scale, full.top_k * scale)
+    assert (wider.n_routed_experts, wider.top_k) == (full.n_routed_experts, full.top_k)
+    for latent in (published, wider):
+        assert abs(claims.moe_flops(latent) / claims.moe_flops(full) - 1) < 0.05
     d, f = full.d_model, full.expert_dim  # router + routed top-k + shared, 2 FLOPs per multiply-add
     assert claims.moe_flops(full) == 2 * (d * full.n_routed_experts + (full.top_k + full.n_shared_experts) * 3 * d * f)
     assert claims.all_to_all_bytes(full) == 2 * full.top_k * full.d_model * 2  # dispatch + combine, bf16
-    assert claims.all_to_all_bytes(latent) == claims.all_to_all_bytes(full) // 2
-    _same_except(variants, {"latent_dim", "expert_dim"})
+    assert claims.all_to_all_bytes(published) == claims.all_to_all_bytes(full)  # k·d/ℓ vectors of ℓ: the same bytes
+    assert claims.all_to_all_bytes(wider) == claims.all_to_all_bytes(full) // 2
+    assert wider.expert_dim > full.expert_dim > published.expert_dim  # where each spends the d/ℓ saving
+    _same_except(variants, {"latent_dim", "expert_dim", "n_routed_experts", "top_k"})
+
+
+def test_every_tuned_result_records_per_variant_the_grid_the_rule_the_rate_the_gate_scale_and_starting_decays():
+    for name in CLAIM_EXPERIMENTS:
+        result, settings = experiments.load(name)["result"], experiments.EXPERIMENTS[name][1]
+        tuned = result["tuning"]
+        assert tuned["grid"] == list(settings["lr_grid"]) and tuned["rule"] == tuning.RULE
+        short = experiments.train_config(tuned["settings"])
+        assert short == tuning.tuning_settings(experiments.train_config(settings["train"])).replace(lr=short.lr)
+        variants = claims.CLAIMS[settings["claim"]]()
+        for label, cfg in variants.items():
+            record = result["training"][label]
+            trials = {trial["lr"]: trial["losses"] for trial in tuned["trials"][label]}
+            assert sorted(trials) == list(settings["lr_grid"]) and all(len(x) == short.steps for x in trials.values())
+            assert record["lr"] == tuned["chosen"][label] == tuning.choose_lr(trials), (name, label)
+            assert record["lr_grid"] == list(settings["lr_grid"]) and record["gate_lr_scale"] == 1.0
+            assert experiments.train_config(record["train"]) == \
+                experiments.train_config(settings["train"]).replace(lr=record["lr"])
+            assert record["starting_decays"] == experiments.starting_decays(cfg)
+            assert all(run_lr == record["lr"] for run_lr in [record["train"]["lr"]])
 
 
 def test_expert_count_variants_fix_the_active_parameters_and_lower_the_activation_ratio():

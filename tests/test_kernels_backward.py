@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 
 import k3course.ops.chunk as torch_chunk  # noqa: E402
 from k3course.kernels import TRITON_MODE  # noqa: E402
-from k3course.kernels.kda_chunk import kda_chunk_triton  # noqa: E402
+from k3course.kernels.kda_chunk import chunk_local_cumsum, intra_chunk_scores, kda_chunk_triton, wy_factors  # noqa: E402
+from k3course.kernels.kda_chunk_backward import reverse_state_pass  # noqa: E402
 from k3course.layers.kda import KimiDeltaAttention  # noqa: E402
 from k3course.ops.chunk import kda_chunk  # noqa: E402
 
@@ -108,6 +109,34 @@ def test_triton_backward_with_wide_heads_and_several_value_blocks():
     """K = 40: two key blocks of 32, masked channels in the second; V = 80: several value blocks in both kernels."""
     assert_triton_backward_equals_torch(backward_inputs(24, 40, 80, seed=6), 16)
 
+
+
+def test_reverse_state_pass_gives_the_gradient_of_every_state_between_chunks():
+    """The reverse pass alone (chapter 08's exercise): dS' of chunk c is the gradient of the state that chapter 07's
+    torch op hands from chunk c to chunk c + 1 when the sequence runs piece by piece (each piece's final state the
+    next one's initial state), dS' of the last chunk is dS_T, and dS_0 is the initial state's gradient. T = 45:
+    three chunks of 16, the last partial; K = 16 ≠ V = 24."""
+    T, C = 45, 16
+    q, k, v, g, beta, h0, grad_o, grad_final = backward_inputs(T, 16, 24, seed=8)
+    states, outputs = [h0.clone().requires_grad_()], []
+    for start in range(0, T, C):
+        piece = slice(start, start + C)
+        o, final = kda_chunk(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece],
+                             initial_state=states[-1], output_final_state=True, chunk_size=C)
+        outputs.append(o)
+        states.append(final)
+    loss = (torch.cat(outputs, 1) * grad_o).sum() + (states[-1] * grad_final).sum()
+    want = torch.autograd.grad(loss, states[:-1])  # the initial state, then the state entering chunks 1 and 2
+    gc = chunk_local_cumsum(g, C)
+    scale = 16 ** -0.5
+    akk, aqk = intra_chunk_scores(q, k, gc, beta, scale, C)
+    w, _ = wy_factors(k, v, gc, beta, akk, C)
+    grad_leaving, _, grad_initial = reverse_state_pass(q, k, gc, w, aqk, grad_o, grad_final, scale)
+    assert relative_error(grad_initial, want[0]) <= 1e-5
+    for chunk, reference in enumerate([*want[1:], grad_final]):
+        assert relative_error(grad_leaving[:, chunk], reference) <= 1e-5, f"dS' of chunk {chunk}"
+    with pytest.raises(ValueError, match="grad_final_state must be"):
+        reverse_state_pass(q, k, gc, w, aqk, grad_o, grad_final[..., :5], scale)
 
 def test_triton_backward_replays_nothing_of_the_torch_op(monkeypatch):
     """The backward runs the Triton kernels only: the torch chunked op (and its written-out backward,

@@ -175,7 +175,7 @@ def test_the_gate_learning_rate_scale_moves_only_the_gate_parameters_steps():
     assert sum(same["starting_decays"], []) == pytest.approx([0.01, 0.0621, 0.0806, 0.5], rel=2e-3)
 
 
-def test_tuning_table_shows_the_decays_each_rates_tail_loss_the_choice_starred_and_the_accuracy():
+def test_tuned_variants_table_shows_the_decays_each_rates_tail_loss_the_choice_starred_and_the_accuracy():
     trials = [{"lr": lr, "tail_loss": tail, "losses": []} for lr, tail in zip((1e-3, 1e-2), (2.5, 1.25))]
     result = {"variants": {"GDN": {"lr_grid": [1e-3, 1e-2], "trials": trials, "lr": 1e-2,
                                    "starting_decays": [[0.01, 0.01], [0.5, 0.5]]},
@@ -183,7 +183,7 @@ def test_tuning_table_shows_the_decays_each_rates_tail_loss_the_choice_starred_a
                                    "starting_decays": [[0.01, 0.062], [0.081, 0.5]]}},
               "runs": [{"variant": "GDN", "accuracy": 0.5}, {"variant": "GDN", "accuracy": 0.75},
                        {"variant": "KDA", "accuracy": 0.25}]}
-    header, gdn, kda = experiments.tuning_table(result).splitlines()
+    header, gdn, kda = experiments.tuned_variants_table(result).splitlines()
     assert "lr 0.001" in header and "lr 0.01" in header
     assert gdn.split()[1:] == ["0.01", "0.5", "2.500", "1.250*", "0.625", "[0.500,", "0.750]"]
     assert kda.split()[1:5] == ["0.01–0.062", "0.081–0.5", "2.500*", "1.250"]

@@ -19,7 +19,8 @@ M = X Diag(β), R = V − (Γ ⊙ K) S, so that Ṽ = M R, O = s (Γ ⊙ Q) S + 
                               dG_C += Σ_v S' ⊙ dS', and dg_t = Σ_{r ≥ t} dG_r + dG_C within the chunk.
 
 The forward keeps only its inputs; the backward recomputes G, A_kk, A_qk, W, the chunk states and Ṽ with the
-forward kernels (cheap next to storing a K × V state per chunk) and hands them to :func:`kda_chunk_backward`.
+forward kernels (cheap next to storing a K × V state per chunk) and hands them to :func:`kda_chunk_backward`
+(the reverse pass alone: :func:`reverse_state_pass`, one of the exercises of chapter 08).
 Everything accumulates in fp32; the gradients are returned in fp32.
 """
 
@@ -195,9 +196,46 @@ def _score_gradients(q, k, gc, beta, grad_aqk, grad_akk, k_ptr, gc_ptr, cols_k, 
     return grad_q_rows, grad_k_rows, grad_k_columns
 
 
+def reverse_state_pass(q, k, gc, w, aqk, grad_o, grad_final_state, scale: float, initial_state_gradient: bool = True):
+    """The backward's one sequential part (``_reverse_state_kernel``), chunks from the last to the first: with dS'
+    the gradient of the state leaving chunk c (the final state's gradient for the last chunk, 0 when it is None),
+
+        dṼ_c = A_qkᵀ dO_c + K̃_c dS',   dS = s (Γ ⊙ Q_c)ᵀ dO_c + Diag(Γ_C) dS' − W_cᵀ dṼ_c,   K̃ = K ⊙ e^{G_C − G},
+
+    and dS is dS' of chunk c − 1. It needs no state and no Ṽ: only what the forward kernels recompute (G, W, A_qk)
+    and the upstream gradients.
+
+    q, k, gc (in-chunk cumulative log-decay, fp32), w: [B, T, H, K]; aqk (scaled): [B, T, H, C], C the chunk size;
+    grad_o: [B, T, H, V]; grad_final_state: [B, H, K, V] or None. Returns fp32 (dS' of every chunk
+    [B, NT, H, K, V], dṼ [B, T, H, V], the initial state's gradient [B, H, K, V], or None unless
+    ``initial_state_gradient``).
+    """
+    B, T, H, K = q.shape
+    V, chunk_size = grad_o.shape[-1], aqk.shape[-1]
+    if tuple(grad_o.shape[:3]) != (B, T, H) or tuple(aqk.shape[:3]) != (B, T, H):
+        raise ValueError(f"grad_o and aqk must be [B, T, H, ·] = [{B}, {T}, {H}, ·] like q, got "
+                         f"{tuple(grad_o.shape)} and {tuple(aqk.shape)}")
+    if grad_final_state is not None and tuple(grad_final_state.shape) != (B, H, K, V):
+        raise ValueError(f"grad_final_state must be [B, H, K, V] = {(B, H, K, V)} or None, "
+                         f"got {tuple(grad_final_state.shape)}")
+    NT = triton.cdiv(T, chunk_size)
+    fp32 = dict(dtype=torch.float32, device=q.device)
+    grad_leaving, grad_v_new = torch.empty(B, NT, H, K, V, **fp32), torch.empty(B, T, H, V, **fp32)
+    grad_initial = torch.empty(B, H, K, V, **fp32) if initial_state_gradient else None
+    dht = grad_final_state.to(torch.float32).contiguous() if grad_final_state is not None else None
+    BV = min(32, block_width(V))  # narrow value blocks, as in the forward's state kernel
+    _reverse_state_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, gc, w, aqk, grad_o.contiguous(), dht, grad_leaving, grad_v_new, grad_initial, scale, T, H, K, V, NT,
+        BT=chunk_size, BK=block_width(K), BV=BV, USE_FINAL_STATE_GRADIENT=dht is not None,
+        STORE_INITIAL_STATE_GRADIENT=initial_state_gradient, LOW_PRECISION=low_precision(q),
+        num_stages=BACKWARD_STAGES)
+    return grad_leaving, grad_v_new, grad_initial
+
+
 def kda_chunk_backward(q, k, v, gc, beta, akk, aqk, w, states, v_new, grad_o, grad_final_state, scale: float,
                        chunk_size: int, initial_state_gradient: bool):
-    """The gradients of chunkwise KDA from the forward's intermediates, two Triton kernels.
+    """The gradients of chunkwise KDA from the forward's intermediates, two Triton kernels: the reverse state pass
+    (:func:`reverse_state_pass`), then every chunk's gradients in parallel.
 
     q, k: [B, T, H, K]; v, grad_o: [B, T, H, V]; beta: [B, T, H]; gc (in-chunk cumulative log-decay, fp32),
     w: [B, T, H, K]; akk (β-scaled), aqk (scaled): [B, T, H, C]; states (entering each chunk): [B, NT, H, K, V];
@@ -206,20 +244,12 @@ def kda_chunk_backward(q, k, v, gc, beta, akk, aqk, w, states, v_new, grad_o, gr
     """
     B, T, H, K = q.shape
     V, NT = v.shape[-1], states.shape[1]
-    BK = block_width(K)
     fp32 = dict(dtype=torch.float32, device=q.device)
     grad_o = grad_o.contiguous()
-    grad_leaving, grad_v_new = torch.empty(B, NT, H, K, V, **fp32), torch.empty(B, T, H, V, **fp32)
-    grad_initial = torch.empty(B, H, K, V, **fp32) if initial_state_gradient else None
-    dht = grad_final_state.to(torch.float32).contiguous() if grad_final_state is not None else None
-    BV = min(32, block_width(V))  # narrow value blocks, as in the forward's state kernel
-    _reverse_state_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, gc, w, aqk, grad_o, dht, grad_leaving, grad_v_new, grad_initial, scale, T, H, K, V, NT,
-        BT=chunk_size, BK=BK, BV=BV, USE_FINAL_STATE_GRADIENT=dht is not None,
-        STORE_INITIAL_STATE_GRADIENT=initial_state_gradient, LOW_PRECISION=low_precision(q),
-        num_stages=BACKWARD_STAGES)
+    grad_leaving, grad_v_new, grad_initial = reverse_state_pass(q, k, gc, w, aqk, grad_o, grad_final_state, scale,
+                                                                initial_state_gradient)
     grad_q, grad_k, grad_g = (torch.empty(B, T, H, K, **fp32) for _ in range(3))
-    key_block = min(GRADIENT_KEY_BLOCK, BK)
+    key_block = min(GRADIENT_KEY_BLOCK, block_width(K))
     key_blocks = triton.cdiv(K, key_block)
     grad_v, grad_beta = torch.empty(B, T, H, V, **fp32), torch.empty(key_blocks, B, T, H, **fp32)
     _chunk_gradient_kernel[(key_blocks, NT, B * H)](
@@ -228,4 +258,3 @@ def kda_chunk_backward(q, k, v, gc, beta, akk, aqk, w, states, v_new, grad_o, gr
         LOW_PRECISION=low_precision(q), num_stages=BACKWARD_STAGES)
     grad_beta = grad_beta.sum(0)  # the key blocks' shares
     return grad_q, grad_k, grad_v, grad_g, grad_beta, grad_initial
-

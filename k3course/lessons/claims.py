@@ -6,11 +6,12 @@ claim                         variants of                  what differs
 tiny K3 vs dense Transformer  the ``tiny`` preset          all-MLA (ungated, RoPE), SwiGLU, PreNorm, a dense FFN in
                                                            every layer, its width solved so the active parameters
                                                            match
-hybrid ratio                  :data:`DEEP` (8 layers)      KDA:MLA 0:1, 1:1, 3:1, 7:1, all-KDA (``kda_per_mla``)
+hybrid ratio                  :data:`DEEP` (8 layers)      KDA:MLA 0:1 (RoPE), 1:1, 3:1, 7:1, all-KDA; 0:1 NoPE
 residuals                     :data:`DEEP`                 PreNorm, Block AttnRes (4 blocks), Full AttnRes
 balancing                     :data:`SMALL`                quantile (K3), sign rule (DeepSeek-V3), aux loss (Switch)
-latent MoE                    :data:`SMALL`                full-width experts vs latent ℓ = d/2 (same n, k), the
-                                                           latent expert width solved for equal active MoE FLOPs
+latent MoE                    :data:`SMALL`                full-width experts vs latent ℓ = d/2 with n·d/ℓ experts,
+                                                           k·d/ℓ active (published) or the same n, k (wider
+                                                           experts); expert widths solved for equal active FLOPs
 more experts                  :data:`SMALL`                8, 32, 112 routed experts at top-2 (activation 25% → 1.8%)
 
 :func:`run_variant` trains one of them with the package's own training step (:func:`k3course.train.train_step`:
@@ -59,9 +60,12 @@ MQAR_HELD_OUT = 256  # held-out sequences for recall accuracy (seed 10⁹ + seed
 
 def hybrid_variants(cfg: K3Config = DEEP) -> dict[str, K3Config]:
     """KDA:MLA schedules of ``cfg``'s depth: all-MLA (0:1), 1:1, 3:1, 7:1 and all-KDA (the last layer stays MLA
-    in every ratio r:1, :func:`k3course.config.layer_schedule`)."""
-    ratios = {f"{r}:1" + (" (all-MLA)" if r == 0 else ""): cfg.replace(kda_per_mla=r) for r in (0, 1, 3, 7)}
-    return {**ratios, "all-KDA": cfg.replace(mla_layers=())}
+    in every ratio r:1, :func:`k3course.config.layer_schedule`). All-MLA has RoPE (``mla_rope``): K3's MLA is NoPE
+    because its KDA layers carry position, and without them a model has none; the NoPE all-MLA is kept as a named
+    ablation, "0:1 (all-MLA, NoPE)", which measures positions, not the hybrid."""
+    ratios = {f"{r}:1" + (" (all-MLA)" if r == 0 else ""): cfg.replace(kda_per_mla=r, mla_rope=r == 0 or cfg.mla_rope)
+              for r in (0, 1, 3, 7)}
+    return {**ratios, "all-KDA": cfg.replace(mla_layers=()), "0:1 (all-MLA, NoPE)": cfg.replace(kda_per_mla=0)}
 
 
 def residual_variants(cfg: K3Config = DEEP) -> dict[str, K3Config]:
@@ -90,12 +94,26 @@ def all_to_all_bytes(cfg: K3Config) -> int:
 
 
 def latent_variants(cfg: K3Config = SMALL) -> dict[str, K3Config]:
-    """Full-width experts vs latent experts at equal active MoE FLOPs: cfg's n experts, top-k and expert width
-    on the full width d (the reference FLOPs), and the same n and k on ℓ = d/2 with the expert width solved for
-    equal active FLOPs (the down- and up-projections count): half the all-to-all bytes per token."""
+    """Full-width experts vs latent experts at equal active MoE FLOPs (the down- and up-projections count; each
+    latent variant's expert width solved to match full width's FLOPs).
+
+    full width               cfg's n experts, top-k, expert width, on the full width d (the reference FLOPs)
+    latent (N experts, top-K)  the published design (LatentMoE): on ℓ = d/2 the d/ℓ saving buys n·d/ℓ experts and
+                             k·d/ℓ active, so the all-to-all bytes per token equal full width's
+    latent, wider experts    the same n and k on ℓ: the saving spent on expert width (a design nobody claims;
+                             half the all-to-all bytes)
+    """
     full = cfg.replace(latent_dim=None)
-    make = lambda width: cfg.replace(latent_dim=cfg.d_model // 2, expert_dim=width)
-    return {"full width": full, "latent": solve_width(make, moe_flops, moe_flops(full))}
+    latent = cfg.d_model // 2
+    scale = cfg.d_model // latent
+    published = lambda width: cfg.replace(latent_dim=latent, n_routed_experts=cfg.n_routed_experts * scale,
+                                          top_k=cfg.top_k * scale, expert_dim=width)
+    wider = lambda width: cfg.replace(latent_dim=latent, expert_dim=width)
+    target = moe_flops(full)
+    return {"full width": full,
+            f"latent ({cfg.n_routed_experts * scale} experts, top-{cfg.top_k * scale})":
+                solve_width(published, moe_flops, target),
+            "latent, wider experts": solve_width(wider, moe_flops, target)}
 
 
 EXPERT_COUNTS = (8, 32, 112)  # top-2: 25%, 6.25%, 1.79% (K3: 16 of 896)

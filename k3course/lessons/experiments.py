@@ -13,11 +13,13 @@ mqar-mixers      KDA vs Gated DeltaNet vs decayed linear attention on harder MQA
 dense-baseline   the tiny K3 vs a dense Transformer of equal active parameters, and a sample of each.
 dense-baseline-default  the same at the default run's budget (800 steps of 16 × 128 bytes), and the dense model
                  again for the tiny K3's wall time (equal time).
-hybrid-ratio     KDA:MLA 0:1 (all-MLA), 1:1, 3:1, 7:1 and all-KDA in an 8-layer K3, validation bits/byte.
+hybrid-ratio     KDA:MLA 0:1 (all-MLA, RoPE), 1:1, 3:1, 7:1, all-KDA and the NoPE all-MLA ablation in an 8-layer K3,
+                 validation bits/byte.
 hybrid-mqar      the same five schedules trained on the harder MQAR, held-out recall accuracy.
 residuals        PreNorm vs Block vs Full AttnRes in the same 8-layer, 64-wide K3.
 balancing        quantile balancing vs the sign rule vs the aux loss: max-violation per step and final loss.
-latent-moe       full-width vs latent MoE at equal active FLOPs, with all-to-all bytes per token.
+latent-moe       full-width vs latent MoE at equal active FLOPs (as published: n·d/ℓ experts, k·d/ℓ active; and the
+                 same n, k with wider experts), with all-to-all bytes per token.
 expert-count     8, 32 and 112 routed experts at top-2 and fixed expert width (activation ratio 25% → 1.8%).
 hybrid-ratio-default, residuals-default, latent-moe-default  those claims at the default run's budget (800 steps of
                  16 × 128 bytes), where the tiny K3 is past its first steps (1.99 bits/byte).
@@ -34,12 +36,13 @@ learn; the "-default" ones decide the four text claims, each verdict by
 :func:`~k3course.lessons.seed_statistics.paired`. ``--budget gpu`` runs the
 four text claims (:data:`GPU_CLAIMS`) on a CUDA GPU at :data:`GPU_TEXT_TRAIN`, saved as ``NAME-gpu.json``.
 
-The claim experiments (all but the first two) train each variant of :mod:`k3course.lessons.claims` for every seed with
-one runner, :func:`k3course.lessons.claims.run_variant`, on one thread per run; ``--jobs N`` trains N runs at a time in
-separate processes (the same numbers: each run is seeded and single-threaded, whichever process runs it). A
-variant that another experiment already trained with the same config, settings and seeds is copied from its saved
-result (checked), not trained again: residuals' Block AttnRes is hybrid-ratio's 3:1, expert-count's 8 experts is
-balancing's quantile.
+The claim experiments (all but the first three) train each variant of :mod:`k3course.lessons.claims` for every seed with
+one runner, :func:`k3course.lessons.claims.run_variant`, on one thread per run, each variant at its own learning rate
+from one shared grid, chosen by :mod:`k3course.lessons.tuning`'s rule before its seeds run (tuned alike); ``--jobs N``
+trains N runs at a time in separate processes (the same numbers: each run is seeded and single-threaded, whichever
+process runs it). A run (or tuning run) that a saved result already holds with the same config, settings, seed, task
+and device is copied from it, not trained again (:func:`saved_runs`): residuals' Block AttnRes is hybrid-ratio's 3:1,
+expert-count's 8 experts is balancing's quantile.
 """
 
 from __future__ import annotations
@@ -61,8 +64,7 @@ from k3course import accounting
 from k3course.config import K3Config
 from k3course.data import mqar
 from k3course.device import interleaved_best_seconds, keep_freed_memory, on_cuda
-from k3course.layers.kda import KimiDeltaAttention
-from k3course.lessons import claims
+from k3course.lessons import claims, tuning
 from k3course.lessons.recall import (
     MIXERS,
     RecallModel,
@@ -71,7 +73,6 @@ from k3course.lessons.recall import (
     recall_accuracy,
     recall_by_pair,
 )
-from k3course.lessons.tuning import LR_GRID, RULE, check_grid, choose_lr, tail_loss, tuning_settings
 from k3course.params import param_groups
 from k3course.train import TrainConfig, lr_factor
 
@@ -224,7 +225,7 @@ CONTROLLED_VARIANTS = {"KDA (per head)": {"mixer": "KDA", "decay_init": "per_hea
                        "GDN": {"mixer": "GDN"}, "decayed linear": {"mixer": "decayed linear"}}
 # The sweep's chosen cell (20 pairs in heads of 16 channels, 1500 steps) and its 8-channel neighbour.
 MQAR_CONTROLLED = dict(steps=1500, n_pairs=20, head_dim=16, n_heads=2, batch_size=16, warmup_steps=30,
-                       gate_lr_scale=1.0, lr_grid=LR_GRID, seeds=(0, 1, 2))
+                       gate_lr_scale=1.0, lr_grid=tuning.LR_GRID, seeds=(0, 1, 2))
 MQAR_CONTROLLED_8 = {**MQAR_CONTROLLED, "head_dim": 8}
 
 
@@ -238,9 +239,9 @@ def recall_settings(steps: int, batch_size: int, warmup_steps: int, gate_lr_scal
 def tuned_lr(train_at, grid) -> dict:
     """The rate :mod:`k3course.lessons.tuning`'s rule picks: ``train_at(lr)`` -> the per-step losses of the tuning
     run at ``lr``, for every rate of ``grid``. {"lr_grid", "trials": [{"lr", "tail_loss", "losses"}], "lr"}."""
-    trials = {lr: train_at(lr) for lr in check_grid(grid)}
-    return {"lr_grid": list(trials), "trials": [{"lr": lr, "tail_loss": tail_loss(losses), "losses": losses}
-                                                for lr, losses in trials.items()], "lr": choose_lr(trials)}
+    trials = {lr: train_at(lr) for lr in tuning.check_grid(grid)}
+    return {"lr_grid": list(trials), "trials": [{"lr": lr, "tail_loss": tuning.tail_loss(losses), "losses": losses}
+                                                for lr, losses in trials.items()], "lr": tuning.choose_lr(trials)}
 
 
 def controlled_run(variant: str, settings: TrainConfig, n_pairs: int, head_dim: int, n_heads: int,
@@ -264,12 +265,12 @@ def mqar_controlled(steps: int, n_pairs: int, head_dim: int, n_heads: int, batch
     ...run}], "torch_threads": 1}, on one thread.
     """
     settings = recall_settings(steps, batch_size, warmup_steps, gate_lr_scale)
-    tuning = tuning_settings(settings)
+    short = tuning.tuning_settings(settings)
     shape = dict(n_pairs=n_pairs, head_dim=head_dim, n_heads=n_heads)
     records, runs = {}, []
     with torch_threads(1):
         for label in CONTROLLED_VARIANTS:
-            chosen = tuned_lr(lambda lr, label=label: controlled_run(label, tuning.replace(lr=lr), **shape)["losses"],
+            chosen = tuned_lr(lambda lr, label=label: controlled_run(label, short.replace(lr=lr), **shape)["losses"],
                               lr_grid)
             print(f"mqar-controlled: {label}: lr {chosen['lr']:g}", file=sys.stderr, flush=True)
             for seed in seeds:
@@ -279,12 +280,13 @@ def mqar_controlled(steps: int, n_pairs: int, head_dim: int, n_heads: int, batch
                       file=sys.stderr, flush=True)
             records[label] = {**CONTROLLED_VARIANTS[label], "gate_lr_scale": gate_lr_scale,
                               "starting_decays": runs[-1]["starting_decays"], **chosen}
-    return {"task": {**claims.MQAR_TASK, "n_pairs": n_pairs}, "rule": RULE, "variants": records, "runs": runs,
+    return {"task": {**claims.MQAR_TASK, "n_pairs": n_pairs}, "rule": tuning.RULE, "variants": records, "runs": runs,
             "torch_threads": 1}
 
 
-def tuning_table(result: dict) -> str:
-    """A tuned result (:func:`mqar_controlled`, :func:`mqar_depth`) as a text table, one row per variant: the
+def tuned_variants_table(result: dict) -> str:
+    """A result of :func:`mqar_controlled` or :func:`mqar_depth` (each variant's tuning kept with the variant) as a
+    text table, one row per variant: the
     starting decays per head ([min, max] of −g at z = 0 over its channels), the tuning run's tail loss at each
     rate of the grid (the chosen one starred), and held-out recall accuracy over the seeds: mean [min, max]."""
     variants = result["variants"]
@@ -311,7 +313,7 @@ def depth_variants() -> dict[str, K3Config]:
     return {"K3 all-KDA, 2 layers": all_kda.replace(n_layers=2), "K3 all-KDA, 8 layers": all_kda}
 
 
-MQAR_DEPTH = dict(seeds=(0, 1, 2), train=dataclasses.asdict(claims.MQAR_TRAIN), lr_grid=LR_GRID,
+MQAR_DEPTH = dict(seeds=(0, 1, 2), train=dataclasses.asdict(claims.MQAR_TRAIN), lr_grid=tuning.LR_GRID,
                   reuse={"K3 all-KDA, 8 layers": ("hybrid-mqar", "all-KDA")})
 
 
@@ -320,30 +322,30 @@ def mqar_depth(seeds: tuple[int, ...], train: dict, lr_grid: tuple[float, ...],
     """Each :func:`depth_variants` config on MQAR (:func:`k3course.lessons.claims.run_variant`, task "mqar") at its
     own rate: :func:`tuned_lr` over ``lr_grid`` on the tuning run of ``TrainConfig(**train)``, then every seed.
 
-    ``reuse`` {label: (experiment, its label)}: when the rate chosen is the one that experiment trained at, the
-    seeds' runs are copied from it (:func:`reused_runs` checks the config, settings and seeds). Returns
+    ``reuse`` {label: (experiment, its label)}: when that experiment holds this variant's runs at the chosen rate
+    (the same config, settings, seed and task: :func:`run_key`), they are copied from it, not trained. Returns
     {"rule", "variants": {label: {**describe, "lr_grid", "trials", "lr", "gate_lr_scale", "starting_decays"}},
     "runs": [{"variant", "seed", ...run}], "torch_threads": 1}, on one thread.
     """
     settings = train_config(train)
-    tuning = tuning_settings(settings)
+    short = tuning.tuning_settings(settings)
     variants, runs = {}, []
     with torch_threads(1):
         for label, cfg in depth_variants().items():
-            chosen = tuned_lr(lambda lr, cfg=cfg: claims.run_variant(cfg, tuning.replace(lr=lr), tuning.seed,
+            chosen = tuned_lr(lambda lr, cfg=cfg: claims.run_variant(cfg, short.replace(lr=lr), short.seed,
                                                                      "mqar")["losses"], lr_grid)
             tuned = settings.replace(lr=chosen["lr"])
             print(f"mqar-depth: {label}: lr {tuned.lr:g}", file=sys.stderr, flush=True)
-            source = reuse.get(label)
-            if source and load(source[0])["settings"]["train"]["lr"] == tuned.lr:
-                runs += reused_runs(cfg, label, *source, seeds=seeds, task="mqar", train=dataclasses.asdict(tuned))
+            source = ": ".join(reuse[label]) if label in reuse else None
+            saved = saved_runs() if source else {}
+            keys = [run_key(cfg, tuned, seed, "mqar", "cpu", None) for seed in seeds]
+            if source and all(key in saved and saved[key][1] == source for key in keys):
+                runs += [{**saved[key][0], "variant": label, "reused_from": source} for key in keys]
             else:
-                runs += [_train_variant(label, cfg, tuned, seed, "mqar", None, "cpu")
-                         for seed in seeds]
-            decays = decay_ranges(KimiDeltaAttention.from_config(cfg).starting_decays())
+                runs += [_train_variant(label, cfg, tuned, seed, "mqar", None, "cpu") for seed in seeds]
             variants[label] = {**describe(cfg), **chosen, "gate_lr_scale": tuned.gate_lr_scale,
-                               "starting_decays": decays}
-    return {"rule": RULE, "variants": variants, "runs": runs, "torch_threads": 1}
+                               "starting_decays": starting_decays(cfg)}
+    return {"rule": tuning.RULE, "variants": variants, "runs": runs, "torch_threads": 1}
 
 
 def describe(cfg) -> dict:
@@ -356,27 +358,74 @@ def describe(cfg) -> dict:
 
 
 def _train_variant(label: str, cfg, settings: TrainConfig, seed: int, task: str, prompt: str | None,
-                   device: str) -> dict:
-    """One run of a claim experiment, on one thread (called in this process or in a worker)."""
+                   device: str, stop_after: int | None = None) -> dict:
+    """One run of a claim experiment, on one thread (called in this process or in a worker); ``stop_after``: a
+    tuning run (losses only, no evaluation)."""
     with torch_threads(1):
+        began = time.perf_counter()
         run = {"variant": label, "seed": seed,
-               **claims.run_variant(cfg, settings, seed, task, sample_prompt=prompt, device=device)}
-    print(f"{label}, seed {seed}: {run['seconds']:.0f} s", file=sys.stderr, flush=True)
+               **claims.run_variant(cfg, settings, seed, task, stop_after=stop_after, sample_prompt=prompt,
+                                    device=device)}
+        run.setdefault("seconds", time.perf_counter() - began)
+    print(f"{label}, seed {seed}, lr {settings.lr:g}{' (tuning)' if stop_after else ''}: {run['seconds']:.0f} s",
+          file=sys.stderr, flush=True)
     return run
 
 
+def _train_all(todo: list[tuple], jobs: int, task: str) -> list[dict]:
+    """:func:`_train_variant` of every job (label, cfg, settings, seed, prompt, device, stop_after), ``jobs`` at a
+    time in spawned processes; a job whose run is already saved (:func:`saved_runs`) is copied, not trained."""
+    saved = saved_runs()
+    keys = [run_key(cfg, settings, seed, task, device, stop_after)
+            for _, cfg, settings, seed, _, device, stop_after in todo]
+    fresh = [(label, cfg, settings, seed, task, prompt, device, stop_after)
+             for (label, cfg, settings, seed, prompt, device, stop_after), key in zip(todo, keys) if key not in saved]
+    if jobs > 1 and len(fresh) > 1:
+        with multiprocessing.get_context("spawn").Pool(jobs, initializer=keep_freed_memory) as pool:
+            trained = iter(pool.starmap(_train_variant, fresh))
+    else:
+        trained = iter([_train_variant(*job) for job in fresh])
+    return [{**saved[key][0], "variant": job[0], "reused_from": saved[key][1]} if key in saved else next(trained)
+            for job, key in zip(todo, keys)]
+
+
+def tune_learning_rates(variants: dict, settings: TrainConfig, task: str, grid: tuple[float, ...], jobs: int,
+                        device: str) -> dict:
+    """Each variant's learning rate by :mod:`k3course.lessons.tuning`'s rule: every rate of ``grid`` trained once
+    at :func:`~k3course.lessons.tuning.tuning_settings` (seed 0, a quarter of the steps), the lowest tail loss wins.
+    Returns {"grid", "rule", "settings": the tuning run's settings (its lr replaced per trial), "trials": {label:
+    [{"lr", "tail_loss", "losses", "seconds"}, ...]}, "chosen": {label: lr}}."""
+    short = tuning.tuning_settings(settings)
+    todo = [(label, cfg, short.replace(lr=lr), short.seed, None, device, short.steps)
+            for label, cfg in variants.items() for lr in grid]
+    runs = iter(_train_all(todo, jobs, task))
+    trials = {label: [{"lr": lr, **_trial(next(runs))} for lr in grid] for label in variants}
+    chosen = {label: tuning.choose_lr({t["lr"]: t["losses"] for t in label_trials})
+              for label, label_trials in trials.items()}
+    return {"grid": list(grid), "rule": tuning.RULE, "settings": dataclasses.asdict(short), "trials": trials,
+            "chosen": chosen}
+
+
+def _trial(run: dict) -> dict:
+    """What a tuning run keeps: its tail loss, per-step losses, wall time and where it was copied from."""
+    kept = {"tail_loss": tuning.tail_loss(run["losses"]), "losses": run["losses"], "seconds": run["seconds"]}
+    return {**kept, **({"reused_from": run["reused_from"]} if "reused_from" in run else {})}
+
+
 def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, sample_prompt: str | None = None,
-                   reuse: dict[str, tuple[str, str]] | None = None, jobs: int = 1,
-                   equal_time: tuple[str, str] | None = None, device: str = "cpu") -> dict:
+                   jobs: int = 1, equal_time: tuple[str, str] | None = None, device: str = "cpu",
+                   lr_grid: tuple[float, ...] | None = None) -> dict:
     """Every variant of ``claim`` (:data:`k3course.lessons.claims.CLAIMS`) × every seed, trained by
     :func:`k3course.lessons.claims.run_variant` with ``TrainConfig(**train)``:
-    {"variants": {label: :func:`describe`}, "torch_threads": 1, "runs": [{"variant", "seed", ...run}, ...]}, on
-    one thread; the first seed's run of each variant also returns a sample after ``sample_prompt`` (if given).
+    {"variants": {label: :func:`describe`}, "training": {label: :func:`variant_training`}, "torch_threads": 1,
+    "runs": [{"variant", "seed", ...run}, ...]}, on one thread; the first seed's run of each variant also returns
+    a sample after ``sample_prompt`` (if given).
 
-    ``reuse`` {label: (experiment, its label)}: that variant's runs are copied from the saved result of another
-    experiment that trained the same config with the same task, training settings and seeds (checked), instead
-    of training it again; they keep a "reused_from" note. ``jobs`` > 1: that many runs at a time, each in its
-    own process (spawned); the runs and their order are the same as with one.
+    ``lr_grid``: tuned alike — each variant trains at its own rate, chosen from the grid by
+    :func:`tune_learning_rates` (the result keeps the trials as "tuning"); None: every variant at ``train``'s rate.
+    A run that a saved result already holds with the same config, settings, seed, task and device is copied from
+    it (with a "reused_from" note), not trained again (:func:`saved_runs`). ``jobs`` > 1: that many runs at a
+    time, each in its own process (spawned); the runs and their order are the same as with one.
 
     ``equal_time`` (slower, faster): then ``faster`` is trained once more per seed, for as many steps as it takes
     in the wall time of ``slower``'s steps (:func:`equal_time_steps` of the step times :func:`step_seconds`
@@ -385,34 +434,80 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
     ``device``: where every run trains (a CUDA device for :data:`GPU_BUDGET`'s runs).
     """
     variants = claims.CLAIMS[claim]()
-    settings = train_config(train)
+    base = train_config(train)
+    tuned = None if lr_grid is None else \
+        tune_learning_rates(variants, base, task, tuning.check_grid(lr_grid), jobs, device)
+    settings = {label: base if tuned is None else base.replace(lr=tuned["chosen"][label]) for label in variants}
     timing, equal = None, []
     if equal_time is not None:
         slower, faster = equal_time
-        timing = step_seconds({label: variants[label] for label in equal_time}, settings, device=device)
-        steps = equal_time_steps(timing, slower, faster, settings.steps)
-        equal = [(equal_time_label(faster), variants[faster], settings.replace(steps=steps), seed, task, None, device)
-                 for seed in seeds]
-    todo = [(label, cfg, settings, seed, task, sample_prompt if seed == seeds[0] else None, device)
-            for label, cfg in variants.items() if label not in (reuse or {}) for seed in seeds] + equal
-    if jobs > 1:
-        with multiprocessing.get_context("spawn").Pool(jobs, initializer=keep_freed_memory) as pool:
-            trained = pool.starmap(_train_variant, todo)
-    else:
-        trained = [_train_variant(*job) for job in todo]
-    runs = []
-    for label, cfg in variants.items():
-        if label in (reuse or {}):
-            runs += reused_runs(cfg, label, *reuse[label], seeds=seeds, task=task, train=train)
-        else:
-            runs += [run for run in trained if run["variant"] == label]
+        timing = step_seconds({label: variants[label] for label in equal_time}, base, device=device)
+        steps = equal_time_steps(timing, slower, faster, base.steps)
+        equal = [(equal_time_label(faster), variants[faster], settings[faster].replace(steps=steps), seed, None,
+                  device, None) for seed in seeds]
+    todo = [(label, cfg, settings[label], seed, sample_prompt if seed == seeds[0] else None, device, None)
+            for label, cfg in variants.items() for seed in seeds] + equal
+    runs = _train_all(todo, jobs, task)
     described = {label: describe(cfg) for label, cfg in variants.items()}
+    training = {label: variant_training(cfg, settings[label], tuned) for label, cfg in variants.items()}
     if equal_time is not None:
         label = equal_time_label(faster)
-        runs += [{**run, "steps": steps} for run in trained if run["variant"] == label]
+        runs = [{**run, "steps": steps} if run["variant"] == label else run for run in runs]
         described[label] = described[faster]
-    return {"variants": described, "torch_threads": 1, "runs": runs,
-            **({"step_seconds": timing} if timing else {})}
+        training[label] = {**training[faster], "train": dataclasses.asdict(settings[faster].replace(steps=steps))}
+    return {"variants": described, "training": training, "torch_threads": 1, "runs": runs,
+            **({"tuning": tuned} if tuned else {}), **({"step_seconds": timing} if timing else {})}
+
+
+def variant_training(cfg: K3Config, settings: TrainConfig, tuned: dict | None) -> dict:
+    """How a variant was trained: its settings ("train", its own lr), the "lr_grid" it was chosen from ([lr] when
+    untuned), the chosen "lr", the forget gates' "gate_lr_scale" and its "starting_decays" (:func:`starting_decays`)."""
+    return {"train": dataclasses.asdict(settings), "lr_grid": tuned["grid"] if tuned else [settings.lr],
+            "lr": settings.lr, "gate_lr_scale": settings.gate_lr_scale, "starting_decays": starting_decays(cfg)}
+
+
+def starting_decays(cfg: K3Config) -> list[list[float]]:
+    """Per KDA head of ``cfg``, the [slowest, fastest] forget rate −g its gate starts at (z = 0: the projection's
+    input ignored, A_log = 0, g from dt_bias alone), as an initialised K3 layer holds it; [] without KDA layers."""
+    if "kda" not in cfg.layer_types():
+        return []
+    from k3course.layers.kda import KimiDeltaAttention
+
+    layer = KimiDeltaAttention(cfg.d_model, cfg.kda_n_heads, cfg.kda_head_dim, lower_bound=cfg.kda_lower_bound)
+    return [[round(low, 6), round(high, 6)] for low, high in decay_ranges(layer.starting_decays())]
+
+
+def run_key(cfg: K3Config, settings: TrainConfig, seed: int, task: str, device: str, stop_after: int | None) -> str:
+    """What a run is a function of, as one string: config, training settings, seed, task, device and where it
+    stops (a tuning run's losses only) — two runs with one key are the same run."""
+    return json.dumps({"config": dataclasses.asdict(cfg), "train": dataclasses.asdict(settings), "seed": seed,
+                       "task": task, "device": device, "stop_after": stop_after}, sort_keys=True)
+
+
+def saved_runs() -> dict[str, tuple[dict, str]]:
+    """{:func:`run_key`: (run, "EXPERIMENT: LABEL")} of every run and tuning trial in the saved claim results
+    (first saved wins), so that a run trained once is not trained again."""
+    found: dict[str, tuple[dict, str]] = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        saved = json.loads(path.read_text())
+        settings, result = saved.get("settings", {}), saved.get("result", {})
+        if "claim" not in settings:
+            continue
+        device = settings.get("device", "cpu")
+        configs = {label: K3Config.from_dict(facts["config"]) for label, facts in result["variants"].items()}
+        for run in result["runs"]:
+            trained = result.get("training", {}).get(run["variant"], {}).get("train", settings["train"])
+            key = run_key(configs[run["variant"]], train_config(trained), run["seed"], settings["task"], device, None)
+            found.setdefault(key, (run, f"{path.stem}: {run['variant']}"))
+        tuned = result.get("tuning")
+        for label, trials in (tuned or {}).get("trials", {}).items():
+            short = train_config(tuned["settings"])
+            for trial in trials:
+                key = run_key(configs[label], short.replace(lr=trial["lr"]), short.seed, settings["task"], device,
+                              short.steps)
+                found.setdefault(key, ({"losses": trial["losses"], "seconds": trial["seconds"]},
+                                       f"{path.stem}: {label} (tuning)"))
+    return found
 
 
 def equal_time_label(variant: str) -> str:
@@ -433,23 +528,6 @@ def step_seconds(variants: dict, settings: TrainConfig, rounds: int = 5, repeats
 def equal_time_steps(step_seconds: dict[str, float], slower: str, faster: str, steps: int) -> int:
     """Steps ``faster`` takes in the wall time of ``steps`` steps of ``slower``: steps × its step time / faster's."""
     return round(steps * step_seconds[slower] / step_seconds[faster])
-
-
-def reused_runs(cfg, label: str, experiment: str, their_label: str, seeds: tuple[int, ...], task: str,
-                train: dict) -> list[dict]:
-    """The runs of ``their_label`` in the saved ``experiment``, relabelled ``label``, after checking that they
-    trained ``cfg`` with the same task, training settings and seeds (ValueError naming what differs)."""
-    saved = load(experiment)
-    plain = lambda value: json.loads(json.dumps(value))
-    checks = {"config": (K3Config.from_dict(saved["result"]["variants"][their_label]["config"]), cfg),
-              "train": (train_config(saved["settings"]["train"]), train_config(plain(train))),
-              "seeds": (saved["settings"]["seeds"], list(seeds)),
-              "task": (saved["settings"]["task"], task)}
-    differ = [name for name, (theirs, ours) in checks.items() if theirs != ours]
-    if differ:
-        raise ValueError(f"reuse: {experiment}'s {their_label!r} runs differ from {label!r} in {', '.join(differ)}")
-    return [{**run, "variant": label, "reused_from": f"{experiment}: {their_label}"}
-            for run in saved["result"]["runs"] if run["variant"] == their_label]
 
 
 def train_config(train: dict) -> TrainConfig:
@@ -484,8 +562,9 @@ def tiny_default() -> dict:
 
 
 SEEDS = (0, 1, 2)
-_TEXT = dict(seeds=SEEDS, task="text", train=dataclasses.asdict(claims.TEXT_TRAIN))
-_DEFAULT_TEXT = dict(seeds=SEEDS, task="text", train=dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN))
+_TUNED = dict(seeds=SEEDS, lr_grid=tuning.LR_GRID)
+_TEXT = dict(**_TUNED, task="text", train=dataclasses.asdict(claims.TEXT_TRAIN))
+_DEFAULT_TEXT = dict(**_TUNED, task="text", train=dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN))
 EXPERIMENTS = {
     "tiny-default": (tiny_default, {}),
     "mqar-mixers": (mqar_mixers, MQAR_SETTINGS),
@@ -494,20 +573,17 @@ EXPERIMENTS = {
     "mqar-controlled-8": (mqar_controlled, MQAR_CONTROLLED_8),
     "mqar-depth": (mqar_depth, MQAR_DEPTH),
     "dense-baseline": (claim_variants, {"claim": "dense-baseline", **_TEXT, "sample_prompt": "def "}),
-    "dense-baseline-default": (claim_variants, {"claim": "dense-baseline", "seeds": SEEDS, "task": "text",
-                                                "train": dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN),
+    "dense-baseline-default": (claim_variants, {"claim": "dense-baseline", **_DEFAULT_TEXT,
                                                 "equal_time": ("tiny K3", "dense Transformer")}),
     "hybrid-ratio": (claim_variants, {"claim": "hybrid-ratio", **_TEXT}),
-    "hybrid-mqar": (claim_variants, {"claim": "hybrid-ratio", "seeds": SEEDS, "task": "mqar",
+    "hybrid-mqar": (claim_variants, {"claim": "hybrid-ratio", **_TUNED, "task": "mqar",
                                      "train": dataclasses.asdict(claims.MQAR_TRAIN)}),
-    "residuals": (claim_variants, {"claim": "residuals", **_TEXT, "reuse": {"Block AttnRes": ("hybrid-ratio", "3:1")}}),
+    "residuals": (claim_variants, {"claim": "residuals", **_TEXT}),
     "balancing": (claim_variants, {"claim": "balancing", **_TEXT}),
     "latent-moe": (claim_variants, {"claim": "latent-moe", **_TEXT}),
-    "expert-count": (claim_variants, {"claim": "expert-count", **_TEXT,
-                                      "reuse": {"8 experts (25.0%)": ("balancing", "quantile")}}),
+    "expert-count": (claim_variants, {"claim": "expert-count", **_TEXT}),
     "hybrid-ratio-default": (claim_variants, {"claim": "hybrid-ratio", **_DEFAULT_TEXT}),
-    "residuals-default": (claim_variants, {"claim": "residuals", **_DEFAULT_TEXT,
-                                           "reuse": {"Block AttnRes": ("hybrid-ratio-default", "3:1")}}),
+    "residuals-default": (claim_variants, {"claim": "residuals", **_DEFAULT_TEXT}),
     "latent-moe-default": (claim_variants, {"claim": "latent-moe", **_DEFAULT_TEXT}),
 }
 
@@ -531,8 +607,7 @@ def result_name(name: str, budget: str = "default") -> str:
 
 def budget_settings(name: str, budget: str = "default") -> dict:
     """Experiment ``name``'s settings under ``budget``: as saved for "default"; for "gpu" (the claims of
-    :data:`GPU_CLAIMS` only) the training settings :data:`GPU_TEXT_TRAIN` on "cuda", a reused variant read from
-    the other experiment's GPU result."""
+    :data:`GPU_CLAIMS` only) the training settings :data:`GPU_TEXT_TRAIN` on "cuda"."""
     if budget not in BUDGETS:
         raise ValueError(f"budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
     settings = EXPERIMENTS[name][1]
@@ -540,10 +615,7 @@ def budget_settings(name: str, budget: str = "default") -> dict:
         return settings
     if name not in GPU_CLAIMS:
         raise ValueError(f"budget: {name} has no GPU budget; the claims with one are {', '.join(GPU_CLAIMS)}")
-    reuse = {label: (result_name(experiment, budget), theirs)
-             for label, (experiment, theirs) in settings.get("reuse", {}).items()}
-    return {**settings, "train": dataclasses.asdict(GPU_TEXT_TRAIN), "device": "cuda",
-            **({"reuse": reuse} if reuse else {})}
+    return {**settings, "train": dataclasses.asdict(GPU_TEXT_TRAIN), "device": "cuda"}
 
 
 def machine() -> str:
@@ -570,20 +642,23 @@ def gpu_step_ms() -> dict[str, dict[str, float]]:
 
 
 def gpu_budget_hours(step_ms: dict[str, dict[str, float]], train: TrainConfig) -> float:
-    """GPU-hours of every run of the :data:`GPU_CLAIMS` at ``train`` in one process: Σ over claims, variants
-    trained (not reused) and seeds of steps × the variant's measured step time ``step_ms[claim][variant]``, plus
-    an equal-time claim's faster variant trained again for the slower one's time. A variant without a
-    measurement takes the mean of its claim's measured ones. Evaluation (a few seconds per run) is left out."""
-    seconds = 0.0
+    """GPU-hours of every run of the :data:`GPU_CLAIMS` at ``train`` in one process: for every distinct variant
+    config (a run trained by one claim is copied by the next), steps × its measured step time
+    ``step_ms[claim][variant]`` × (seeds + the tuning runs: grid size × :data:`tuning.TUNING_FRACTION`⁻¹), plus an
+    equal-time claim's faster variant trained again for the slower one's time. A variant without a measurement
+    takes the mean of its claim's measured ones. Evaluation (a few seconds per run) is left out."""
+    seconds, counted = 0.0, set()
     for name in GPU_CLAIMS:
         settings, measured = EXPERIMENTS[name][1], step_ms[name]
         fallback = sum(measured.values()) / len(measured)
-        per_step = {label: measured.get(label, fallback) / 1e3 for label in claims.CLAIMS[settings["claim"]]()
-                    if label not in settings.get("reuse", {})}
-        per_seed = train.steps * sum(per_step.values())
-        if "equal_time" in settings:
-            per_seed += train.steps * per_step[settings["equal_time"][0]]
-        seconds += per_seed * len(settings["seeds"])
+        runs_per_variant = len(settings["seeds"]) + len(settings.get("lr_grid", ())) / tuning.TUNING_FRACTION
+        for label, cfg in claims.CLAIMS[settings["claim"]]().items():
+            per_step = measured.get(label, fallback) / 1e3
+            if cfg not in counted:
+                seconds += train.steps * per_step * runs_per_variant
+                counted.add(cfg)
+            if label == settings.get("equal_time", (None,))[0]:
+                seconds += train.steps * per_step * len(settings["seeds"])
     return seconds / 3600
 
 

@@ -89,9 +89,11 @@ def last_steps_mean(result: dict, series: str = "max_violation", steps: int = 20
 
 def cpu_seconds(result: dict) -> float:
     """What a saved result cost to train: the sum of its runs' "seconds" (every run on one thread, so about its CPU
-    time), over every cell of a sweep; runs copied from another result ("reused_from") are that result's cost."""
+    time), over every cell of a sweep and every tuning run; runs copied from another result ("reused_from") are that
+    result's cost."""
     runs = result["runs"] if "runs" in result else [run for cell in result["cells"] for run in cell["runs"]]
-    return sum(run["seconds"] for run in runs if "reused_from" not in run)
+    trials = [trial for trials in result.get("tuning", {}).get("trials", {}).values() for trial in trials]
+    return sum(run["seconds"] for run in runs + trials if "reused_from" not in run)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

@@ -59,3 +59,29 @@ def check_grid(grid) -> tuple[float, ...]:
     if len(rates) < 3 or not all(isinstance(r, int | float) and not isinstance(r, bool) and r > 0 for r in rates):
         raise ValueError(f"lr_grid must hold at least 3 distinct positive learning rates, got {grid!r}")
     return tuple(float(r) for r in rates)
+
+
+def tuning_table(result: dict) -> str:
+    """A tuned result's trials as text: one row per variant, each rate's tail loss (:func:`tail_loss`), the chosen
+    rate marked with *, then the rate every seed trained at."""
+    tuned = result["tuning"]
+    rows = [f"{'variant':<30}" + "".join(f"{f'lr {lr:g}':>12}" for lr in tuned["grid"]) + "   chosen"]
+    for label, trials in tuned["trials"].items():
+        cells = [f"{trial['tail_loss']:.3f}" + ("*" if trial["lr"] == tuned["chosen"][label] else " ")
+                 for trial in trials]
+        rows.append(f"{label:<30}" + "".join(f"{cell:>12}" for cell in cells) + f"   {tuned['chosen'][label]:g}")
+    return "\n".join(rows)
+
+
+def plot_tuning(axes, result: dict) -> None:
+    """Each variant's tail loss against the learning rate of its tuning runs (log x), the chosen rate circled, on
+    matplotlib ``axes``: where the curves bottom out is where each variant trains."""
+    tuned = result["tuning"]
+    for label, trials in tuned["trials"].items():
+        rates = [trial["lr"] for trial in trials]
+        line, = axes.plot(rates, [trial["tail_loss"] for trial in trials], "o-", ms=4, label=label)
+        chosen = next(trial for trial in trials if trial["lr"] == tuned["chosen"][label])
+        axes.plot(chosen["lr"], chosen["tail_loss"], "o", ms=11, mfc="none", color=line.get_color())
+    axes.set(xscale="log", xlabel="learning rate", ylabel="mean training loss, last tenth of the tuning run")
+    axes.set_xticks(tuned["grid"], [f"{lr:g}" for lr in tuned["grid"]])
+    axes.minorticks_off()

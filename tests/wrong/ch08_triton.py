@@ -297,6 +297,103 @@ def cumsum_in_the_input_dtype(g, chunk_size=64):
     return out
 
 
+@triton.jit
+def _reverse_state_slip_kernel(q_ptr, k_ptr, gc_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh_ptr, dvnew_ptr, dh0_ptr,
+                               scale, T, H, K, V, NT, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                               IN_REVERSE: tl.constexpr, DECAY_STATE: tl.constexpr, STORE_LEAVING: tl.constexpr,
+                               DELTA_TERM: tl.constexpr):
+    """The reverse state pass with one of four slips: chunks walked first to last (IN_REVERSE=False), dS' carried
+    without Diag(e^{G_C}) (DECAY_STATE=False), dh[c] stored after chunk c's update, i.e. the gradient of the state
+    entering c (STORE_LEAVING=False), or the delta rule's −Wᵀ dṼ left out (DELTA_TERM=False)."""
+    v_block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    local, cols_k, cols_v = tl.arange(0, BT), tl.arange(0, BK), v_block * BV + tl.arange(0, BV)
+    state_offsets = cols_k[:, None] * V + cols_v[None, :]
+    state_mask = (cols_k[:, None] < K) & (cols_v[None, :] < V)
+    grad_state = tl.load(dht_ptr + bh * K * V + state_offsets, mask=state_mask, other=0.0)
+    for step in range(NT):
+        chunk = NT - 1 - step if IN_REVERSE else step
+        dh_offsets = ((b * NT + chunk) * H + h) * K * V + state_offsets
+        if STORE_LEAVING:
+            tl.store(dh_ptr + dh_offsets, grad_state, mask=state_mask)
+        rows = chunk * BT + local
+        token = (b * T + rows[:, None]) * H + h
+        mask_k, mask_v = (rows[:, None] < T) & (cols_k[None, :] < K), (rows[:, None] < T) & (cols_v[None, :] < V)
+        q = tl.load(q_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0)
+        k = tl.load(k_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0)
+        w = tl.load(w_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0)
+        gc = tl.load(gc_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0)
+        aqk = tl.load(aqk_ptr + token * BT + local[None, :], mask=rows[:, None] < T, other=0.0)
+        grad_o = tl.load(do_ptr + token * V + cols_v[None, :], mask=mask_v, other=0.0)
+        last = tl.minimum(chunk * BT + BT, T) - 1
+        g_last = tl.load(gc_ptr + ((b * T + last) * H + h) * K + cols_k, mask=cols_k < K, other=0.0)
+        grad_v_new = (tl.dot(tl.trans(aqk), grad_o, input_precision="ieee")
+                      + tl.dot(k * tl.exp(g_last[None, :] - gc), grad_state, input_precision="ieee"))
+        tl.store(dvnew_ptr + token * V + cols_v[None, :], grad_v_new, mask=mask_v)
+        carried = grad_state * tl.exp(g_last)[:, None] if DECAY_STATE else grad_state
+        grad_state = carried + tl.dot(tl.trans(q * tl.exp(gc) * scale), grad_o, input_precision="ieee")
+        if DELTA_TERM:
+            grad_state -= tl.dot(tl.trans(w), grad_v_new, input_precision="ieee")
+        if not STORE_LEAVING:
+            tl.store(dh_ptr + dh_offsets, grad_state, mask=state_mask)
+    tl.store(dh0_ptr + bh * K * V + state_offsets, grad_state, mask=state_mask)
+
+
+def _reverse_state_slip(q, k, gc, w, aqk, grad_o, grad_final_state, scale, **slip):
+    B, T, H, K = q.shape
+    V, C = grad_o.shape[-1], aqk.shape[-1]
+    NT = triton.cdiv(T, C)
+    grad_final_state = torch.zeros(B, H, K, V) if grad_final_state is None else grad_final_state
+    grad_leaving, grad_v_new = torch.empty(B, NT, H, K, V), torch.empty(B, T, H, V)
+    grad_initial = torch.empty(B, H, K, V)
+    flags = dict(IN_REVERSE=True, DECAY_STATE=True, STORE_LEAVING=True, DELTA_TERM=True) | slip
+    _reverse_state_slip_kernel[(triton.cdiv(V, 16), B * H)](
+        q, k, gc, w, aqk, grad_o, grad_final_state, grad_leaving, grad_v_new, grad_initial, scale, T, H, K, V, NT,
+        BT=C, BK=max(16, triton.next_power_of_2(K)), BV=16, **flags)
+    return grad_leaving, grad_v_new, grad_initial
+
+
+def reverse_pass_run_forward(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
+    """Walks the chunks first to last, as the forward does: chunk 0 gets dS_T, which belongs to the last chunk."""
+    return _reverse_state_slip(q, k, gc, w, aqk, grad_o, grad_final_state, scale, IN_REVERSE=False)
+
+
+def reverse_pass_without_the_decay(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
+    """dS = dS' + ... : forgets that S' = Diag(Γ_C) S + ..., so the gradient flows back undecayed."""
+    return _reverse_state_slip(q, k, gc, w, aqk, grad_o, grad_final_state, scale, DECAY_STATE=False)
+
+
+def reverse_pass_stores_one_chunk_late(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
+    """Stores dh[c] after chunk c's update: the gradient of the state entering c, one chunk off."""
+    return _reverse_state_slip(q, k, gc, w, aqk, grad_o, grad_final_state, scale, STORE_LEAVING=False)
+
+
+def reverse_pass_without_the_delta_term(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
+    """Leaves out −Wᵀ dṼ: right for a gated linear attention (Ṽ = V), not for the delta rule (Ṽ = U − W S)."""
+    return _reverse_state_slip(q, k, gc, w, aqk, grad_o, grad_final_state, scale, DELTA_TERM=False)
+
+
+def reverse_pass_in_torch(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
+    """The right recurrence, chunk by chunk in torch: right values, no kernel."""
+    B, T, H, K = q.shape
+    V, C = grad_o.shape[-1], aqk.shape[-1]
+    grad_state = torch.zeros(B, H, K, V) if grad_final_state is None else grad_final_state.clone()
+    leaving, grad_v_new = [], torch.empty(B, T, H, V)
+    for start in reversed(range(0, T, C)):
+        rows = slice(start, min(start + C, T))
+        n = rows.stop - start
+        g_last = gc[:, rows.stop - 1]  # [B, H, K]
+        k_to_end = k[:, rows] * torch.exp(g_last[:, None] - gc[:, rows])
+        leaving.insert(0, grad_state)
+        dv = (torch.einsum("bthi,bthv->bihv", aqk[:, rows, :, :n], grad_o[:, rows])
+              + torch.einsum("bthk,bhkv->bthv", k_to_end, grad_state))
+        grad_v_new[:, rows] = dv
+        grad_state = (grad_state * torch.exp(g_last)[..., None]
+                      + scale * torch.einsum("bthk,bthv->bhkv", q[:, rows] * torch.exp(gc[:, rows]), grad_o[:, rows])
+                      - torch.einsum("bthk,bthv->bhkv", w[:, rows], dv))
+    return torch.stack(leaving, 1), grad_v_new, grad_state
+
+
 WRONG = {
     "08.kda_decode": [decode_returns_a_new_state, decode_in_torch],
     "08.softmax_rows": [softmax_without_the_max, softmax_padded_with_zeros, softmax_max_includes_the_padding],
@@ -307,4 +404,7 @@ WRONG = {
                       l2norm_store_runs_past_the_end],
     "08.chunk_cumsum": [cumsum_one_chunk_for_all, cumsum_in_the_input_dtype],
     "08.kk_tile": [tile_factored_naively, tile_always_16_wide, tile_in_torch],
+    "08.reverse_state_pass": [reverse_pass_run_forward, reverse_pass_without_the_decay,
+                              reverse_pass_stores_one_chunk_late, reverse_pass_without_the_delta_term,
+                              reverse_pass_in_torch],
 }

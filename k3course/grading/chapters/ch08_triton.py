@@ -1,6 +1,6 @@
-"""Chapter 08 (Triton): masked load/store, a row-wise reduction, a tiled matmul, the in-chunk cumulative decay,
-one tile of the intra-chunk product. The references are the package's Triton kernels; inputs are small fp32
-tensors (the interpreter is slow)."""
+"""Chapter 08 (Triton): masked load/store, a row-wise reduction, softmax, a tiled matmul, the in-chunk cumulative
+decay, one tile of the intra-chunk product, the decode step and the backward's reverse state pass. The references
+are the package's Triton kernels; inputs are small fp32 tensors (the interpreter is slow)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 
 from k3course.grading.registry import Case, Exercise, Forbidden, register
 from k3course.kernels.basics import decayed_kk_tile, l2norm_rows, matmul, scale_add
-from k3course.kernels.kda_chunk import chunk_local_cumsum
+from k3course.kernels.kda_chunk import chunk_local_cumsum, intra_chunk_scores, wy_factors
+from k3course.kernels.kda_chunk_backward import reverse_state_pass
 from k3course.kernels.kda_decode import kda_decode_triton
 
 TORCH_MATH = Forbidden(
@@ -139,6 +140,42 @@ def _decode_cases() -> list[Case]:
     ]
 
 
+def _reverse_pass_inputs(T: int, K: int, V: int, chunk_size: int, seed: int, decay: tuple[float, float] = (-5.0, 0.0),
+                         batch: int = 1, final_gradient: bool = True) -> tuple:
+    """What the reverse state pass reads, for two heads: q, k, G, W, A_qk (recomputed from seeded q, k, v, g, β by
+    the package's forward kernels, as the backward does), the upstream gradients dO and dS_T (None: no gradient
+    reaches the final state) and the scale. g is uniform in ``decay``."""
+    gen = _generator(seed)
+    q = torch.randn(batch, T, 2, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(batch, T, 2, K, generator=gen), dim=-1)
+    v = torch.randn(batch, T, 2, V, generator=gen)
+    low, high = decay
+    g = low + (high - low) * torch.rand(batch, T, 2, K, generator=gen)
+    beta, scale = torch.rand(batch, T, 2, generator=gen), K ** -0.5
+    gc = chunk_local_cumsum(g, chunk_size)
+    akk, aqk = intra_chunk_scores(q, k, gc, beta, scale, chunk_size)
+    w, _ = wy_factors(k, v, gc, beta, akk, chunk_size)
+    grad_o = torch.randn(batch, T, 2, V, generator=gen)
+    grad_final = torch.randn(batch, 2, K, V, generator=gen) if final_gradient else None
+    return q, k, gc, w, aqk, grad_o, grad_final, scale
+
+
+def _reverse_pass_cases() -> list[Case]:
+    return [
+        Case("T = 32: two chunks of 16, K = V = 16, weak decay", _reverse_pass_inputs(32, 16, 16, 16, 40, (-0.2, 0.0))),
+        Case("T = 37 (a partial last chunk), K = 16, V = 24", _reverse_pass_inputs(37, 16, 24, 16, 41)),
+        Case("the strongest decay (g ≈ −5), chunk 64, T = 70",
+             _reverse_pass_inputs(70, 16, 16, 64, 42, (-5.0, -4.99))),
+        Case("no gradient reaches the final state (None), chunk 32, T = 45",
+             _reverse_pass_inputs(45, 16, 16, 32, 43, final_gradient=False)),
+        Case("T = 5: one partial chunk of 64", _reverse_pass_inputs(5, 16, 16, 64, 44)),
+        Case("batch 2, K = 20, V = 12 (masked), chunk 16, T = 40",
+             _reverse_pass_inputs(40, 20, 12, 16, 45, (-1.0, 0.0), batch=2)),
+    ]
+
+
+register(Exercise("08.reverse_state_pass", reverse_state_pass, _reverse_pass_cases, forbidden=TORCH_MATH,
+                  isolate=True))
 register(Exercise("08.kda_decode", kda_decode_triton, _decode_cases, mutable=("state",), forbidden=TORCH_MATH,
                   isolate=True))
 for exercise_id, reference, cases in (("08.scale_add", scale_add, _scale_add_cases),

@@ -20,8 +20,9 @@ Memory is counted in binary units throughout the course (KiB, MiB, GiB = 2¹⁰,
 
 Where things are: the markers (registry, parser, check, :func:`say`) in :mod:`~k3course.lessons.quoted.markers`;
 the numbers one module per chapter — ``size`` (00, README), ``moe`` (02, 03), ``recall`` (05), ``mla`` (09),
-``decoding`` (00, 09, 14), ``assembled_model`` (11), ``claims`` (12), ``ch12_mqar`` (12 §6.3), ``expert_parallel`` (13),
-``released_checkpoint`` (15), ``serving`` (14 §12). Importing this package registers them all; ``quoted.NAME``
+``decoding`` (00, 09, 14), ``assembled_model`` (11), ``claims`` (12), ``ch12_mqar`` (12 §6.3), ``expert_parallel``
+(13), ``released_checkpoint`` (15), ``serving`` (14 §12), ``tuning`` (12: the learning-rate grid and choices).
+Importing this package registers them all; ``quoted.NAME``
 is the number ``NAME`` wherever its chapter defines it.
 """
 
@@ -40,6 +41,7 @@ from k3course.lessons.quoted import (  # noqa: F401
     released_checkpoint,
     serving,
     size,
+    tuning,
 )
 from k3course.lessons.quoted.markers import (
     MARKER,

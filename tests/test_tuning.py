@@ -1,0 +1,62 @@
+"""Tuned alike (chapter 12): the learning-rate rule, fixed before the runs, on fake tuning runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from k3course.lessons import claims, experiments, tuning
+from k3course.train import TrainConfig
+
+
+def test_the_rule_picks_the_lowest_mean_loss_over_the_last_tenth_not_the_last_step():
+    # 20 steps: the tail is the last 2. 1e-2 ends lowest on its very last step but higher on average.
+    trials = {1e-3: [3.0] * 18 + [2.0, 2.0], 3e-3: [3.0] * 18 + [1.9, 1.95], 1e-2: [3.0] * 18 + [2.5, 1.0]}
+    assert tuning.tail_loss(trials[3e-3]) == pytest.approx(1.925)
+    assert tuning.choose_lr(trials) == 1e-2  # tail mean 1.75
+    trials[1e-2] = [3.0] * 18 + [2.9, 1.0]  # tail mean 1.95: loses to 3e-3 although its last loss is the lowest
+    assert tuning.choose_lr(trials) == 3e-3
+
+
+def test_a_diverged_run_never_wins_and_ties_go_to_the_smaller_rate():
+    assert tuning.tail_loss([1.0, math.nan, 0.1]) == math.inf  # a NaN anywhere: the run diverged
+    assert tuning.choose_lr({1e-3: [2.0, 1.5], 3e-3: [2.0, float("inf")], 1e-2: [2.0, math.nan]}) == 1e-3
+    assert tuning.choose_lr({3e-3: [1.0], 1e-3: [1.0], 1e-2: [1.0]}) == 1e-3
+    with pytest.raises(ValueError, match="every run diverged"):
+        tuning.choose_lr({1e-3: [math.nan], 3e-3: [math.inf], 1e-2: [math.nan]})
+    with pytest.raises(ValueError, match="losses must hold at least one"):
+        tuning.tail_loss([])
+
+
+def test_the_tuning_run_is_seed_0_for_a_quarter_of_the_steps_with_its_warmup_scaled():
+    short = tuning.tuning_settings(TrainConfig(steps=800, warmup_steps=50, seed=3, lr=3e-3))
+    assert (short.steps, short.warmup_steps, short.seed, short.batch_size, short.seq_len) == (200, 12, 0, 16, 128)
+    assert tuning.tuning_settings(TrainConfig(steps=2, warmup_steps=1)).steps == 1
+
+
+def test_the_grid_needs_three_distinct_positive_rates():
+    assert tuning.check_grid((1e-2, 1e-3, 3e-3)) == (1e-3, 3e-3, 1e-2)
+    for bad in ((1e-3, 3e-3), (1e-3, 1e-3, 3e-3), (1e-3, 0.0, 3e-3), "1e-3", (1e-3, 3e-3, True)):
+        with pytest.raises(ValueError, match="lr_grid must hold at least 3 distinct positive"):
+            tuning.check_grid(bad)
+
+
+def test_tune_learning_rates_applies_the_rule_to_the_trials_it_trains(monkeypatch, tmp_path):
+    """With training faked (each rate's losses a function of the rate), the chosen rate is the rule's, per variant,
+    and every trial is recorded with its tail loss."""
+    monkeypatch.setattr(experiments, "RESULTS", tmp_path)  # no saved run to copy
+
+    def fake_train(label, cfg, settings, seed, task, prompt, device, stop_after=None):
+        assert seed == 0 and stop_after == settings.steps == 5
+        best = {"a": 3e-3, "b": 1e-2}[label]
+        return {"variant": label, "seed": seed, "losses": [5.0] * 4 + [abs(math.log(settings.lr / best))],
+                "seconds": 0.0}
+
+    monkeypatch.setattr(experiments, "_train_variant", fake_train)
+    variants = {"a": claims.SMALL, "b": claims.SMALL.replace(balancing="sign")}
+    tuned = experiments.tune_learning_rates(variants, TrainConfig(steps=20, warmup_steps=4), "text", tuning.LR_GRID,
+                                            jobs=1, device="cpu")
+    assert tuned["chosen"] == {"a": 3e-3, "b": 1e-2} and tuned["grid"] == list(tuning.LR_GRID)
+    assert [t["lr"] for t in tuned["trials"]["a"]] == list(tuning.LR_GRID)
+    assert tuned["trials"]["b"][2]["tail_loss"] == 0.0 and tuned["settings"]["steps"] == 5

@@ -137,6 +137,14 @@ def mqar_sweep_accuracy(steps: int, n_pairs: int, head_dim: int, mixer: str, see
 
 
 @quoted
+def mqar_run_minutes(name: str, variant: str) -> Pair:
+    """The shortest and the longest of ``variant``'s seed runs, in minutes on one thread."""
+    _variant(name, variant)
+    minutes = [run["seconds"] / 60 for run in _saved(name)["result"]["runs"] if run["variant"] == variant]
+    return span(min(minutes), max(minutes))
+
+
+@quoted
 def mqar_cpu_minutes(name: str) -> float:
     """What the saved experiment took, tuning runs included: its wall time on one thread, in minutes."""
     return _saved(name)["seconds"] / 60

@@ -593,8 +593,8 @@ EXPERIMENTS = {
 BUDGETS = ("default", "gpu")
 # The text claims on one GPU: 4× the default run's bytes per step (32 × 256; a model this small is bound by its
 # kernel launches and host reads on a GPU, so the bigger batch comes nearly free) for 700 steps, 3.5× the bytes
-# of the CPU budget: the four claims together in about one GPU-hour on an H200 in one process, from the step
-# times measured there (results/gpu_budget.json, :func:`gpu_budget_hours`).
+# of the CPU budget: the four claims, tuning runs included, in about one and a half GPU-hours on an H200 in one
+# process, from the step times measured there (results/gpu_budget.json, :func:`gpu_budget_hours`).
 GPU_TEXT_TRAIN = TrainConfig(steps=700, batch_size=32, seq_len=256, warmup_steps=50, eval_every=0,
                              eval_bytes=262144, checkpoint_every=0)
 GPU_CLAIMS = ("dense-baseline-default", "hybrid-ratio-default", "residuals-default", "latent-moe-default")
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", help=f"one of {', '.join(EXPERIMENTS)}")
     parser.add_argument("--jobs", type=int, default=1, help="claim experiments: runs trained at a time (processes)")
     parser.add_argument("--budget", choices=BUDGETS, default="default",
-                        help=f"gpu: {', '.join(GPU_CLAIMS)} on a CUDA GPU at GPU_TEXT_TRAIN (about one GPU-hour for "
+                        help=f"gpu: {', '.join(GPU_CLAIMS)} on a CUDA GPU at GPU_TEXT_TRAIN (about 1.5 GPU-hours for "
                              "all four), saved as NAME-gpu.json")
     parser.add_argument("--device", default=None, help="claim experiments: train on this torch device (default: "
                         "the budget's, cpu or cuda)")

@@ -15,7 +15,6 @@ dense-baseline-default  the same at the default run's budget (800 steps of 16 ×
                  again for the tiny K3's wall time (equal time).
 hybrid-ratio     KDA:MLA 0:1 (all-MLA, RoPE), 1:1, 3:1, 7:1, all-KDA and the NoPE all-MLA ablation in an 8-layer K3,
                  validation bits/byte.
-hybrid-mqar      the same five schedules trained on the harder MQAR, held-out recall accuracy.
 residuals        PreNorm vs Block vs Full AttnRes in the same 8-layer, 64-wide K3.
 balancing        quantile balancing vs the sign rule vs the aux loss: max-violation per step and final loss.
 latent-moe       full-width vs latent MoE at equal active FLOPs (as published: n·d/ℓ experts, k·d/ℓ active; and the
@@ -28,7 +27,7 @@ mqar-sweep       the cheapest harder-MQAR setting (steps, pairs, head width; mor
 mqar-controlled  at the sweep's chosen cell, KDA (three layouts of its starting decays, one of them GDN's per head),
                  GDN and decayed linear attention, each at its own learning rate by the tuning rule
                  (:mod:`k3course.lessons.tuning`); mqar-controlled-8 the same in 8-channel heads.
-mqar-depth       hybrid-mqar's all-KDA K3 at 2 layers and at 8, each at its own tuned rate: where §6.2's all-KDA
+mqar-depth       the hybrid schedules' all-KDA K3 at 2 layers and at 8, each at its own tuned rate: where §6.2's all-KDA
                  (at chance) and §6.3's 2-layer recall model (KDA recalls) part.
 
 Every claim at 120 steps of 8 × 64 bytes (the names without "-default") measures how fast a variant starts to
@@ -306,9 +305,9 @@ def tuned_variants_table(result: dict) -> str:
 
 
 # §6.2's all-KDA K3 (8 layers, at chance) against §6.3's 2-layer recall model (KDA at 0.79): the same K3 block,
-# all KDA, at 2 layers and at 8 (hybrid-mqar's all-KDA), every other setting hybrid-mqar's; both tuned alike.
+# all KDA, at 2 layers and at 8 (the hybrid schedules' all-KDA), on their MQAR settings; both tuned alike.
 def depth_variants() -> dict[str, K3Config]:
-    """hybrid-mqar's all-KDA config (:data:`k3course.lessons.claims.DEEP`, no MLA layer) at 2 and at 8 layers."""
+    """The hybrid schedules' all-KDA config (:data:`k3course.lessons.claims.DEEP`, no MLA layer), 2 and 8 layers."""
     all_kda = claims.DEEP.replace(mla_layers=())
     return {"K3 all-KDA, 2 layers": all_kda.replace(n_layers=2), "K3 all-KDA, 8 layers": all_kda}
 
@@ -576,8 +575,6 @@ EXPERIMENTS = {
     "dense-baseline-default": (claim_variants, {"claim": "dense-baseline", **_DEFAULT_TEXT,
                                                 "equal_time": ("tiny K3", "dense Transformer")}),
     "hybrid-ratio": (claim_variants, {"claim": "hybrid-ratio", **_TEXT}),
-    "hybrid-mqar": (claim_variants, {"claim": "hybrid-ratio", **_TUNED, "task": "mqar",
-                                     "train": dataclasses.asdict(claims.MQAR_TRAIN)}),
     "residuals": (claim_variants, {"claim": "residuals", **_TEXT}),
     "balancing": (claim_variants, {"claim": "balancing", **_TEXT}),
     "latent-moe": (claim_variants, {"claim": "latent-moe", **_TEXT}),

@@ -191,11 +191,12 @@ class K3Model(nn.Module):
             elif is_decayed(param):
                 param.normal_(0.0, INIT_STD)
 
-    def param_groups(self, weight_decay: float, gate_lr_scale: float = 1.0) -> list[dict]:
+    def param_groups(self, weight_decay: float, gate_lr_scale: float = 1.0, lr: float | None = None) -> list[dict]:
         """AdamW groups by the layers' marks (:func:`k3course.params.param_groups`): weight decay on the
         projections, none on the parameters marked no_weight_decay (norms, biases, gate rates and biases,
-        convolution taps, AttnRes queries); the forget gates' parameters at ``gate_lr_scale`` × the rate."""
-        return param_groups(self.parameters(), weight_decay, gate_lr_scale)
+        convolution taps, AttnRes queries); the forget gates' parameters at ``gate_lr_scale`` × the rate (each
+        group's "lr" set when ``lr`` is given)."""
+        return param_groups(self.parameters(), weight_decay, gate_lr_scale, lr)
 
     def moe_layers(self) -> list[MoE]:
         """The MoE modules, in layer order (for the bias update and routing statistics)."""

@@ -49,11 +49,11 @@ def is_forget_gate(param: nn.Parameter) -> bool:
     return getattr(param, "_forget_gate", False)
 
 
-def param_groups(params, weight_decay: float, gate_lr_scale: float = 1.0) -> list[dict]:
+def param_groups(params, weight_decay: float, gate_lr_scale: float = 1.0, lr: float | None = None) -> list[dict]:
     """AdamW groups by the marks: weight decay on the projections, none on the :func:`no_weight_decay`
     parameters; with ``gate_lr_scale`` ≠ 1 the :func:`forget_gate` parameters form groups of their own whose
-    ``"lr_scale"`` multiplies the learning rate (``gate_lr_scale`` = 1: two groups, the gates among them).
-    Empty groups are left out."""
+    ``"lr_scale"`` multiplies the learning rate (``gate_lr_scale`` = 1: two groups, the gates among them); given
+    ``lr``, each group also carries its rate, "lr" = lr × "lr_scale". Empty groups are left out."""
     params = list(params)
     if not (isinstance(gate_lr_scale, int | float) and not isinstance(gate_lr_scale, bool) and gate_lr_scale > 0):
         raise ValueError(f"gate_lr_scale must be a number > 0, got {gate_lr_scale!r}")
@@ -65,7 +65,7 @@ def param_groups(params, weight_decay: float, gate_lr_scale: float = 1.0) -> lis
             members = [p for p in chosen if is_decayed(p) == decayed]
             if members or scale == 1.0:
                 groups.append({"params": members, "weight_decay": weight_decay if decayed else 0.0,
-                               "lr_scale": scale})
+                               "lr_scale": scale, **({} if lr is None else {"lr": lr * scale})})
     return groups
 
 

@@ -112,8 +112,7 @@ def recall_run(mixer: str, seed: int, steps: int, batch_size: int, lr: float, wa
         torch.manual_seed(seed)
         model = RecallModel(task["vocab_size"], mixer, d_model=d_model, n_heads=n_heads, **kda_options)
     starting_decays = model.starting_decays()
-    groups = [{**group, "lr": lr * group["lr_scale"]}
-              for group in param_groups(model.parameters(), weight_decay=0.0, gate_lr_scale=gate_lr_scale)]
+    groups = param_groups(model.parameters(), weight_decay=0.0, gate_lr_scale=gate_lr_scale, lr=lr)
     optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     factor = functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=steps, min_lr_ratio=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -50,8 +50,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
 def make_optimizer(model: torch.nn.Module, train: TrainConfig) -> tuple[torch.optim.Optimizer, object]:
     """AdamW over ``model.param_groups(weight_decay, gate_lr_scale)`` (each group at lr × its "lr_scale") and its
     warmup + cosine LambdaLR scheduler."""
-    groups = [{**group, "lr": train.lr * group["lr_scale"]}
-              for group in model.param_groups(train.weight_decay, train.gate_lr_scale)]
+    groups = model.param_groups(train.weight_decay, train.gate_lr_scale, lr=train.lr)
     optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=train.betas)
     return optimizer, make_scheduler(optimizer, train)
 

@@ -15,6 +15,7 @@ dense-baseline-default  the same at the default run's budget (800 steps of 16 ×
                  again for the tiny K3's wall time (equal time).
 hybrid-ratio     KDA:MLA 0:1 (all-MLA, RoPE), 1:1, 3:1, 7:1, all-KDA and the NoPE all-MLA ablation in an 8-layer K3,
                  validation bits/byte.
+hybrid-mqar      the same six schedules trained on the harder MQAR, held-out recall accuracy.
 residuals        PreNorm vs Block vs Full AttnRes in the same 8-layer, 64-wide K3.
 balancing        quantile balancing vs the sign rule vs the aux loss: max-violation per step and final loss.
 latent-moe       full-width vs latent MoE at equal active FLOPs (as published: n·d/ℓ experts, k·d/ℓ active; and the
@@ -571,11 +572,11 @@ EXPERIMENTS = {
     "mqar-controlled-8": (mqar_controlled, MQAR_CONTROLLED_8),
     "mqar-depth": (mqar_depth, MQAR_DEPTH),
     "dense-baseline": (claim_variants, {"claim": "dense-baseline", **_TEXT, "sample_prompt": "def "}),
-    # not yet re-run tuned alike: both models at the one rate 3e-3 (the tiny K3's), as saved
-    "dense-baseline-default": (claim_variants, {"claim": "dense-baseline", "seeds": SEEDS, "task": "text",
-                                                "train": dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN),
+    "dense-baseline-default": (claim_variants, {"claim": "dense-baseline", **_DEFAULT_TEXT,
                                                 "equal_time": ("tiny K3", "dense Transformer")}),
     "hybrid-ratio": (claim_variants, {"claim": "hybrid-ratio", **_TEXT}),
+    "hybrid-mqar": (claim_variants, {"claim": "hybrid-ratio", **_TUNED, "task": "mqar",
+                                     "train": dataclasses.asdict(claims.MQAR_TRAIN)}),
     "residuals": (claim_variants, {"claim": "residuals", **_TEXT}),
     "balancing": (claim_variants, {"claim": "balancing", **_TEXT}),
     "latent-moe": (claim_variants, {"claim": "latent-moe", **_TEXT}),

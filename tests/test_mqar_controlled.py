@@ -94,7 +94,7 @@ def test_tuned_lr_trains_every_rate_once_and_picks_the_lowest_tail_diverged_runs
         experiments.tuned_lr(fake, (1e-3, 3e-3))
 
 
-@pytest.mark.parametrize("name", [*CONTROLLED, "mqar-depth"])
+@pytest.mark.parametrize("name", CONTROLLED)
 def test_each_saved_rate_is_the_one_the_rule_picks_from_the_saved_tuning_runs(name):
     saved = experiments.load(name)
     result = saved["result"]
@@ -127,17 +127,20 @@ def test_the_last_controlled_run_replays_at_its_tuned_rate(name):
     _replayed(replay["losses"], last["losses"][:REPLAY_STEPS])
 
 
-def test_the_last_depth_run_replays_and_the_variants_differ_in_depth_only():
-    saved = experiments.load("mqar-depth")
-    settings, result = saved["settings"], saved["result"]
-    two, eight = experiments.depth_variants().values()
+def test_the_depth_variants_differ_in_depth_only_and_their_8_layer_runs_are_the_hybrid_schedules_all_kda():
+    """mqar-depth (a claim, replayed with the others in test_experiments) changes only the depth of hybrid-mqar's
+    all-KDA K3; its 8-layer runs and tuning runs are hybrid-mqar's, copied, not trained again."""
+    two, eight = claims.depth_variants().values()
     assert two == eight.replace(n_layers=2) and eight == claims.hybrid_variants()["all-KDA"]
-    last = result["runs"][-1]
-    tuned = experiments.train_config(settings["train"]).replace(lr=result["variants"][last["variant"]]["lr"])
-    with experiments.torch_threads(result["torch_threads"]):
-        replay = claims.run_variant(experiments.depth_variants()[last["variant"]], tuned, last["seed"], "mqar",
-                                    stop_after=REPLAY_STEPS)
-    _replayed(replay["losses"], last["losses"][:REPLAY_STEPS])
+    depth, hybrid = experiments.load("mqar-depth"), experiments.load("hybrid-mqar")
+    assert depth["settings"]["train"] == hybrid["settings"]["train"] and depth["settings"]["task"] == "mqar"
+    copied = [run for run in depth["result"]["runs"] if run["variant"] == "K3 all-KDA, 8 layers"]
+    originals = [run for run in hybrid["result"]["runs"] if run["variant"] == "all-KDA"]
+    assert [run["reused_from"] for run in copied] == ["hybrid-mqar: all-KDA"] * 3
+    assert [run["losses"] for run in copied] == [run["losses"] for run in originals]
+    assert depth["result"]["tuning"]["trials"]["K3 all-KDA, 8 layers"] == \
+        [{**trial, "reused_from": "hybrid-mqar: all-KDA (tuning)"} for trial in
+         hybrid["result"]["tuning"]["trials"]["all-KDA"]]
 
 
 # --- what recall_run adds ---------------------------------------------------------------------------------

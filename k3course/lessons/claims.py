@@ -131,10 +131,18 @@ def dense_variants() -> dict[str, K3Config]:
     return {"tiny K3": tiny, "dense Transformer": dense_transformer(tiny)}
 
 
-# claim (the experiment's name) -> its variants {label: config}
+def depth_variants(cfg: K3Config = DEEP) -> dict[str, K3Config]:
+    """The hybrid schedules' all-KDA (:func:`hybrid_variants`, no MLA layer) at 2 layers and at ``cfg``'s depth:
+    where §6.2's all-KDA K3 and §6.3's 2-layer recall model part, the block and its settings kept."""
+    all_kda = cfg.replace(mla_layers=())
+    return {"K3 all-KDA, 2 layers": all_kda.replace(n_layers=2), f"K3 all-KDA, {cfg.n_layers} layers": all_kda}
+
+
+# claim -> its variants {label: config}
 CLAIMS: dict[str, Callable[[], dict[str, K3Config]]] = {
     "dense-baseline": dense_variants, "hybrid-ratio": hybrid_variants, "residuals": residual_variants,
-    "balancing": balancing_variants, "latent-moe": latent_variants, "expert-count": expert_count_variants}
+    "balancing": balancing_variants, "latent-moe": latent_variants, "expert-count": expert_count_variants,
+    "depth": depth_variants}
 
 
 # --- one run ----------------------------------------------------------------------------------------------

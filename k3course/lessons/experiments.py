@@ -28,21 +28,22 @@ mqar-sweep       the cheapest harder-MQAR setting (steps, pairs, head width; mor
 mqar-controlled  at the sweep's chosen cell, KDA (three layouts of its starting decays, one of them GDN's per head),
                  GDN and decayed linear attention, each at its own learning rate by the tuning rule
                  (:mod:`k3course.lessons.tuning`); mqar-controlled-8 the same in 8-channel heads.
-mqar-depth       the hybrid schedules' all-KDA K3 at 2 layers and at 8, each at its own tuned rate: where §6.2's all-KDA
-                 (at chance) and §6.3's 2-layer recall model (KDA recalls) part.
+mqar-depth       hybrid-mqar's all-KDA K3 at 2 layers and at 8 (the claim "depth"), each at its own tuned rate: where
+                 §6.2's all-KDA and §6.3's 2-layer recall model part (its 8-layer runs are hybrid-mqar's, copied).
 
 Every claim at 120 steps of 8 × 64 bytes (the names without "-default") measures how fast a variant starts to
 learn; the "-default" ones decide the four text claims, each verdict by
 :func:`~k3course.lessons.seed_statistics.paired`. ``--budget gpu`` runs the
 four text claims (:data:`GPU_CLAIMS`) on a CUDA GPU at :data:`GPU_TEXT_TRAIN`, saved as ``NAME-gpu.json``.
 
-The claim experiments (all but the first three) train each variant of :mod:`k3course.lessons.claims` for every seed with
-one runner, :func:`k3course.lessons.claims.run_variant`, on one thread per run, each variant at its own learning rate
-from one shared grid, chosen by :mod:`k3course.lessons.tuning`'s rule before its seeds run (tuned alike); ``--jobs N``
-trains N runs at a time in separate processes (the same numbers: each run is seeded and single-threaded, whichever
-process runs it). A run (or tuning run) that a saved result already holds with the same config, settings, seed, task
-and device is copied from it, not trained again (:func:`saved_runs`): residuals' Block AttnRes is hybrid-ratio's 3:1,
-expert-count's 8 experts is balancing's quantile.
+The claim experiments (all but tiny-default and the recall-model ones: mqar-mixers, mqar-sweep, mqar-controlled)
+train each variant of :mod:`k3course.lessons.claims` for every seed with one runner,
+:func:`k3course.lessons.claims.run_variant`, on one thread per run, each variant at its own learning rate from one
+shared grid, chosen by :mod:`k3course.lessons.tuning`'s rule before its seeds run (tuned alike); ``--jobs N`` trains
+N runs at a time in separate processes (the same numbers: each run is seeded and single-threaded, whichever process
+runs it). A run (or tuning run) that a saved result already holds with the same config, settings, seed, task and
+device is copied from it, not trained again (:func:`saved_runs`): residuals' Block AttnRes is hybrid-ratio's 3:1,
+expert-count's 8 experts is balancing's quantile, mqar-depth's 8 layers is hybrid-mqar's all-KDA.
 """
 
 from __future__ import annotations
@@ -284,10 +285,10 @@ def mqar_controlled(steps: int, n_pairs: int, head_dim: int, n_heads: int, batch
 
 
 def tuned_variants_table(result: dict) -> str:
-    """A result of :func:`mqar_controlled` or :func:`mqar_depth` (each variant's tuning kept with the variant) as a
-    text table, one row per variant: the
-    starting decays per head ([min, max] of −g at z = 0 over its channels), the tuning run's tail loss at each
-    rate of the grid (the chosen one starred), and held-out recall accuracy over the seeds: mean [min, max]."""
+    """A result of :func:`mqar_controlled` (each variant's tuning kept with the variant) as a text table, one row
+    per variant: the starting decays per head ([min, max] of −g at z = 0 over its channels), the tuning run's tail
+    loss at each rate of the grid (the chosen one starred), and held-out recall accuracy over the seeds: mean [min,
+    max]."""
     variants = result["variants"]
     grid = next(iter(variants.values()))["lr_grid"]
     width = max(len(label) for label in variants) + 2
@@ -302,49 +303,6 @@ def tuned_variants_table(result: dict) -> str:
         rows.append(f"{label:<{width}}{decays:<30}{tails}   {sum(accuracy) / len(accuracy):.3f} "
                     f"[{min(accuracy):.3f}, {max(accuracy):.3f}]")
     return "\n".join(rows)
-
-
-# §6.2's all-KDA K3 (8 layers, at chance) against §6.3's 2-layer recall model (KDA at 0.79): the same K3 block,
-# all KDA, at 2 layers and at 8 (the hybrid schedules' all-KDA), on their MQAR settings; both tuned alike.
-def depth_variants() -> dict[str, K3Config]:
-    """The hybrid schedules' all-KDA config (:data:`k3course.lessons.claims.DEEP`, no MLA layer), 2 and 8 layers."""
-    all_kda = claims.DEEP.replace(mla_layers=())
-    return {"K3 all-KDA, 2 layers": all_kda.replace(n_layers=2), "K3 all-KDA, 8 layers": all_kda}
-
-
-MQAR_DEPTH = dict(seeds=(0, 1, 2), train=dataclasses.asdict(claims.MQAR_TRAIN), lr_grid=tuning.LR_GRID,
-                  reuse={"K3 all-KDA, 8 layers": ("hybrid-mqar", "all-KDA")})
-
-
-def mqar_depth(seeds: tuple[int, ...], train: dict, lr_grid: tuple[float, ...],
-               reuse: dict[str, tuple[str, str]]) -> dict:
-    """Each :func:`depth_variants` config on MQAR (:func:`k3course.lessons.claims.run_variant`, task "mqar") at its
-    own rate: :func:`tuned_lr` over ``lr_grid`` on the tuning run of ``TrainConfig(**train)``, then every seed.
-
-    ``reuse`` {label: (experiment, its label)}: when that experiment holds this variant's runs at the chosen rate
-    (the same config, settings, seed and task: :func:`run_key`), they are copied from it, not trained. Returns
-    {"rule", "variants": {label: {**describe, "lr_grid", "trials", "lr", "gate_lr_scale", "starting_decays"}},
-    "runs": [{"variant", "seed", ...run}], "torch_threads": 1}, on one thread.
-    """
-    settings = train_config(train)
-    short = tuning.tuning_settings(settings)
-    variants, runs = {}, []
-    with torch_threads(1):
-        for label, cfg in depth_variants().items():
-            chosen = tuned_lr(lambda lr, cfg=cfg: claims.run_variant(cfg, short.replace(lr=lr), short.seed,
-                                                                     "mqar")["losses"], lr_grid)
-            tuned = settings.replace(lr=chosen["lr"])
-            print(f"mqar-depth: {label}: lr {tuned.lr:g}", file=sys.stderr, flush=True)
-            source = ": ".join(reuse[label]) if label in reuse else None
-            saved = saved_runs() if source else {}
-            keys = [run_key(cfg, tuned, seed, "mqar", "cpu", None) for seed in seeds]
-            if source and all(key in saved and saved[key][1] == source for key in keys):
-                runs += [{**saved[key][0], "variant": label, "reused_from": source} for key in keys]
-            else:
-                runs += [_train_variant(label, cfg, tuned, seed, "mqar", None, "cpu") for seed in seeds]
-            variants[label] = {**describe(cfg), **chosen, "gate_lr_scale": tuned.gate_lr_scale,
-                               "starting_decays": starting_decays(cfg)}
-    return {"rule": tuning.RULE, "variants": variants, "runs": runs, "torch_threads": 1}
 
 
 def describe(cfg) -> dict:
@@ -564,19 +522,19 @@ SEEDS = (0, 1, 2)
 _TUNED = dict(seeds=SEEDS, lr_grid=tuning.LR_GRID)
 _TEXT = dict(**_TUNED, task="text", train=dataclasses.asdict(claims.TEXT_TRAIN))
 _DEFAULT_TEXT = dict(**_TUNED, task="text", train=dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN))
+_MQAR = dict(**_TUNED, task="mqar", train=dataclasses.asdict(claims.MQAR_TRAIN))
 EXPERIMENTS = {
     "tiny-default": (tiny_default, {}),
     "mqar-mixers": (mqar_mixers, MQAR_SETTINGS),
     "mqar-sweep": (mqar_sweep, MQAR_SWEEP),
     "mqar-controlled": (mqar_controlled, MQAR_CONTROLLED),
     "mqar-controlled-8": (mqar_controlled, MQAR_CONTROLLED_8),
-    "mqar-depth": (mqar_depth, MQAR_DEPTH),
     "dense-baseline": (claim_variants, {"claim": "dense-baseline", **_TEXT, "sample_prompt": "def "}),
     "dense-baseline-default": (claim_variants, {"claim": "dense-baseline", **_DEFAULT_TEXT,
                                                 "equal_time": ("tiny K3", "dense Transformer")}),
     "hybrid-ratio": (claim_variants, {"claim": "hybrid-ratio", **_TEXT}),
-    "hybrid-mqar": (claim_variants, {"claim": "hybrid-ratio", **_TUNED, "task": "mqar",
-                                     "train": dataclasses.asdict(claims.MQAR_TRAIN)}),
+    "hybrid-mqar": (claim_variants, {"claim": "hybrid-ratio", **_MQAR}),
+    "mqar-depth": (claim_variants, {"claim": "depth", **_MQAR}),
     "residuals": (claim_variants, {"claim": "residuals", **_TEXT}),
     "balancing": (claim_variants, {"claim": "balancing", **_TEXT}),
     "latent-moe": (claim_variants, {"claim": "latent-moe", **_TEXT}),

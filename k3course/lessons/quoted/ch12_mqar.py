@@ -1,5 +1,6 @@
 """Chapter 12 §6.3: MQAR, controlled — the mixers started alike and tuned alike (``mqar-controlled``, its 8-channel
-twin ``mqar-controlled-8``) and the depth experiment that reconciles §6.2's all-KDA with §6.3 (``mqar-depth``).
+twin ``mqar-controlled-8``), and the untuned sweep they start from (``mqar-sweep``); the depth experiment
+(``mqar-depth``) is a claim, quoted by :mod:`k3course.lessons.quoted.claims`.
 Each function is a number a lesson quotes (see :mod:`k3course.lessons.quoted`); every ``name`` is one of those
 saved experiments, every ``variant`` one of its labels."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from k3course.lessons import experiments, seed_statistics
-from k3course.lessons.quoted.markers import Pair, plus_minus, quoted, span
+from k3course.lessons.quoted.markers import Pair, plus_minus, quoted
 
 
 @functools.cache
@@ -21,11 +22,6 @@ def _variant(name: str, variant: str) -> dict:
     if variant not in variants:
         raise KeyError(f"variant: {name} has no {variant!r}; its variants are {list(variants)}")
     return variants[variant]
-
-
-def _accuracies(name: str, variant: str) -> list[float]:
-    _variant(name, variant)
-    return [run["accuracy"] for run in _saved(name)["result"]["runs"] if run["variant"] == variant]
 
 
 def _paired(name: str, better: str, worse: str) -> dict:
@@ -41,33 +37,10 @@ def mqar_lr(name: str, variant: str) -> float:
 
 
 @quoted
-def mqar_tuning_loss(name: str, variant: str, lr: float) -> float:
-    """The tail loss (:func:`k3course.lessons.tuning.tail_loss`) of ``variant``'s tuning run at rate ``lr``."""
-    trials = {trial["lr"]: trial["tail_loss"] for trial in _variant(name, variant)["trials"]}
-    if lr not in trials:
-        raise KeyError(f"lr: {name}'s {variant!r} was tuned at {sorted(trials)}, not at {lr!r}")
-    return trials[lr]
-
-
-@quoted
 def mqar_accuracy(name: str, variant: str) -> Pair:
     """Held-out recall accuracy of ``variant``: mean ± sample std over its seeds."""
     row = seed_statistics.spread(_saved(name)["result"], "accuracy")[variant]
     return plus_minus(row["mean"], row["std"])
-
-
-@quoted
-def mqar_accuracy_range(name: str, variant: str) -> Pair:
-    """Held-out recall accuracy of ``variant``: min–max over its seeds."""
-    values = _accuracies(name, variant)
-    return span(min(values), max(values))
-
-
-@quoted
-def mqar_solved(name: str, variant: str, threshold: float = 0.9) -> str:
-    """``solved/seeds``: the seeds of ``variant`` whose held-out accuracy is at least ``threshold``."""
-    values = _accuracies(name, variant)
-    return f"{sum(v >= threshold for v in values)}/{len(values)}"
 
 
 @quoted
@@ -134,17 +107,3 @@ def mqar_sweep_accuracy(steps: int, n_pairs: int, head_dim: int, mixer: str, see
         if (cell["steps"], cell["n_pairs"], cell["head_dim"]) == (steps, n_pairs, head_dim):
             return next(run["accuracy"] for run in cell["runs"] if (run["mixer"], run["seed"]) == (mixer, seed))
     raise KeyError(f"the saved MQAR sweep tried no cell of {steps} steps, {n_pairs} pairs, {head_dim} channels")
-
-
-@quoted
-def mqar_run_minutes(name: str, variant: str) -> Pair:
-    """The shortest and the longest of ``variant``'s seed runs, in minutes on one thread."""
-    _variant(name, variant)
-    minutes = [run["seconds"] / 60 for run in _saved(name)["result"]["runs"] if run["variant"] == variant]
-    return span(min(minutes), max(minutes))
-
-
-@quoted
-def mqar_cpu_minutes(name: str) -> float:
-    """What the saved experiment took, tuning runs included: its wall time on one thread, in minutes."""
-    return _saved(name)["seconds"] / 60

@@ -121,9 +121,12 @@ def claim_fact_ratio(name: str, variant: str, other: str, fact: str) -> float:
 
 
 @quoted
-def claim_minutes(name: str) -> Pair:
-    """The shortest and the longest saved run of a claim, in minutes (one thread each)."""
-    seconds = [run["seconds"] for run in _saved(name)["result"]["runs"]]
+def claim_minutes(name: str, variant: str | None = None) -> Pair:
+    """The shortest and the longest saved run of a claim (of its ``variant`` if given), in minutes (one thread
+    each)."""
+    seconds = [run["seconds"] for run in _saved(name)["result"]["runs"] if variant in (None, run["variant"])]
+    if not seconds:
+        raise KeyError(f"variant: {name} has no runs of {variant!r}")
     return span(min(seconds) / 60, max(seconds) / 60)
 
 

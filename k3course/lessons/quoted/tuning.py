@@ -24,3 +24,14 @@ def claim_lr(name: str, variant: str) -> float:
 def tuning_steps(name: str) -> int:
     """Steps of a saved claim's tuning runs (a quarter of its runs' steps)."""
     return experiments.load(name)["result"]["tuning"]["settings"]["steps"]
+
+
+@quoted
+def claim_tuning_loss(name: str, variant: str, lr: float) -> float:
+    """The tail loss (:func:`k3course.lessons.tuning.tail_loss`) of a saved claim's tuning run of ``variant`` at
+    rate ``lr``."""
+    tuned = experiments.load(name)["result"]["tuning"]["trials"][variant]
+    trials = {trial["lr"]: trial["tail_loss"] for trial in tuned}
+    if lr not in trials:
+        raise KeyError(f"lr: {name}'s {variant!r} was tuned at {sorted(trials)}, not at {lr!r}")
+    return trials[lr]

@@ -137,11 +137,18 @@ def solved_seeds(name: str, variant: str, threshold: float = 0.9) -> str:
     return f"{sum(v > threshold for v in values)}/{len(values)}"
 
 
+def _cpu_seconds(name: str) -> float:
+    """What saved experiment ``name`` took to train: a claim's runs and tuning runs summed
+    (:func:`k3course.lessons.seed_statistics.cpu_seconds`, one thread per run, copied runs left out); a recall-model
+    experiment (one process on one thread, whose tuning runs keep no times) its wall time."""
+    saved = _saved(name)
+    return seed_statistics.cpu_seconds(saved["result"]) if "claim" in saved["settings"] else saved["seconds"]
+
+
 @quoted
 def claim_cpu_hours(*names: str) -> float:
-    """CPU-hours the saved claims (or the MQAR sweep) ``names`` took to train together: their runs' seconds summed
-    (:func:`k3course.lessons.seed_statistics.cpu_seconds`; one thread per run)."""
-    return sum(seed_statistics.cpu_seconds(_saved(name)["result"]) for name in names) / 3600
+    """CPU-hours the saved experiments ``names`` took to train together (:func:`_cpu_seconds`)."""
+    return sum(_cpu_seconds(name) for name in names) / 3600
 
 
 @quoted

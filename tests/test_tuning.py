@@ -60,3 +60,19 @@ def test_tune_learning_rates_applies_the_rule_to_the_trials_it_trains(monkeypatc
     assert tuned["chosen"] == {"a": 3e-3, "b": 1e-2} and tuned["grid"] == list(tuning.LR_GRID)
     assert [t["lr"] for t in tuned["trials"]["a"]] == list(tuning.LR_GRID)
     assert tuned["trials"]["b"][2]["tail_loss"] == 0.0 and tuned["settings"]["steps"] == 5
+
+
+def test_the_quoted_tuning_loss_is_the_saved_trials_and_names_the_grid_for_a_rate_never_tried():
+    from k3course.lessons.quoted import claims as quoted_claims
+    from k3course.lessons.quoted import tuning as quoted_tuning
+
+    trials = experiments.load("mqar-depth")["result"]["tuning"]["trials"]["K3 all-KDA, 8 layers"]
+    assert quoted_tuning.claim_tuning_loss("mqar-depth", "K3 all-KDA, 8 layers", 1e-3) == \
+        next(trial["tail_loss"] for trial in trials if trial["lr"] == 1e-3)
+    with pytest.raises(KeyError, match=r"tuned at \[0.001, 0.003, 0.01\]"):
+        quoted_tuning.claim_tuning_loss("mqar-depth", "K3 all-KDA, 8 layers", 5e-3)
+    # one variant's runs, in minutes: the 8-layer stack takes longer than the 2-layer one
+    two, eight = (quoted_claims.claim_minutes("mqar-depth", f"K3 all-KDA, {n} layers") for n in (2, 8))
+    assert two.second < eight.first
+    with pytest.raises(KeyError, match="variant: mqar-depth has no runs of 'all-KDA'"):
+        quoted_claims.claim_minutes("mqar-depth", "all-KDA")

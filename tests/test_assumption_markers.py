@@ -13,8 +13,8 @@ REFERENCES = (ROOT / "notebooks" / "references.md").read_text(encoding="utf-8")
 
 # (what a paragraph says, the references.md entry its † must link to)
 DETAILS = [
-    (r"\b93\b(?![.,]\d)|\b69 KDA|\b24 MLA|24 of (?:K3's )?93|last layer is (?:always )?MLA|ends with global attention",
-     "k3-layers"),
+    (r"(?<!\d[.,])\b93\b(?![.,]\d)|\b69 KDA|\b24 MLA|24 of (?:K3's )?93|last layer is (?:always )?MLA"
+     r"|ends with global attention", "k3-layers"),
     (r"dense (?:FFN )?layer|one dense|routing is unstable on the raw embedding", "k3-dense-layer"),
     (r"attnres_block_size = 24|blocks of 24|12 decoder layers per block", "k3-attnres-blocks"),
     (r"2\.78 ?T|2\.78-trillion|\b10[45] ?B active|10[45]B active", "k3-size"),

@@ -413,6 +413,10 @@ def test_cpu_seconds_sums_the_runs_trained_here_over_a_sweeps_cells_too():
     assert seed_statistics.cpu_seconds(sweep) == 7.0
     tuned = {**claim, "tuning": {"trials": {"a": [{"seconds": 3.0}, {"seconds": 8.0, "reused_from": "other: a"}]}}}
     assert seed_statistics.cpu_seconds(tuned) == 18.0  # the tuning runs trained here count too
+    # a run copied from an earlier save of the same experiment was trained for it: it counts here
+    again = {"runs": [{"seconds": 10.0}, {"seconds": 6.0, "reused_from": "mine: a"}, {"seconds": 9.0,
+                                                                                    "reused_from": "other: b"}]}
+    assert seed_statistics.cpu_seconds(again, "mine") == 16.0 and seed_statistics.cpu_seconds(again) == 10.0
 
 
 def test_plot_paired_draws_one_dot_per_seed_the_spread_band_and_the_verdict_under_the_axes():

@@ -87,13 +87,14 @@ def last_steps_mean(result: dict, series: str = "max_violation", steps: int = 20
     return {**result, "runs": runs}
 
 
-def cpu_seconds(result: dict) -> float:
-    """What a saved result cost to train: the sum of its runs' "seconds" (every run on one thread, so about its CPU
-    time), over every cell of a sweep and every tuning run; runs copied from another result ("reused_from") are that
-    result's cost."""
+def cpu_seconds(result: dict, name: str | None = None) -> float:
+    """What saved result ``name`` cost to train: the sum of its runs' "seconds" (every run on one thread, so about
+    its CPU time), over every cell of a sweep and every tuning run. A run copied from another result ("reused_from":
+    "OTHER: label") is that result's cost; one copied from an earlier save of ``name`` itself is still this one's."""
     runs = result["runs"] if "runs" in result else [run for cell in result["cells"] for run in cell["runs"]]
     trials = [trial for trials in result.get("tuning", {}).get("trials", {}).values() for trial in trials]
-    return sum(run["seconds"] for run in runs + trials if "reused_from" not in run)
+    trained_for_it = lambda run: "reused_from" not in run or run["reused_from"].split(":")[0] == name
+    return sum(run["seconds"] for run in runs + trials if trained_for_it(run))
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

@@ -139,10 +139,10 @@ def solved_seeds(name: str, variant: str, threshold: float = 0.9) -> str:
 
 def _cpu_seconds(name: str) -> float:
     """What saved experiment ``name`` took to train: a claim's runs and tuning runs summed
-    (:func:`k3course.lessons.seed_statistics.cpu_seconds`, one thread per run, copied runs left out); a recall-model
-    experiment (one process on one thread, whose tuning runs keep no times) its wall time."""
+    (:func:`k3course.lessons.seed_statistics.cpu_seconds`, one thread per run, runs copied from other results left
+    out); a recall-model experiment (one process on one thread, whose tuning runs keep no times) its wall time."""
     saved = _saved(name)
-    return seed_statistics.cpu_seconds(saved["result"]) if "claim" in saved["settings"] else saved["seconds"]
+    return seed_statistics.cpu_seconds(saved["result"], name) if "claim" in saved["settings"] else saved["seconds"]
 
 
 @quoted

@@ -287,8 +287,7 @@ def mqar_controlled(steps: int, n_pairs: int, head_dim: int, n_heads: int, batch
 def tuned_variants_table(result: dict) -> str:
     """A result of :func:`mqar_controlled` (each variant's tuning kept with the variant) as a text table, one row
     per variant: the starting decays per head ([min, max] of −g at z = 0 over its channels), the tuning run's tail
-    loss at each rate of the grid (the chosen one starred), and held-out recall accuracy over the seeds: mean [min,
-    max]."""
+    loss at each rate of the grid (the chosen one starred), and the held-out recall accuracy of the seeds."""
     variants = result["variants"]
     grid = next(iter(variants.values()))["lr_grid"]
     width = max(len(label) for label in variants) + 2

@@ -10,7 +10,6 @@ that raises ends the run at once with its traceback; a rank that hangs makes the
 from __future__ import annotations
 
 import datetime
-import faulthandler
 import tempfile
 import time
 import traceback
@@ -30,7 +29,6 @@ def _worker(rank: int, fn, world_size: int, folder: str, args: tuple, collective
     """One spawned rank: join the group, run fn(rank, world_size, *args), save its result (or the time and
     traceback of its error), wait for every rank to be done (a rank that leaves early would take the group's
     rendezvous away from one still joining), leave the group."""
-    faulthandler.enable()  # a native abort in a rank (SIGABRT, SIGSEGV) prints every thread's Python stack
     torch.set_num_threads(1)  # P processes share the cores: one thread each avoids OpenMP oversubscription
     if backend == "nccl":
         torch.cuda.set_device(rank)  # rank r drives GPU r

@@ -372,14 +372,19 @@ def decode_weight_params(cfg: K3Config, batch: int) -> float:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     count = param_count(cfg)
-    routed_total, routed_active = count.components["routed_experts"]
-    touched = 0.0
-    if cfg.n_moe_layers:
-        per_expert = routed_total / (cfg.n_routed_experts * cfg.n_moe_layers)  # one expert of one layer
-        touched = cfg.n_moe_layers * experts_touched(cfg.n_routed_experts, cfg.top_k, batch) * per_expert
     table = count.components["embedding"][1]
     rows_not_read = 0 if cfg.tie_embeddings else table - min(batch, cfg.vocab_size) * cfg.d_model
-    return count.active - routed_active + touched - rows_not_read
+    return count.active - count.components["routed_experts"][1] + _touched_expert_params(cfg, batch) - rows_not_read
+
+
+def _touched_expert_params(cfg: K3Config, batch: int) -> float:
+    """Routed-expert parameters one decode step of ``batch`` sequences runs: per MoE layer, the experts the batch
+    touches (:func:`experts_touched`) × one expert's parameters."""
+    if not cfg.n_moe_layers:
+        return 0.0
+    routed_total = param_count(cfg).components["routed_experts"][0]
+    per_expert = routed_total / (cfg.n_routed_experts * cfg.n_moe_layers)  # one expert of one layer
+    return cfg.n_moe_layers * experts_touched(cfg.n_routed_experts, cfg.top_k, batch) * per_expert
 
 
 def decode_step_bytes(cfg: K3Config, context: int, batch: int, dtype_bytes: int = 2,
@@ -438,7 +443,7 @@ def prefill_flops(cfg: K3Config, context: int) -> int:
     return weights + mla + kda
 
 
-# --- what a token costs: GPUs, weight precision, a price per GPU-hour ------------------------------------------
+# --- what a token costs: GPUs, weight precision, where the weights sit, a price per GPU-hour -----------------
 
 @dataclass(frozen=True)
 class GPU:
@@ -451,43 +456,118 @@ class GPU:
     flops: dict[str, float]
 
 
+GIB = 2 ** 30
 # Vendor datasheet figures per GPU (SXM parts; dense, no sparsity): the course's reading of them, marked † where a
-# lesson quotes them. B300 adds FP4 throughput and memory over B200; its 8- and 16-bit rates are B200's.
+# lesson quotes them. Memory: a datasheet's "GB" of HBM are binary (GiB) — an "80 GB" H100 reports 81,559 MiB
+# (85.5·10⁹ bytes) in nvidia-smi — so memory is the figure × 2³⁰ bytes; bandwidth and FLOP/s are decimal
+# (TB/s = 10¹² bytes/s). B200: 7.7 TB/s as NVIDIA's HGX B200 table gives it (8 TB/s is the GB200 figure); B300
+# adds FP4 throughput and memory over B200, 8 TB/s per GPU in NVIDIA's HGX B300 figures; its 8- and 16-bit rates
+# are B200's.
 GPUS: dict[str, GPU] = {
-    "H100": GPU("H100", 80e9, 3.35e12, {"bf16": 989e12, "fp8": 1979e12}),
-    "H200": GPU("H200", 141e9, 4.8e12, {"bf16": 989e12, "fp8": 1979e12}),
-    "B200": GPU("B200", 180e9, 8e12, {"bf16": 2.25e15, "fp8": 4.5e15}),
-    "B300": GPU("B300", 288e9, 8e12, {"bf16": 2.25e15, "fp8": 4.5e15}),
+    "H100": GPU("H100", 80 * GIB, 3.35e12, {"bf16": 989e12, "fp8": 1979e12}),
+    "H200": GPU("H200", 141 * GIB, 4.8e12, {"bf16": 989e12, "fp8": 1979e12}),
+    "B200": GPU("B200", 180 * GIB, 7.7e12, {"bf16": 2.25e15, "fp8": 4.5e15}),
+    "B300": GPU("B300", 288 * GIB, 8e12, {"bf16": 2.25e15, "fp8": 4.5e15}),
 }
 
-# weight precision -> (bytes per weight with its scales, the precision its products run in). FP8: e4m3 with one
-# fp32 scale per 128 × 128 block (DeepSeek-V3, Kimi K2); INT4: weight-only, one bf16 scale per 32 weights, the
-# activations and products in bf16 (compressed-tensors W4A16, as Kimi K2 Thinking ships).
-WEIGHT_PRECISIONS: dict[str, tuple[float, str]] = {
-    "bf16": (2.0, "bf16"),
-    "fp8": (1 + 4 / 128 ** 2, "fp8"),
-    "int4": (0.5 + 2 / 32, "bf16"),
+
+@dataclass(frozen=True)
+class Precision:
+    """How a deployment stores its weights: bytes per routed-expert weight and per other weight (scales included),
+    and the precision its products run in."""
+
+    routed_bytes: float
+    other_bytes: float
+    products: str
+
+
+# weight precision -> Precision. FP8: e4m3 with one fp32 scale per 128 × 128 block (DeepSeek-V3, Kimi K2), every
+# weight. INT4: weight-only, one bf16 scale per 32 weights on every weight, the activations and products in bf16
+# (compressed-tensors W4A16). MXFP4, as K3 is released: routed experts in e2m1 with one 8-bit power-of-two scale per
+# 32 weights (4 + 8/32 = 4.25 bits), attention, shared experts and every other weight in bf16; products in bf16.
+WEIGHT_PRECISIONS: dict[str, Precision] = {
+    "bf16": Precision(2.0, 2.0, "bf16"),
+    "fp8": Precision(1 + 4 / 128 ** 2, 1 + 4 / 128 ** 2, "fp8"),
+    "int4": Precision(0.5 + 2 / 32, 0.5 + 2 / 32, "bf16"),
+    "mxfp4": Precision(4.25 / 8, 2.0, "bf16"),
 }
-CACHE_BYTES = 2  # the MLA cache and the KDA state served in bf16
+RELEASED_PRECISION = "mxfp4"  # K3's released checkpoint
+# Where the weights sit on the N GPUs of a deployment, and so which weights every GPU reads at each decode step:
+# sharded        every weight on exactly one GPU (an ideal: no deployment splits a router that way)
+# expert-parallel  lesson 13's layout: the routed experts split over the GPUs; the router, the shared experts and
+#                the latent projections replicated on every GPU, which reads them every step; the attention, dense
+#                layers, norms, embedding and head split over the GPUs (tensor parallel)
+# dp-attention   expert-parallel with data-parallel attention: the attention, dense layers, norms and head
+#                replicated too, each GPU running them for its B/N sequences
+PLACEMENTS = ("sharded", "expert-parallel", "dp-attention")
+# The caches: the MLA latents and the short-conv tails in bf16, the KDA state S in fp32
+# (:func:`recurrent_state_bytes`), whatever the weights' precision.
+CACHE_BYTES = 2
 MEMORY_USABLE = 0.9  # of HBM, for weights and caches (the rest: activations, the allocator, the runtime)
 
 
-def _gpu_and_precision(gpu: GPU | str, precision: str) -> tuple[GPU, float, str]:
-    """(the GPU, bytes per weight, the precision of the products); errors name the argument."""
+def _gpu_and_precision(gpu: GPU | str, precision: str) -> tuple[GPU, Precision]:
+    """(the GPU, the precision); errors name the argument."""
     if isinstance(gpu, str):
         if gpu not in GPUS:
             raise ValueError(f"gpu: unknown GPU {gpu!r}; choose one of {', '.join(GPUS)} or pass a GPU(...)")
         gpu = GPUS[gpu]
+    if not isinstance(gpu, GPU):
+        raise ValueError(f"gpu: must be a GPU name ({', '.join(GPUS)}) or a GPU(...), got {gpu!r}")
     if precision not in WEIGHT_PRECISIONS:
         raise ValueError(f"precision: must be one of {', '.join(WEIGHT_PRECISIONS)}, got {precision!r}")
-    per_weight, products = WEIGHT_PRECISIONS[precision]
-    return gpu, per_weight, products
+    return gpu, WEIGHT_PRECISIONS[precision]
 
 
 def weight_bytes(cfg: K3Config, precision: str = "bf16") -> float:
-    """Bytes of all the weights at ``precision`` (scales included): total parameters · bytes per weight."""
-    _, per_weight, _ = _gpu_and_precision("H100", precision)
-    return param_count(cfg).total * per_weight
+    """Bytes of all the weights at ``precision`` (scales included): routed experts · their bytes per weight +
+    every other parameter · its bytes per weight."""
+    _, stored = _gpu_and_precision("H100", precision)
+    count = param_count(cfg)
+    routed = count.components["routed_experts"][0]
+    return routed * stored.routed_bytes + (count.total - routed) * stored.other_bytes
+
+
+def _weight_groups(cfg: K3Config, batch: int) -> dict[str, tuple[float, float]]:
+    """{group: (parameters held, parameters one decode step of ``batch`` sequences reads)} for the three groups a
+    placement treats differently: "routed" (the routed experts: all held, the touched ones read), "moe_replicated"
+    (router, shared experts, latent projections) and "rest" (attention, dense layers, norms, embedding, head: the
+    embedding's read is the batch's rows, :func:`decode_weight_params`)."""
+    count = param_count(cfg)
+    routed_total = count.components["routed_experts"][0]
+    moe_replicated = sum(count.components[name][0] for name in ("router", "shared_experts", "latent_projections"))
+    read = decode_weight_params(cfg, batch)
+    routed_read = _touched_expert_params(cfg, batch)
+    rest_total = count.total - routed_total - moe_replicated
+    return {"routed": (routed_total, routed_read), "moe_replicated": (moe_replicated, moe_replicated),
+            "rest": (rest_total, read - routed_read - moe_replicated)}
+
+
+def per_gpu_weight_bytes(cfg: K3Config, gpus: int, batch: int, precision: str = RELEASED_PRECISION,
+                         placement: str = "expert-parallel") -> tuple[float, float]:
+    """(bytes of weights one GPU holds, bytes of weights one GPU reads per decode step of ``batch`` sequences) on
+    ``gpus`` GPUs under ``placement`` (:data:`PLACEMENTS`): a split group counts 1/N of its bytes, a replicated
+    one all of them on every GPU.
+
+    sharded          (routed + replicated + rest) / N
+    expert-parallel  routed / N + moe_replicated + rest / N
+    dp-attention     routed / N + moe_replicated + rest
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement: must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive int, got {gpus!r}")
+    _, stored = _gpu_and_precision("H100", precision)
+    groups = _weight_groups(cfg, batch)
+    replicated = {"sharded": (), "expert-parallel": ("moe_replicated",),
+                  "dp-attention": ("moe_replicated", "rest")}[placement]
+    held = read = 0.0
+    for group, (total, touched) in groups.items():
+        share = 1 if group in replicated else 1 / gpus
+        per_weight = stored.routed_bytes if group == "routed" else stored.other_bytes
+        held += total * per_weight * share
+        read += touched * per_weight * share
+    return held, read
 
 
 def decode_usd_per_million(step_s: float, batch: int, gpus: int, usd_per_gpu_hour: float) -> float:
@@ -509,7 +589,8 @@ def decode_usd_per_million(step_s: float, batch: int, gpus: int, usd_per_gpu_hou
 class ServingCost:
     """What serving ``cfg`` on ``gpus`` GPUs costs: ``batch`` sequences of ``context`` tokens decoded together,
     each step ``step_s`` long; dollars per million input (prefill) and output (decode) tokens; ``weights_gpus``:
-    how many of these GPUs the weights alone fill."""
+    how many of these GPUs the weights alone fill (stored once); ``placement``: where the weights sit
+    (:data:`PLACEMENTS`); ``read_per_gpu``: the bytes one GPU reads per decode step (weights and caches)."""
 
     gpus: int
     batch: int
@@ -518,42 +599,65 @@ class ServingCost:
     weights_gpus: float
     usd_per_million_input: float
     usd_per_million_output: float
+    placement: str
+    read_per_gpu: float
 
 
-def serving_cost(cfg: K3Config, gpu: GPU | str = "B300", precision: str = "fp8", usd_per_gpu_hour: float = 5.0,
-                 gpus: int | None = None, context: int = 32768, batch: int | None = None,
-                 utilisation: float = 0.5) -> ServingCost:
+def serving_cost(cfg: K3Config, gpu: GPU | str = "B300", precision: str = RELEASED_PRECISION,
+                 usd_per_gpu_hour: float = 5.0, gpus: int | None = None, context: int = 32768,
+                 batch: int | None = None, utilisation: float = 0.5, placement: str = "expert-parallel"
+                 ) -> ServingCost:
     """A roofline price of serving ``cfg``, with every assumption an argument:
 
-    weights    total parameters · bytes per weight (:data:`WEIGHT_PRECISIONS`), spread over ``gpus`` GPUs
-               (default: the fewest whose usable memory, MEMORY_USABLE of HBM, holds them and one sequence)
-    batch      default: the most sequences of ``context`` tokens whose caches fit beside the weights
-    decode     one step of the batch: max(bytes / (gpus · bandwidth), FLOPs / (gpus · FLOP/s)) / utilisation
-               (:func:`decode_step_bytes` with the experts the batch touches, weights at their precision,
-               caches in bf16); $ per 1M output tokens by :func:`decode_usd_per_million`
+    weights    routed experts and the rest at their bytes per weight (:data:`WEIGHT_PRECISIONS`; default the
+               release's MXFP4), placed on the GPUs by ``placement`` (:data:`PLACEMENTS`; default lesson 13's
+               expert-parallel layout, router, shared experts and latent projections on every GPU):
+               :func:`per_gpu_weight_bytes`. ``gpus`` default: the fewest whose usable memory (MEMORY_USABLE of
+               HBM) holds each GPU's weights and one sequence
+    batch      default: the most sequences of ``context`` tokens whose caches fit beside the weights, the caches
+               spread evenly over the GPUs
+    decode     one step of the batch on the busiest-read GPU: max(bytes read per GPU / bandwidth,
+               FLOPs / (gpus · FLOP/s)) / utilisation, bytes read per GPU = its weights' reads (the experts the
+               batch touches, :func:`decode_weight_params`) + batch · cache(context) / gpus (MLA latents bf16, KDA
+               state fp32); $ per 1M output tokens by :func:`decode_usd_per_million`
     prefill    compute-bound: FLOPs per input token of a ``context``-token prompt (:func:`prefill_flops` / L) at
                the products' FLOP/s · utilisation; $ per 1M input tokens at the same price
 
     Communication (the all-to-all of expert parallelism) is left out: it can overlap with the experts' work.
     """
-    gpu, per_weight, products = _gpu_and_precision(gpu, precision)
-    if not 0 < utilisation <= 1:
+    gpu, stored = _gpu_and_precision(gpu, precision)
+    if isinstance(utilisation, bool) or not isinstance(utilisation, int | float) or not 0 < utilisation <= 1:
         raise ValueError(f"utilisation must be in (0, 1], got {utilisation!r}")
-    weights = weight_bytes(cfg, precision)
+    if isinstance(usd_per_gpu_hour, bool) or not isinstance(usd_per_gpu_hour, int | float) \
+            or not 0 < usd_per_gpu_hour < math.inf:
+        raise ValueError(f"usd_per_gpu_hour must be a finite number > 0, got {usd_per_gpu_hour!r}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement: must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     per_sequence = kv_cache_bytes(cfg, context, CACHE_BYTES)
     usable = gpu.memory * MEMORY_USABLE
-    gpus = gpus if gpus is not None else math.ceil((weights + per_sequence) / usable)
-    most = int((gpus * usable - weights) // per_sequence) if gpus * usable > weights else 0
+    held = lambda n: per_gpu_weight_bytes(cfg, n, 1, precision, placement)[0]
+    if gpus is None:
+        gpus = next((n for n in range(1, 1 << 16) if held(n) + per_sequence / n <= usable), None)
+        if gpus is None:
+            raise ValueError(f"placement: {placement} puts more than one {gpu.name} holds on every GPU")
+    elif isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive int or None, got {gpus!r}")
+    free = gpus * (usable - held(gpus))
+    most = int(free // per_sequence) if free > 0 else 0
     if most < 1:
-        raise ValueError(f"gpus: {gpus} {gpu.name} hold {gpus * usable / 1e12:.2f} TB usable, less than the "
-                         f"{precision} weights ({weights / 1e12:.2f} TB) and one {context}-token sequence")
-    batch = most if batch is None else batch
-    if batch > most:
+        raise ValueError(f"gpus: {gpus} {gpu.name} hold {usable / GIB:.0f} GiB usable each, less than the "
+                         f"{precision} weights each holds ({held(gpus) / GIB:.0f} GiB, {placement}) and one "
+                         f"{context}-token sequence")
+    if batch is None:
+        batch = most
+    elif isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int or None, got {batch!r}")
+    elif batch > most:
         raise ValueError(f"batch: {batch} sequences of {context} tokens do not fit beside the weights; at most {most}")
-    step_bytes = decode_step_bytes(cfg, context, batch, CACHE_BYTES, per_weight)
+    read = per_gpu_weight_bytes(cfg, gpus, batch, precision, placement)[1] + batch * per_sequence / gpus
     step_flops = batch * decode_flops_per_token(cfg, context)
-    step_s = max(step_bytes / (gpus * gpu.bandwidth), step_flops / (gpus * gpu.flops[products])) / utilisation
-    prefill_s_per_token = prefill_flops(cfg, context) / context / (gpu.flops[products] * utilisation)
-    return ServingCost(gpus, batch, context, step_s, weights / gpu.memory,
+    step_s = max(read / gpu.bandwidth, step_flops / (gpus * gpu.flops[stored.products])) / utilisation
+    prefill_s_per_token = prefill_flops(cfg, context) / context / (gpu.flops[stored.products] * utilisation)
+    return ServingCost(gpus, batch, context, step_s, weight_bytes(cfg, precision) / gpu.memory,
                        1e6 * prefill_s_per_token * usd_per_gpu_hour / 3600,
-                       decode_usd_per_million(step_s, batch, gpus, usd_per_gpu_hour))
+                       decode_usd_per_million(step_s, batch, gpus, usd_per_gpu_hour), placement, read)

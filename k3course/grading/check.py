@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import traceback
 from typing import Any
 
@@ -73,7 +74,7 @@ def _learner_call(fn, case: Case, exercise: Exercise):
 
 def _same(before: Any, after: Any) -> bool:
     """Exact equality of an input before and after a call (tensors: same dtype, shape and bits; generators: same
-    state; modules, optimizers, schedulers: same ``state_dict()``)."""
+    state; modules, optimizers, schedulers: same ``state_dict()``; a float NaN stays NaN)."""
     if isinstance(before, torch.Tensor):
         return (isinstance(after, torch.Tensor) and before.dtype == after.dtype and before.shape == after.shape
                 and torch.equal(before, after))
@@ -87,6 +88,8 @@ def _same(before: Any, after: Any) -> bool:
     if isinstance(before, dict):
         return isinstance(after, dict) and before.keys() == after.keys() and all(
             _same(before[key], after[key]) for key in before)
+    if isinstance(before, float) and math.isnan(before):  # NaN is itself though it compares unequal
+        return isinstance(after, float) and math.isnan(after)
     return before == after
 
 

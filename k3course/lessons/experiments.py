@@ -370,7 +370,8 @@ def _trial(run: dict) -> dict:
 
 def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, sample_prompt: str | None = None,
                    jobs: int = 1, equal_time: tuple[str, str] | None = None, device: str = "cpu",
-                   lr_grid: tuple[float, ...] | None = None) -> dict:
+                   lr_grid: tuple[float, ...] | None = None, more_seeds: dict[str, tuple[int, ...]] | None = None
+                   ) -> dict:
     """Every variant of ``claim`` (:data:`k3course.lessons.claims.CLAIMS`) × every seed, trained by
     :func:`k3course.lessons.claims.run_variant` with ``TrainConfig(**train)``:
     {"variants": {label: :func:`describe`}, "training": {label: :func:`variant_training`}, "torch_threads": 1,
@@ -387,7 +388,8 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
     in the wall time of ``slower``'s steps (:func:`equal_time_steps` of the step times :func:`step_seconds`
     measures first, both models on one thread taking turns), on its own warmup + cosine schedule over those steps,
     as the variant "FASTER (equal time)" with its "steps"; the result keeps the step times ("step_seconds").
-    ``device``: where every run trains (a CUDA device for :data:`GPU_BUDGET`'s runs).
+    ``device``: where every run trains (a CUDA device for :data:`GPU_BUDGET`'s runs). ``more_seeds``: {label:
+    seeds} trained for that variant besides ``seeds`` (the pairs chapter 12's verdict rule left within reach).
     """
     variants = claims.CLAIMS[claim]()
     base = train_config(train)
@@ -402,7 +404,7 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
         equal = [(equal_time_label(faster), variants[faster], settings[faster].replace(steps=steps), seed, None,
                   device, None) for seed in seeds]
     todo = [(label, cfg, settings[label], seed, sample_prompt if seed == seeds[0] else None, device, None)
-            for label, cfg in variants.items() for seed in seeds] + equal
+            for label, cfg in variants.items() for seed in (*seeds, *(more_seeds or {}).get(label, ()))] + equal
     runs = _train_all(todo, jobs, task)
     described = {label: describe(cfg) for label, cfg in variants.items()}
     training = {label: variant_training(cfg, settings[label], tuned) for label, cfg in variants.items()}
@@ -518,10 +520,16 @@ def tiny_default() -> dict:
 
 
 SEEDS = (0, 1, 2)
+# Every 120-step text claim at five seeds (a few CPU-minutes each); at the default budget, seeds 3 and 4 for the
+# variants of the pairs that three seeds left within reach of chapter 12's rule (|t| ≥ 2 and the interval still
+# holding 0: 3:1 vs all-KDA and 7:1, Full vs Block AttnRes, latent-wider vs full width).
+FIVE_SEEDS = (0, 1, 2, 3, 4)
+MORE_SEEDS = (3, 4)
 _TUNED = dict(seeds=SEEDS, lr_grid=tuning.LR_GRID)
-_TEXT = dict(**_TUNED, task="text", train=dataclasses.asdict(claims.TEXT_TRAIN))
+_TEXT = dict(_TUNED, seeds=FIVE_SEEDS, task="text", train=dataclasses.asdict(claims.TEXT_TRAIN))
 _DEFAULT_TEXT = dict(**_TUNED, task="text", train=dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN))
 _MQAR = dict(**_TUNED, task="mqar", train=dataclasses.asdict(claims.MQAR_TRAIN))
+_more = lambda *labels: {"more_seeds": {label: MORE_SEEDS for label in labels}}
 EXPERIMENTS = {
     "tiny-default": (tiny_default, {}),
     "mqar-mixers": (mqar_mixers, MQAR_SETTINGS),
@@ -538,9 +546,12 @@ EXPERIMENTS = {
     "balancing": (claim_variants, {"claim": "balancing", **_TEXT}),
     "latent-moe": (claim_variants, {"claim": "latent-moe", **_TEXT}),
     "expert-count": (claim_variants, {"claim": "expert-count", **_TEXT}),
-    "hybrid-ratio-default": (claim_variants, {"claim": "hybrid-ratio", **_DEFAULT_TEXT}),
-    "residuals-default": (claim_variants, {"claim": "residuals", **_DEFAULT_TEXT}),
-    "latent-moe-default": (claim_variants, {"claim": "latent-moe", **_DEFAULT_TEXT}),
+    "hybrid-ratio-default": (claim_variants, {"claim": "hybrid-ratio", **_DEFAULT_TEXT,
+                                              **_more("3:1", "7:1", "all-KDA")}),
+    "residuals-default": (claim_variants, {"claim": "residuals", **_DEFAULT_TEXT,
+                                           **_more("Block AttnRes", "Full AttnRes")}),
+    "latent-moe-default": (claim_variants, {"claim": "latent-moe", **_DEFAULT_TEXT,
+                                            **_more("full width", "latent, wider experts")}),
 }
 
 

@@ -6,6 +6,8 @@ variants seed by seed with the chapter's verdict rule, and their plots. A result
 
 from __future__ import annotations
 
+import math
+
 
 def spread(result: dict, metric: str, key: str = "variant") -> dict[str, dict]:
     """{variant: {"mean", "std", "min", "max", "n"}} of ``metric`` over the seeds of a result's runs, grouped by
@@ -39,16 +41,75 @@ def spread_table(result: dict, metric: str, columns: tuple[str, ...] = (), key: 
     return "\n".join(rows)
 
 
+CONFIDENCE = 0.95  # chapter 12's verdict rule: a two-sided 95% t-interval of the mean paired difference
+
+
+def t_quantile(probability: float, df: int) -> float:
+    """The ``probability`` quantile of Student's t with ``df`` degrees of freedom (0.5 < probability < 1), by
+    bisection on its CDF, F(t) = 1 − I_{df/(df+t²)}(df/2, 1/2) / 2 (:func:`_incomplete_beta`): t₀.₉₇₅ is 12.706
+    at df 1, 4.303 at 2, 2.776 at 4."""
+    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
+        raise ValueError(f"df must be an int ≥ 1, got {df!r}")
+    if not 0.5 < probability < 1:
+        raise ValueError(f"probability must be in (0.5, 1), got {probability!r}")
+    cdf = lambda t: 1 - 0.5 * _incomplete_beta(df / (df + t * t), df / 2, 0.5)
+    low, high = 0.0, 1.0
+    while cdf(high) < probability:
+        low, high = high, 2 * high
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if cdf(middle) < probability else (low, middle)
+    return (low + high) / 2
+
+
+def _incomplete_beta(x: float, a: float, b: float) -> float:
+    """The regularised incomplete beta function I_x(a, b), by its continued fraction (Lentz's method; for
+    x > (a+1)/(a+b+2) through I_x(a, b) = 1 − I_{1−x}(b, a))."""
+    if x <= 0 or x >= 1:
+        return float(x >= 1)
+    if x > (a + 1) / (a + b + 2):
+        return 1 - _incomplete_beta(1 - x, b, a)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    c, d = 1.0, 1 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 300):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1 + numerator * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1) < 1e-15:
+            break
+    return front * fraction
+
+
+def verdict(differences: list[float], confidence: float = CONFIDENCE) -> dict:
+    """Chapter 12's verdict rule, fixed before any claim was re-graded by it: the two-sided ``confidence``
+    t-interval of the mean paired difference, mean ± t · s/√n (s the sample std of the n differences, t the
+    (1 + confidence)/2 quantile of Student's t with n − 1 degrees of freedom). "reproduced" iff the whole interval
+    lies above 0, "reversed" iff below 0, "undecided" otherwise (always with one seed: no interval).
+    Returns {"mean", "std", "half_width", "interval": (low, high), "verdict"}."""
+    n = len(differences)
+    mean, std = _mean_std(differences)
+    half_width = t_quantile((1 + confidence) / 2, n - 1) * std / n ** 0.5 if n > 1 else math.inf
+    low, high = mean - half_width, mean + half_width
+    word = "reproduced" if low > 0 else "reversed" if high < 0 else "undecided"
+    return {"mean": mean, "std": std, "half_width": half_width, "interval": (low, high), "verdict": word}
+
+
 def paired(result: dict, better: str, worse: str, metric: str = "val_bpb", key: str = "variant",
            higher_is_better: bool = False) -> dict:
     """The paired comparison of two variants of a result over their common seeds (one seed: the same
-    initialisation draws and the same batches in both runs), with the verdict rule of chapter 12.
+    initialisation draws and the same batches in both runs), graded by chapter 12's rule (:func:`verdict`).
 
     Per seed s, d_s = metric(worse, s) − metric(better, s) (better − worse when ``higher_is_better``), so d_s > 0
-    means ``better`` won seed s. Returns {"differences": {seed: d_s}, "mean", "std" (sample std of d_s), "spread"
-    (the larger of the two variants' seed-to-seed sample std), "agreeing" (seeds with d_s > 0), "seeds", "verdict"}:
-    "reproduced" iff every d_s > 0 and mean > spread; "reversed" iff every d_s < 0 and −mean > spread;
-    "undecided" otherwise.
+    means ``better`` won seed s. Returns {"differences": {seed: d_s}, "mean", "std" (sample std of d_s),
+    "half_width", "interval" (the 95% t-interval of the mean), "agreeing" (seeds with d_s > 0), "seeds",
+    "verdict"}.
     """
     by_seed = {label: {run["seed"]: run[metric] for run in result["runs"] if run[key] == label}
                for label in (better, worse)}
@@ -61,17 +122,9 @@ def paired(result: dict, better: str, worse: str, metric: str = "val_bpb", key: 
         raise ValueError(f"{better!r} and {worse!r} share no seed, so no paired difference exists")
     sign = -1.0 if higher_is_better else 1.0
     differences = {seed: sign * (by_seed[worse][seed] - by_seed[better][seed]) for seed in seeds}
-    mean, std = _mean_std(list(differences.values()))
-    spread_of_variants = max(_mean_std([by_seed[label][seed] for seed in seeds])[1] for label in (better, worse))
-    agreeing = sum(d > 0 for d in differences.values())
-    if agreeing == len(seeds) and mean > spread_of_variants:
-        verdict = "reproduced"
-    elif all(d < 0 for d in differences.values()) and -mean > spread_of_variants:
-        verdict = "reversed"
-    else:
-        verdict = "undecided"
-    return {"differences": differences, "mean": mean, "std": std, "spread": spread_of_variants,
-            "agreeing": agreeing, "seeds": len(seeds), "verdict": verdict}
+    graded = verdict(list(differences.values()))
+    return {"differences": differences, **graded, "agreeing": sum(d > 0 for d in differences.values()),
+            "seeds": len(seeds)}
 
 
 def last_steps_mean(result: dict, series: str = "max_violation", steps: int = 20) -> dict:
@@ -106,17 +159,17 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 def plot_paired(axes, result: dict, comparisons: list[tuple[str, str]], metric: str = "val_bpb",
                 key: str = "variant", higher_is_better: bool = False) -> None:
     """For each (better, worse) of ``comparisons``: every seed's paired difference d_s (:func:`paired`) as a dot,
-    their mean as a bar, and the seed-to-seed spread of the two variants as a grey band around 0, on matplotlib
-    ``axes``; under each pair's name on the x axis, its verdict on a line of its own (outside the plot, so it meets
-    neither the dots nor the title). A claim is reproduced when all dots sit above 0 and the bar rises out of its
-    band."""
+    their mean as a bar with its 95% t-interval as whiskers, on matplotlib ``axes``; under each pair's name on the
+    x axis, its verdict on a line of its own (outside the plot, so it meets neither the dots nor the title). A
+    claim is reproduced when the whole interval sits above 0, reversed when below."""
     names = []
     for i, (better, worse) in enumerate(comparisons):
         comparison = paired(result, better, worse, metric, key, higher_is_better)
-        axes.fill_between([i - 0.4, i + 0.4], -comparison["spread"], comparison["spread"], color="0.88",
-                          label="± seed-to-seed spread" if i == 0 else None)
+        low, high = comparison["interval"]
         axes.bar(i, comparison["mean"], width=0.5, color="lightsteelblue", label="mean paired difference"
                  if i == 0 else None)
+        axes.errorbar(i, comparison["mean"], yerr=[[comparison["mean"] - low], [high - comparison["mean"]]],
+                      color="0.35", capsize=6, lw=1.2, label="95% t-interval of the mean" if i == 0 else None)
         differences = list(comparison["differences"].values())
         axes.plot([i] * len(differences), differences, "k.", ms=6, label="one seed" if i == 0 else None)
         names.append(f"{better}\nvs {worse}\n→ {comparison['verdict']}")

@@ -212,6 +212,18 @@ def sample_softmax_in_the_logits_dtype(logits, temperature, top_k, generator):
     return torch.multinomial(torch.softmax(logits, -1).float(), 1, generator=generator)
 
 
+def sample_divides_in_the_logits_dtype(logits, temperature, top_k, generator):
+    """Divides by the temperature in bf16 and casts after: logits / 0.7 rounded to 8 bits move the draws (a
+    power-of-two temperature divides exactly, so only another one shows it)."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = (logits / temperature).float()
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+
+
 def sample_temperature_floored(logits, temperature, top_k, generator):
     """temperature 0 as a tiny temperature: the right token, but a draw from the generator the greedy path never
     makes."""
@@ -318,7 +330,8 @@ WRONG = {
     "11.param_count": [count_every_expert_as_active, count_buffers_too, count_with_the_ratios_layer_plan,
                        count_active_per_moe_layer],
     "11.sample_next": [sample_top_k_over_the_batch, sample_from_the_logits, sample_temperature_multiplies,
-                       sample_top_k_by_index, sample_softmax_in_the_logits_dtype, sample_temperature_floored],
+                       sample_top_k_by_index, sample_softmax_in_the_logits_dtype, sample_temperature_floored,
+                       sample_divides_in_the_logits_dtype],
     "11.generate": [generate_without_the_cache, generate_prompt_again_into_the_cache, generate_reseeds_every_step,
                     generate_in_training_mode, generate_leaves_the_model_in_eval_mode, generate_seeds_the_global_rng,
                     generate_under_inference_mode, generate_calls_model_generate, generate_prefills_all_but_the_last,

@@ -159,12 +159,35 @@ def price_accepts_anything(step_s, batch, gpus, usd_per_gpu_hour):
     return 1e6 * gpus * usd_per_gpu_hour / 3600 * step_s / batch
 
 
+def price_lets_nan_through(step_s, batch, gpus, usd_per_gpu_hour):
+    """Refuses with ``value <= 0``: NaN compares False to everything, so a NaN step or price passes."""
+    for name, value in (("step_s", step_s), ("usd_per_gpu_hour", usd_per_gpu_hour)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    for name, value in (("batch", batch), ("gpus", gpus)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return 1e6 * gpus * usd_per_gpu_hour / 3600 * step_s / batch
+
+
+def price_whole_floats_and_bools_count(step_s, batch, gpus, usd_per_gpu_hour):
+    """Checks the counts' values, not their types: a batch of 4.0 and True (== 1) pass as counts."""
+    for name, value in (("step_s", step_s), ("usd_per_gpu_hour", usd_per_gpu_hour)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    for name, value in (("batch", batch), ("gpus", gpus)):
+        if value != int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+    return 1e6 * gpus * usd_per_gpu_hour / 3600 * step_s / batch
+
+
 WRONG = {
     "14.predicted_tpot": [tpot_flops_only, tpot_adds_bytes_and_flops, tpot_experts_of_one_token,
                           tpot_every_token_new_experts, tpot_cache_read_once, tpot_whole_embedding_table,
                           tpot_no_embedding_at_all, tpot_divides_by_the_moe_layers],
     "14.decode_usd_per_million": [price_forgets_the_batch, price_of_one_gpu, price_per_hour_as_per_second,
-                                  price_accepts_anything],
+                                  price_accepts_anything, price_lets_nan_through,
+                                  price_whole_floats_and_bools_count],
     "14.kda_step_bytes": [kda_bytes_without_conv_tails, kda_bytes_state_in_activation_dtype,
                           kda_bytes_tails_all_k_wide],
     "14.mla_step_bytes": [mla_bytes_without_rope, mla_bytes_in_numbers],

@@ -103,7 +103,9 @@ def _sample_cases() -> list[Case]:
             "top-k = vocabulary": (32, 12, 0.5, 12, torch.float32),
             "bf16 logits (sampled in fp32)": (64, 40, 0.9, 6, torch.bfloat16),
             "bf16 logits, 2048 rows (softmax in bf16 rounds the probabilities)": (2048, 40, 1.0, None,
-                                                                                  torch.bfloat16)}.items():
+                                                                                  torch.bfloat16),
+            "bf16 logits at temperature 0.7, 2048 rows (dividing in bf16 rounds the logits)": (2048, 40, 0.7, None,
+                                                                                            torch.bfloat16)}.items():
         logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
         cases.append(Case(name, (logits, temperature, top_k, torch.Generator().manual_seed(len(cases)))))
     tied = torch.randint(0, 4, (256, 40), generator=g).float()  # many logits equal the k-th largest

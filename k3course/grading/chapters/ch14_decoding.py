@@ -3,6 +3,8 @@ batch (with the experts it touches), TPOT extrapolation."""
 
 from __future__ import annotations
 
+import math
+
 from k3course.accounting import (
     crossover_context,
     decode_usd_per_million,
@@ -61,7 +63,14 @@ def _price_cases() -> list[Case]:
             Case("batch 0 is refused", (0.01, 0, 8, 3.0)),
             Case("a fractional GPU count is refused", (0.01, 4, 1.5, 3.0)),
             Case("a negative price is refused", (0.01, 4, 8, -1.0)),
-            Case("a zero step is refused", (0.0, 4, 8, 3.0))]
+            Case("a zero step is refused", (0.0, 4, 8, 3.0)),
+            Case("a NaN step is refused (NaN > 0 is False)", (math.nan, 4, 8, 3.0)),
+            Case("a NaN price is refused", (0.01, 4, 8, math.nan)),
+            Case("zero GPUs are refused", (0.01, 4, 0, 3.0)),
+            Case("a float batch is refused, even a whole one", (0.01, 4.0, 8, 3.0)),
+            Case("a zero price is refused", (0.01, 4, 8, 0.0)),
+            Case("a bool batch is refused (True is an int in Python)", (0.01, True, 8, 3.0)),
+            Case("a bool price is refused", (0.01, 4, 8, True))]
 
 
 def _price_or_refusal(answer, *args):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from k3course.lessons import experiments, seed_statistics
-from k3course.lessons.quoted.markers import Pair, plus_minus, quoted
+from k3course.lessons.quoted.markers import Pair, plus_minus, quoted, span
 
 
 @functools.cache
@@ -58,9 +58,9 @@ def mqar_agreeing(name: str, better: str, worse: str) -> str:
 
 
 @quoted
-def mqar_spread(name: str, better: str, worse: str) -> float:
-    """The seed-to-seed spread the paired mean must clear: the larger of the two variants' sample std."""
-    return _paired(name, better, worse)["spread"]
+def mqar_interval(name: str, better: str, worse: str) -> Pair:
+    """The 95% t-interval of the mean paired accuracy difference (low–high), chapter 12's verdict rule."""
+    return span(*_paired(name, better, worse)["interval"])
 
 
 @quoted

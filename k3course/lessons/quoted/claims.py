@@ -83,9 +83,10 @@ def claim_paired_mean(name: str, better: str, worse: str, metric: str = "val_bpb
 
 
 @quoted
-def claim_pair_spread(name: str, better: str, worse: str, metric: str = "val_bpb") -> float:
-    """The seed-to-seed spread the paired mean must exceed: the larger of the two variants' sample std."""
-    return _paired(name, better, worse, metric)["spread"]
+def claim_interval(name: str, better: str, worse: str, metric: str = "val_bpb") -> Pair:
+    """The 95% t-interval of the mean paired difference of a saved claim (low–high): chapter 12's verdict rule
+    calls the claim reproduced when it lies above 0, reversed when below (:func:`seed_statistics.verdict`)."""
+    return span(*_paired(name, better, worse, metric)["interval"])
 
 
 @quoted

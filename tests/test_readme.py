@@ -40,6 +40,8 @@ def test_ci_runs_the_readme_test_command():
     assert "<!-- test-command -->" in README and "test-command" in ci
     (command,) = re.findall(r"<!-- test-command -->\n```bash\n(.*?)\n```", README, flags=re.S)
     assert command.count("\n") == 0 and "pip install torch==2.13.0 &&" in command and "pytest" in command
+    # the lessons and the solved exercise notebooks are checked against their stored outputs as checked out
+    assert command.endswith("--nbval tests notebooks solutions"), command
 
 
 def test_course_map_is_one_table_of_every_chapter():
@@ -143,3 +145,26 @@ def test_course_map_runtimes_are_the_lessons_own():
         header = nbformat.read(path, 4).cells[0].source
         stated = re.search(r"Runtime on a 2-core CPU: about ([\d.]+ (?:s|min))\b", header)
         assert stated and stated.group(1) == runtime, f"{path.name}: {stated and stated.group(1)!r}, README ~{runtime}"
+
+
+def _header_seconds(path) -> float:
+    """The runtime a notebook's first cell states ("Runtime on a 2-core CPU: about 1.5 min"), in seconds."""
+    import nbformat
+
+    header = nbformat.read(path, 4).cells[0].source
+    stated = re.search(r"Runtime on a 2-core CPU: about ([\d.]+) (s|min)\b", header)
+    assert stated, f"{path.name}: its first cell states no runtime"
+    return float(stated.group(1)) * (60 if stated.group(2) == "min" else 1)
+
+
+def test_readme_runtime_totals_follow_the_notebooks_headers():
+    """The README's sum for the lessons is the sum of their headers within a factor 1.25 (rounding to a whole
+    minute), and its range for the solved exercise notebooks is exactly the range their headers state."""
+    from helpers import notebooks
+
+    (minutes,) = re.findall(r"the seventeen lessons together:\s+about (\d+) minutes", README)
+    lessons = sum(_header_seconds(path) for path in notebooks("notebooks"))
+    assert len(notebooks("notebooks")) == 17 and 1 / 1.25 <= int(minutes) * 60 / lessons <= 1.25, (minutes, lessons)
+    ((low, high),) = re.findall(r"a solved exercise notebook runs in (\d+)–(\d+) s", README)
+    exercises = [_header_seconds(path) for path in notebooks("exercises")]
+    assert (float(low), float(high)) == (min(exercises), max(exercises)), exercises

@@ -58,6 +58,8 @@ def execute(path: Path, timeout: int = 600) -> tuple[nbformat.NotebookNode, list
 
     The kernel process's own stderr (import-time warnings from native libraries) is discarded so that it
     doesn't interleave with the caller's output; what the cells print, warnings included, is in the outputs.
+    The kernel is shut down when the run ends, however it ends (nbclient shuts down only kernels whose manager it
+    created itself, and this one is ours).
     """
     path = Path(path)
     if not path.is_file():
@@ -66,7 +68,11 @@ def execute(path: Path, timeout: int = 600) -> tuple[nbformat.NotebookNode, list
     kernel = KernelManager(kernel_name="python3", kernel_spec_manager=_CurrentInterpreter())
     client = NotebookClient(nb, km=kernel, timeout=timeout, allow_errors=True,
                             resources={"metadata": {"path": str(path.parent)}})
-    client.execute(stderr=subprocess.DEVNULL)
+    try:
+        client.execute(stderr=subprocess.DEVNULL)
+    finally:
+        if kernel.has_kernel:
+            kernel.shutdown_kernel(now=True)
     results = []
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":

@@ -29,7 +29,8 @@ import torch
 from k3course.config import K3Config
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
-FILES = ("model.safetensors", "config.json", "state.pt")
+WEIGHTS = ("model.safetensors", "config.json")  # what loading a model needs (a shipped model holds only these)
+FILES = (*WEIGHTS, "state.pt")  # what resuming a run needs
 
 
 class CheckpointError(RuntimeError):
@@ -105,7 +106,7 @@ def _swap_in(temporary: Path, final: Path) -> None:
 
 def read_config(folder: Path) -> dict:
     """The checkpoint's config.json, with ``model`` turned back into a :class:`K3Config`."""
-    folder = _require_complete(Path(folder))
+    folder = _require_complete(Path(folder), WEIGHTS)
     try:
         config = json.loads((folder / "config.json").read_text())
         config["model"] = K3Config.from_dict(config["model"])  # fields added since it was saved: defaults
@@ -115,8 +116,9 @@ def read_config(folder: Path) -> dict:
 
 
 def load_weights(folder: Path, model: torch.nn.Module) -> None:
-    """Load model.safetensors into ``model`` (strict: every name and shape must match)."""
-    folder = _require_complete(Path(folder))
+    """Load model.safetensors into ``model`` (strict: every name and shape must match); the folder needs no
+    state.pt (a model shipped for generation holds only its weights and config)."""
+    folder = _require_complete(Path(folder), WEIGHTS)
     try:
         missing, unexpected = safetensors.torch.load_model(model, str(folder / "model.safetensors"), strict=False,
                                                            device=str(next(model.parameters()).device))
@@ -146,8 +148,9 @@ def load_state(folder: Path, optimizer, scheduler, shard: Callable[[dict], dict]
     return int(state["step"])
 
 
-def _require_complete(folder: Path) -> Path:
-    missing = [name for name in FILES if not (folder / name).is_file()]
+def _require_complete(folder: Path, files: tuple[str, ...] = FILES) -> Path:
+    """``folder`` if it holds every one of ``files``, else CheckpointError naming the missing ones."""
+    missing = [name for name in files if not (folder / name).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint: {folder} is not a checkpoint folder (missing {', '.join(missing)})")
     return folder

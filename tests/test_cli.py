@@ -87,3 +87,30 @@ def test_generate_prints_control_characters_escaped(monkeypatch, capsys, stream)
     monkeypatch.setattr(k3course.train, "generate_command", lambda *args: iter(pieces))
     assert main(["generate", "--checkpoint", "unused"] + ["--stream"] * stream) == 0
     assert capsys.readouterr().out == "def f():\n\tred \\x1b[31mbell \\x07del \\x7f c1 \\x9b é\n"
+
+
+def test_generate_runs_the_shipped_model_which_holds_weights_only(capsys):
+    """k3course/checkpoints/tiny ships model.safetensors and config.json, no optimizer state: generating needs
+    only the weights."""
+    from pathlib import Path
+
+    import k3course
+
+    shipped = Path(k3course.__file__).parent / "checkpoints" / "tiny"
+    assert not (shipped / "state.pt").exists()
+    assert main(["generate", "--checkpoint", str(shipped), "--prompt", "def ", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+def test_a_run_shorter_than_its_warmup_is_warned_about(tmp_path, capsys):
+    """--steps 20 with the preset's 50 warmup steps never reaches the learning rate: `k3course train` says so."""
+    from k3course.train import TrainConfig
+    from k3course.train.launch import warmup_warning
+
+    warning = warmup_warning(TrainConfig(steps=20))
+    assert "20 steps end inside the 50-step warmup" in warning and "0.0012" in warning  # 3e-3 · 20/50
+    assert warmup_warning(TrainConfig(steps=50)) is None and warmup_warning(TrainConfig()) is None
+    argv = ["train", "--out", str(tmp_path / "run"), "--steps", "2", "--set", "train.batch_size=2",
+            "train.seq_len=32", "train.eval_bytes=256", "train.warmup_steps=5"]
+    assert main(argv) == 0
+    assert "2 steps end inside the 5-step warmup" in capsys.readouterr().out

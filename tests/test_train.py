@@ -154,9 +154,9 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path, corpus):
         train.load_model(folder)
     with pytest.raises(checkpoint.CheckpointError, match="holds no checkpoint"):
         train.load_model(tmp_path)
-    (folder / "state.pt").unlink()
+    (folder / "state.pt").unlink()  # loading a model needs its weights and config; resuming needs state.pt too
     with pytest.raises(checkpoint.CheckpointError, match="missing state.pt"):
-        train.load_model(folder)
+        checkpoint.load_state(folder, *train.make_optimizer(model, FAST))
     with pytest.raises(checkpoint.CheckpointError, match="no folder"):
         train.load_model(tmp_path / "nowhere")
 

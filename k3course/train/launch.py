@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from k3course import checkpoint, data, distributed
 from k3course.config import K3Config
-from k3course.train.config import RunConfig, resolve_config, run_corpus
+from k3course.train.config import RunConfig, TrainConfig, resolve_config, run_corpus
 from k3course.train.loop import Start, StopOnSignal, TrainingInterrupted, find_start, prepare_run, train_run
-from k3course.train.step import build_model
+from k3course.train.step import build_model, lr_factor
 
 
 def configure(preset_name: str | None = None, out: Path | str | None = None, config_file: Path | str | None = None,
@@ -60,6 +60,9 @@ def train_command(preset_name: str | None = None, out: Path | str | None = None,
         raise ValueError(f"--compile: compiles a one-process run; leave it out with --ep {ep}")
     config, out, start = configure(preset_name, out, config_file, flags, sets, resume, extend_to)
     start = start or find_start(out, resume=False)
+    short = warmup_warning(config.train)
+    if short is not None and notice is not None:
+        notice(short)
     if extend_to is not None and notice is not None:
         notice(f"extending {out} from step {start.step} to {extend_to}: a new schedule tail (from here the learning "
                f"rate follows the warmup + cosine of a {extend_to}-step run); not the same as a straight "
@@ -74,6 +77,17 @@ def train_command(preset_name: str | None = None, out: Path | str | None = None,
     final = checkpoint.read_metrics(out)[-1]
     return {"out": str(out), "step": final["step"], "val_bpb": final.get("val_bpb"), "started_at": start.step,
             "seconds": time.perf_counter() - began, "baselines": data.baselines(corpus), "config": config}
+
+
+def warmup_warning(train: TrainConfig) -> str | None:
+    """A warning when a run ends inside its warmup (steps < warmup_steps): it never trains at its learning rate,
+    only on the ramp below it (step s, from 0, at lr · (s + 1) / warmup_steps, :func:`lr_factor`); None otherwise."""
+    if train.steps >= train.warmup_steps:
+        return None
+    reached = train.lr * lr_factor(train.steps - 1, train.warmup_steps, train.steps, train.min_lr_ratio)
+    return (f"warning: {train.steps} steps end inside the {train.warmup_steps}-step warmup, so the learning rate "
+            f"never reaches {train.lr:g} (the last step trains at {reached:.2g}); for a short run lower the warmup "
+            f"too (--set train.warmup_steps=N)")
 
 
 def train_expert_parallel(config: RunConfig, out: Path | str, start: Start, world_size: int, *,

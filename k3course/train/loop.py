@@ -326,22 +326,25 @@ def save_checkpoint(stepper: Stepper, out: Path, whole: dict, config: RunConfig)
 
 
 def plot_losses(out: Path, baselines: dict[str, float] | None = None) -> Path:
-    """loss.png in ``out``: training and validation bits/byte against step, n-gram baselines as lines."""
+    """loss.png in ``out``: training and validation bits/byte against step, n-gram baselines as lines, each in a
+    colour of its own; the y axis holds the first step's loss, the legend sits beside the axes, not on the curves."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     records = checkpoint.read_metrics(out)
-    figure = Figure(figsize=(7, 4))
+    figure = Figure(figsize=(8.5, 4), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     steps = [r["step"] for r in records if "loss" in r]
-    axes.plot(steps, [r["loss"] / LN2 for r in records if "loss" in r], lw=0.8, label="train (incl. aux)")
+    train_bits = [r["loss"] / LN2 for r in records if "loss" in r]
+    axes.plot(steps, train_bits, lw=0.8, color="C0", label="train (incl. aux)")
     evals = [r for r in records if "val_bpb" in r]
-    axes.plot([r["step"] for r in evals], [r["val_bpb"] for r in evals], "o-", label="validation")
-    for (name, value), style in zip((baselines or {}).items(), (":", "--", "-.", (0, (1, 4)))):
-        axes.axhline(value, color="gray", ls=style, lw=1, label=name)
-    axes.set(xlabel="optimizer step", ylabel="bits per byte", ylim=(0, 8))
-    axes.legend(fontsize=8)
+    axes.plot([r["step"] for r in evals], [r["val_bpb"] for r in evals], "o-", color="C1", label="validation")
+    for index, (name, value) in enumerate((baselines or {}).items()):
+        axes.axhline(value, color=f"C{2 + index}", ls=(":", "--", "-.", (0, (5, 2, 1, 2)))[index % 4], lw=1.2,
+                     label=name)
+    axes.set(xlabel="optimizer step", ylabel="bits per byte", ylim=(0, 1.05 * max([8.0, *train_bits])))
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     path = Path(out) / "loss.png"
     figure.savefig(path, dpi=100)
     return path

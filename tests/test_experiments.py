@@ -354,26 +354,33 @@ def _two_variants(a: list[float], b: list[float], metric: str = "val_bpb") -> di
                      for label, values in (("a", a), ("b", b)) for seed, value in enumerate(values)]}
 
 
-def test_paired_is_reproduced_only_when_every_seed_agrees_and_the_mean_beats_the_spread():
-    # a is 0.1 lower in every seed; each variant's seeds spread by 0.01 (std 0.01): reproduced
+def test_paired_is_reproduced_when_the_95_percent_interval_of_the_mean_difference_lies_above_zero():
+    # a is 0.1 lower in every seed, exactly: the interval is the point 0.1
     comparison = seed_statistics.paired(_two_variants([1.00, 1.01, 1.02], [1.10, 1.11, 1.12]), "a", "b")
     assert comparison["differences"] == pytest.approx({0: 0.1, 1: 0.1, 2: 0.1})
     assert comparison["mean"] == pytest.approx(0.1) and comparison["std"] == pytest.approx(0.0, abs=1e-12)
-    assert comparison["spread"] == pytest.approx(0.01) and comparison["agreeing"] == 3
+    assert comparison["interval"] == pytest.approx((0.1, 0.1)) and comparison["agreeing"] == 3
     assert comparison["verdict"] == "reproduced"
     # the same claim asked the other way round is reversed
     assert seed_statistics.paired(_two_variants([1.00, 1.01, 1.02], [1.10, 1.11, 1.12]), "b", "a")["verdict"] \
         == "reversed"
+    # by hand: differences 0.1, 0.2, 0.3 -> mean 0.2, s = 0.1, half-width t(0.975, 2) · 0.1 / √3 = 0.2484
+    spread_out = seed_statistics.paired(_two_variants([1.0, 1.0, 1.0], [1.1, 1.2, 1.3]), "a", "b")
+    assert spread_out["half_width"] == pytest.approx(4.302653 * 0.1 / 3 ** 0.5, rel=1e-5)
+    assert spread_out["verdict"] == "undecided"
 
 
-def test_paired_is_undecided_when_one_seed_disagrees_or_the_seeds_spread_more_than_the_gap():
+def test_paired_reads_the_pairing_not_the_variants_own_scatter():
     one_disagrees = _two_variants([1.0, 1.0, 1.2], [1.1, 1.1, 1.1])
     assert seed_statistics.paired(one_disagrees, "a", "b")["agreeing"] == 2
     assert seed_statistics.paired(one_disagrees, "a", "b")["verdict"] == "undecided"
-    # every seed agrees, but the gap (0.05) is smaller than the seeds' spread (std 0.5): pairing alone is not enough
+    # the seeds scatter by a whole unit, but b is 0.05 behind a in every seed: the pairs decide
     wide = _two_variants([1.0, 2.0, 3.0], [1.05, 2.05, 3.05])
-    assert seed_statistics.paired(wide, "a", "b")["agreeing"] == 3
-    assert seed_statistics.paired(wide, "a", "b")["verdict"] == "undecided"
+    assert seed_statistics.paired(wide, "a", "b")["verdict"] == "reproduced"
+    # every seed agrees, but the gaps vary more than their mean can carry at 2 degrees of freedom
+    uneven = _two_variants([1.0, 1.0, 1.0], [1.01, 1.3, 1.02])
+    assert seed_statistics.paired(uneven, "a", "b")["agreeing"] == 3
+    assert seed_statistics.paired(uneven, "a", "b")["verdict"] == "undecided"
 
 
 def test_paired_turns_the_sign_for_a_metric_where_higher_is_better():
@@ -419,7 +426,7 @@ def test_cpu_seconds_sums_the_runs_trained_here_over_a_sweeps_cells_too():
     assert seed_statistics.cpu_seconds(again, "mine") == 16.0 and seed_statistics.cpu_seconds(again) == 10.0
 
 
-def test_plot_paired_draws_one_dot_per_seed_the_spread_band_and_the_verdict_under_the_axes():
+def test_plot_paired_draws_one_dot_per_seed_the_interval_and_the_verdict_under_the_axes():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

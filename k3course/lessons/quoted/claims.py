@@ -217,18 +217,24 @@ def sign_rule_reach(steps: int = 120, gamma: float = 1e-3) -> float:
 
 @quoted
 def train_bytes(which: str = "claims") -> float:
-    """Bytes a run trains on: "claims" (TEXT_TRAIN) or "default" (the 800-step tiny-default), in kB or MB."""
-    from k3course.lessons import claims
+    """Bytes a run trains on: "claims" (TEXT_TRAIN) in kB, "default" (the 800-step tiny-default) or "shipped" (the
+    2400-step run of the model the package ships) in MB."""
+    import dataclasses
+
+    from k3course.lessons import capstone, claims
     from k3course.train import train_preset
 
-    settings = claims.TEXT_TRAIN if which == "claims" else train_preset("tiny")[1]
-    nbytes = settings.steps * settings.batch_size * settings.seq_len
+    settings = {"claims": lambda: dataclasses.asdict(claims.TEXT_TRAIN),
+                "default": lambda: dataclasses.asdict(train_preset("tiny")[1]),
+                "shipped": lambda: capstone.shipped_config()["train"]}[which]()
+    nbytes = settings["steps"] * settings["batch_size"] * settings["seq_len"]
     return nbytes / 1e3 if which == "claims" else nbytes / 1e6
 
 
 @quoted
 def epoch_fraction(which: str = "claims") -> float:
-    """The share of one pass over the saved corpus's training split that a run reads."""
+    """The share of one pass over the saved corpus's training split that a run reads (in windows at seeded random
+    offsets, so some bytes more than once and others never)."""
     splits = _saved("tiny-default")["result"]["corpus"]["splits"]
     scale = 1e3 if which == "claims" else 1e6
     return train_bytes(which) * scale / splits["train"]["bytes"]
@@ -342,3 +348,29 @@ def claim_equal_time_steps(name: str) -> int:
     faster = saved["settings"]["equal_time"][1]
     return next(run["steps"] for run in saved["result"]["runs"]
                 if run["variant"] == experiments.equal_time_label(faster))
+
+
+@quoted
+def claim_step_ratio(name: str = "dense-baseline-default") -> float:
+    """A saved equal-time claim's step-time ratio, slower over faster, as its run measured it (one thread, the two
+    models taking turns): the ratio its equal-time steps come from."""
+    saved = _saved(name)
+    slower, faster = saved["settings"]["equal_time"]
+    seconds = saved["result"]["step_seconds"]
+    return seconds[slower] / seconds[faster]
+
+
+@quoted
+def thread_speedup(model: str) -> float:
+    """How much faster ``model``'s training step ("tiny K3" or "dense Transformer") ran on the saved ``bench train``'s
+    two threads (eager) than in dense-baseline-default's one-thread step timing."""
+    bench = {"tiny K3": "tiny", "dense Transformer": "dense (tiny)"}[model]
+    two = next(row["step_s"] for row in _train_bench()["rows"] if row["model"] == bench and row["mode"] == "eager")
+    return _saved("dense-baseline-default")["result"]["step_seconds"][model] / two
+
+
+@quoted
+def t_critical(df: int) -> float:
+    """Student's t at 97.5 % with ``df`` degrees of freedom: the factor on the standard error in chapter 12's
+    95% interval (:func:`k3course.lessons.seed_statistics.t_quantile`)."""
+    return seed_statistics.t_quantile(0.975, df)

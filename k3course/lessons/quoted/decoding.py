@@ -182,3 +182,12 @@ def published_tpot_gap(against: str = "tpot") -> float:
     batch) or "throughput" (each schedule at the batch its memory holds)."""
     ratio = roofline_tpot_ratio(1, MILLION, "kimi-linear-48b") if against == "tpot" else capacity_throughput_ratio()
     return KIMI_LINEAR_TPOT_SPEEDUP / ratio
+
+
+@quoted
+def shipped_step_read_mib(dtype_bytes: int = 4) -> float:
+    """MiB of weights one decode step of the shipped tiny K3 reads at batch 1 (its top-2 of 8 experts per MoE layer,
+    one embedding row; :func:`k3course.accounting.decode_weight_params`), float32 by default as lesson 16 runs it."""
+    from k3course.lessons import capstone
+
+    return accounting.decode_weight_params(capstone.shipped_config()["model"], 1) * dtype_bytes / 2 ** 20

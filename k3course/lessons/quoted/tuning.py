@@ -35,3 +35,33 @@ def claim_tuning_loss(name: str, variant: str, lr: float) -> float:
     if lr not in trials:
         raise KeyError(f"lr: {name}'s {variant!r} was tuned at {sorted(trials)}, not at {lr!r}")
     return trials[lr]
+
+
+def _choices(names: tuple[str, ...]) -> list[tuple[float, tuple[float, ...]]]:
+    """(chosen rate, grid) of every tuned variant of the saved experiments ``names`` (claims and the controlled
+    MQAR mixers alike)."""
+    found = []
+    for name in names:
+        result = experiments.load(name)["result"]
+        if "tuning" in result:
+            grid = tuple(result["tuning"]["grid"])
+            found += [(lr, grid) for lr in result["tuning"]["chosen"].values()]
+        else:
+            found += [(variant["lr"], tuple(variant["lr_grid"])) for variant in result["variants"].values()
+                      if "lr_grid" in variant]
+    return found
+
+
+@quoted
+def edge_choices(*names: str) -> str:
+    """``edge/all``: how many tuned variants of the saved experiments ``names`` chose the smallest or the largest rate
+    of their grid (an edge winner: its best rate may lie outside the grid)."""
+    found = _choices(names)
+    return f"{sum(lr in (min(grid), max(grid)) for lr, grid in found)}/{len(found)}"
+
+
+@quoted
+def top_edge_choices(*names: str) -> str:
+    """``top/all``: how many tuned variants of ``names`` chose the largest rate of their grid."""
+    found = _choices(names)
+    return f"{sum(lr == max(grid) for lr, grid in found)}/{len(found)}"

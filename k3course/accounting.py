@@ -500,6 +500,7 @@ RELEASED_PRECISION = "mxfp4"  # K3's released checkpoint
 # dp-attention   expert-parallel with data-parallel attention: the attention, dense layers, norms and head
 #                replicated too, each GPU running them for its B/N sequences
 PLACEMENTS = ("sharded", "expert-parallel", "dp-attention")
+MOE_REPLICATED = ("router", "shared_experts", "latent_projections")  # param_count components on every GPU under EP
 # The caches: the MLA latents and the short-conv tails in bf16, the KDA state S in fp32
 # (:func:`recurrent_state_bytes`), whatever the weights' precision.
 CACHE_BYTES = 2
@@ -535,7 +536,7 @@ def _weight_groups(cfg: K3Config, batch: int) -> dict[str, tuple[float, float]]:
     embedding's read is the batch's rows, :func:`decode_weight_params`)."""
     count = param_count(cfg)
     routed_total = count.components["routed_experts"][0]
-    moe_replicated = sum(count.components[name][0] for name in ("router", "shared_experts", "latent_projections"))
+    moe_replicated = sum(count.components[name][0] for name in MOE_REPLICATED)
     read = decode_weight_params(cfg, batch)
     routed_read = _touched_expert_params(cfg, batch)
     rest_total = count.total - routed_total - moe_replicated

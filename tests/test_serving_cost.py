@@ -65,7 +65,7 @@ def test_each_gpu_reads_what_it_holds_a_copy_of():
     with data-parallel attention also the attention, dense layers, norms and head. By hand at B = 64 on 64 GPUs."""
     count = accounting.param_count(K3)
     parts = count.components
-    replicated = sum(parts[name][0] for name in ("router", "shared_experts", "latent_projections"))
+    replicated = sum(parts[name][0] for name in ("router", "shared_experts", "latent_projections"))  # by hand
     touched = K3.n_moe_layers * accounting.experts_touched(K3.n_routed_experts, K3.top_k, 64) \
         * parts["routed_experts"][0] / (K3.n_routed_experts * K3.n_moe_layers)
     rest = accounting.decode_weight_params(K3, 64) - touched - replicated

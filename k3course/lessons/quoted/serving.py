@@ -47,5 +47,5 @@ def k3_replicated_gib(precision: str = RELEASE) -> float:
     """GiB of K3's router, shared experts and latent projections: what lesson 13's layout puts on every GPU."""
     cfg = K3Config.preset("kimi-k3")
     components = accounting.param_count(cfg).components
-    replicated = sum(components[name][0] for name in ("router", "shared_experts", "latent_projections"))
+    replicated = sum(components[name][0] for name in accounting.MOE_REPLICATED)
     return replicated * accounting.WEIGHT_PRECISIONS[precision].other_bytes / accounting.GIB

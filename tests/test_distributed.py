@@ -5,6 +5,8 @@ Each world size is one spawned group running many cases (spawning costs seconds)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from k3course.distributed import (
     split_sizes,
     traffic_bytes,
 )
-from k3course.lessons.ep_workers import build_layer, failing, global_batch, run_cases
+from k3course.lessons.ep_workers import build_layer, failing, global_batch, run_cases, threads_at_exit
 from k3course.moe import MoE, quantile_balance_bias, quantile_balance_bias_from_histograms, sign_rule_update
 from k3course.moe.balancing import quantile_margins
 
@@ -202,6 +204,24 @@ def test_clear_errors():
 def test_a_failing_rank_ends_the_others_with_its_error():
     with pytest.raises(RankFailed, match="(?s)rank 1 failed first.*rank 1 failed on purpose"):
         run_ranks(failing, 2, "raise", timeout_s=120)
+
+
+def test_a_rank_that_dies_in_native_code_reports_its_own_stacks():
+    """A rank killed by SIGABRT (as "terminate called without an active exception" kills one) leaves no Python
+    traceback; RankFailed names it, its signal and where its threads were (faulthandler, in the rank)."""
+    with pytest.raises(RankFailed, match="(?s)rank 1 died of SIGABRT.*Fatal Python error: Aborted.*in failing"):
+        run_ranks(failing, 2, "abort", timeout_s=120, start_method="fork")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads from Linux's /proc")
+def test_leaving_the_group_ends_its_threads_before_the_interpreter_shuts_down(tmp_path):
+    """The cause of a rank's random SIGABRT at exit: torch.distributed.nn.functional, imported by the first
+    optimizer after the group exists, kept the default group alive past destroy_process_group, so gloo's threads
+    were still running while the rank's interpreter shut down. Joined by join_group, no gloo thread is left."""
+    run_ranks(threads_at_exit, 2, str(tmp_path), timeout_s=120)
+    for rank in range(2):
+        threads = (tmp_path / f"threads_{rank}.txt").read_text().split()
+        assert threads and not [name for name in threads if "gloo" in name], threads
 
 
 def test_a_hanging_rank_ends_the_others_within_the_collective_timeout():

@@ -9,7 +9,10 @@ Every rank builds the same layer and the same global batch from the seed and kee
 
 from __future__ import annotations
 
+import atexit
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -89,12 +92,25 @@ def run_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
 
 
 def failing(rank: int, world_size: int, how: str) -> None:
-    """A rank that fails: rank 1 raises (how='raise') or never joins the all-reduce the others wait in ('hang')."""
+    """A rank that fails: rank 1 raises (how='raise'), dies in native code ('abort': SIGABRT, as a C++
+    std::terminate does) or never joins the all-reduce the others wait in ('hang')."""
     if rank == 1:
         if how == "raise":
             raise RuntimeError("rank 1 failed on purpose")
+        if how == "abort":
+            os.abort()
         time.sleep(3600)
     dist.all_reduce(torch.ones(1))
+
+
+def threads_at_exit(rank: int, world_size: int, folder: str) -> None:
+    """Make an optimizer (its first use imports torch._dynamo, and with it the torch module that binds the default
+    group as default arguments), then, when this rank's interpreter shuts down (atexit), write the names of the
+    process's native threads to folder/threads_{rank}.txt (Linux: /proc/self/task)."""
+    torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    tasks = Path("/proc/self/task")
+    names = lambda: [(tasks / task / "comm").read_text().strip() for task in sorted(os.listdir(tasks))]
+    atexit.register(lambda: (Path(folder) / f"threads_{rank}.txt").write_text("\n".join(names())))
 
 
 def expert_parallel_steps(rank: int, world_size: int, case: dict) -> dict:

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.device_count() >= world_size:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(device)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl")
+    distributed.join_group("gloo" if device == "cpu" else "nccl")
     rank = dist.get_rank()
     steps = [] if args.steps is None else [("--steps", "train.steps", args.steps)]
     try:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from k3course import train
-from k3course.distributed import all_to_all, gather_state_dict, parallelize_experts
+from k3course.distributed import all_to_all, gather_state_dict, make_mesh, parallelize, parallelize_experts
 from k3course.moe import LatentMoE, MoE
 from k3course.moe.balancing import HISTOGRAM_BINS
 
@@ -124,6 +124,25 @@ def expert_parallel_steps(rank: int, world_size: int, case: dict) -> dict:
                             model_factory=in_dtype)
     records = [stepper() for _ in range(train_config.steps)]
     return {"records": records, "state": gather_state_dict(stepper.model)}
+
+
+def sharded_steps(rank: int, world_size: int, case: dict) -> dict:
+    """:func:`expert_parallel_steps` on a 2-D mesh: the model sharded by :func:`k3course.distributed.parallelize`
+    over ``case["mesh"]`` = (dp_shard, ep), each rank reading its 1/N of every micro-batch. Returns the per-step
+    records, the gathered single-process state dict and "idle_expert": per step, whether some expert received
+    no token-slot from this rank in it (read before the bias update)."""
+    model_config, train_config = case["model"], case["train"]
+    mesh = make_mesh(*case["mesh"])
+    sharded = lambda config, seed, device: parallelize(
+        train.build_model(config, seed, device).to(case.get("dtype", torch.float32)), mesh)
+    stepper = train.Stepper(model_config, train_config,
+                            lambda step: train.rank_shards(case["batches"][step], rank, world_size),
+                            model_factory=sharded)
+    idle = []
+    stepper.optimizer.register_step_pre_hook(lambda *_: idle.append(any(
+        bool((moe.balancing_statistics()["load"] == 0).any()) for moe in stepper.model.moe_layers())))
+    records = [stepper() for _ in range(train_config.steps)]
+    return {"records": records, "state": gather_state_dict(stepper.model), "idle_expert": idle}
 
 
 def exchange_labels(rank: int, world_size: int, counts: list[list[int]]) -> list[tuple[int, int]]:

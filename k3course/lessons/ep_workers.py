@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from k3course import train
 from k3course.distributed import all_to_all, gather_state_dict, make_mesh, parallelize, parallelize_experts
+from k3course.distributed.sharded_checkpoint import load_sharded, save_sharded
 from k3course.moe import LatentMoE, MoE
 from k3course.moe.balancing import HISTOGRAM_BINS
 
@@ -143,6 +144,30 @@ def sharded_steps(rank: int, world_size: int, case: dict) -> dict:
         bool((moe.balancing_statistics()["load"] == 0).any()) for moe in stepper.model.moe_layers())))
     records = [stepper() for _ in range(train_config.steps)]
     return {"records": records, "state": gather_state_dict(stepper.model), "idle_expert": idle}
+
+
+def checkpointed_steps(rank: int, world_size: int, case: dict) -> dict:
+    """:func:`sharded_steps` that may start from a sharded checkpoint (``case["load"]``: its folder, written on
+    any mesh) and write one after step ``case["save_at"]`` into ``case["out"]``; trains to ``case["train"].steps``.
+    Returns the gathered single-process state dict at the end."""
+    model_config, train_config = case["model"], case["train"]
+    mesh = make_mesh(*case["mesh"])
+    sharded = lambda config, seed, device: parallelize(
+        train.build_model(config, seed, device).to(case.get("dtype", torch.float32)), mesh)
+    stepper = train.Stepper(model_config, train_config,
+                            lambda step: train.rank_shards(case["batches"][step], rank, world_size),
+                            model_factory=sharded)
+    if case.get("load"):
+        saved = load_sharded(case["load"], stepper.model, stepper.optimizer, mesh,
+                             {"scheduler": stepper.scheduler.state_dict(), "step": 0})
+        stepper.scheduler.load_state_dict(saved["scheduler"])
+        stepper.steps_taken = saved["step"]
+    while stepper.steps_taken < train_config.steps:
+        stepper()
+        if stepper.steps_taken == case.get("save_at"):
+            save_sharded(case["out"], stepper.steps_taken, stepper.model, stepper.optimizer, mesh,
+                         {"scheduler": stepper.scheduler.state_dict(), "step": stepper.steps_taken})
+    return gather_state_dict(stepper.model)
 
 
 def exchange_labels(rank: int, world_size: int, counts: list[list[int]]) -> list[tuple[int, int]]:

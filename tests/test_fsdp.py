@@ -12,8 +12,9 @@ import torch
 
 from k3course.config import K3Config
 from k3course.distributed import make_mesh, parallelize, run_ranks
+from k3course.distributed.cost import training_bytes_per_rank
 from k3course.distributed.sharded_checkpoint import latest_sharded, step_folder
-from k3course.lessons.ep_workers import checkpointed_steps, sharded_steps
+from k3course.lessons.ep_workers import bytes_held, checkpointed_steps, sharded_steps
 from k3course.train import TrainConfig, build_model, make_optimizer, train_step
 
 MODEL = K3Config.preset("tiny").replace(
@@ -118,3 +119,14 @@ def test_an_interrupted_write_leaves_the_previous_checkpoint(tmp_path):
     (partial / "__0_0.distcp").write_bytes((complete / "__0_0.distcp").read_bytes())  # pieces, no metadata yet
     assert latest_sharded(tmp_path) == complete
     assert latest_sharded(tmp_path / "nothing") is None
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (1, 4)], ids=lambda mesh: f"{mesh[0]}x{mesh[1]}")
+def test_what_a_rank_holds_is_the_accountings_prediction(mesh):
+    """Weights, gradients and AdamW's moments in each rank's local shards, float32, within 5 % of
+    cost.training_bytes_per_rank (the shards of a dimension 4 does not divide are uneven)."""
+    case = {"model": MODEL, "train": TRAIN, "batches": _batches(), "mesh": mesh}
+    predicted = training_bytes_per_rank(MODEL, *mesh, weight_bytes=4, grad_bytes=4, state_bytes=8)
+    for rank in run_ranks(bytes_held, 4, case, timeout_s=600, start_method="fork"):
+        for kind, value in predicted.items():
+            assert abs(rank[kind] - value) <= 0.05 * value, (kind, rank[kind], value)

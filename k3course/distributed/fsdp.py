@@ -73,6 +73,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         for layer in expert_parallel_layers(model):
             experts = fully_shard(layer.experts, mesh=mesh["dp_shard"])
             experts.set_gradient_divide_factor(float(mesh.size()))  # Σ over the row's ranks came in the all-to-all
+            experts.set_force_sum_reduction_for_comms(True)  # a sum, then ÷ N (gloo has no pre-scaled sum)
         whole_experts = set()
     # dp_shard = 1: the blocks stay whole, as parallelize_experts leaves them (average_gradients divides by E;
     # torch's one-rank "reduce-scatter" would divide a float64 gradient by the factor twice)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from k3course import train
 from k3course.distributed import all_to_all, gather_state_dict, make_mesh, parallelize, parallelize_experts
@@ -144,6 +145,23 @@ def sharded_steps(rank: int, world_size: int, case: dict) -> dict:
         bool((moe.balancing_statistics()["load"] == 0).any()) for moe in stepper.model.moe_layers())))
     records = [stepper() for _ in range(train_config.steps)]
     return {"records": records, "state": gather_state_dict(stepper.model), "idle_expert": idle}
+
+
+def bytes_held(rank: int, world_size: int, case: dict) -> dict[str, int]:
+    """One step of :func:`sharded_steps` on ``case["mesh"]``, then what this rank holds, measured: {"weights",
+    "gradients" (the step's, kept: not zeroed), "optimizer" (AdamW's moments)} in bytes of its local shards."""
+    model_config, train_config = case["model"], case["train"]
+    mesh = make_mesh(*case["mesh"])
+    model = parallelize(train.build_model(model_config, train_config.seed), mesh)
+    optimizer, scheduler = train.make_optimizer(model, train_config)
+    inputs, targets = train.rank_shards(case["batches"][0], rank, world_size)[0]
+    model(inputs, targets=targets)[1].backward()
+    local = lambda tensor: tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    nbytes = lambda tensors: sum(local(t).numel() * t.element_size() for t in tensors)
+    held = {"weights": nbytes(model.parameters()), "gradients": nbytes(p.grad for p in model.parameters())}
+    optimizer.step()
+    held["optimizer"] = nbytes(optimizer.state[p][key] for p in model.parameters() for key in ("exp_avg", "exp_avg_sq"))
+    return held
 
 
 def checkpointed_steps(rank: int, world_size: int, case: dict) -> dict:

@@ -1,5 +1,6 @@
 """Expert parallelism over torch.distributed (chapter 13): dispatch and combine by all-to-all around each MoE's
-own expert bank, balancing statistics pooled over ranks, and the data-parallel rest of a training step."""
+own expert bank, balancing statistics pooled over ranks, and the data-parallel rest of a training step; FSDP2 ×
+EP on a 2-D mesh (:func:`parallelize`) with sharded checkpoints (:mod:`.sharded_checkpoint`, DCP)."""
 
 from k3course.distributed.data_parallel import (
     average_gradients,

@@ -12,7 +12,8 @@ from k3course.config import K3Config
 from k3course.data import IGNORE, ngram_bits_per_byte
 from k3course.grading.registry import Case, Exercise, register
 from k3course.model import K3Model
-from k3course.train import LN2, TrainConfig, evaluate, lr_factor, make_optimizer, train_step
+from k3course.train import TrainConfig
+from k3course.train.step import LN2, evaluate, lr_factor, make_optimizer, train_step
 
 
 def _schedule_cases() -> list[Case]:

@@ -3,7 +3,7 @@
 The counted region is :meth:`k3course.train.Stepper.step_on_device`: the forward and backward of every
 micro-batch, ``clip_grad_norm_``, the AdamW step, the scheduler and every MoE layer's bias update (quantile
 balancing). Its record (loss, gradient norm, max-violations) stays in device tensors; ``Stepper()`` and
-``train_step`` then read it back in ONE ``Tensor.tolist`` (:func:`k3course.train.read_record`), after the step and
+``train_step`` then read it back in ONE ``Tensor.tolist`` (:func:`k3course.train.step.read_record`), after the step and
 outside the counted region: the one host read per step, which the training loop logs. The experts run the grouped
 GEMM an accelerator runs (``torch._grouped_mm``, the group offsets on the device), not the CPU's eager per-expert
 loop, which needs each expert's rows as Python ints (one ``tolist`` per MoE forward, tests/test_moe_host_reads.py).

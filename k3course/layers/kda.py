@@ -283,8 +283,9 @@ class KimiDeltaAttention(_GatedMixer):
     ``lower_bound=-5.0`` is K3's bounded gate g = −5·σ(e^{A_log}(z + dt_bias)); ``lower_bound=None`` is
     Kimi Linear's g = −e^{A_log}·softplus(z + dt_bias). The defaults are K3's (bounded gate, full-rank output
     gate); Kimi Linear is ``lower_bound=None, output_gate="low_rank"``. ``decay_init``: how the starting decays
-    are laid out over the channels (:data:`DECAY_INITS`; default "across_heads", K3's layer). Other options: see
-    the shared body.
+    are laid out over the channels (:data:`DECAY_INITS`; default "across_heads", K3's layer, the one K3Model
+    builds; the others are the research knob of chapter 12's controlled recall runs, which build this layer with
+    them: :data:`k3course.lessons.experiments.CONTROLLED_VARIANTS`). Other options: see the shared body.
     ``kernels``: the backend (:func:`k3course.kernels.kernel_backend`; None: ``K3COURSE_KERNELS``, default "auto"),
     chosen here once. On CUDA (or with "triton") the op is chapter 08's Triton kernels, on the same path (``mode``)
     with the same ``chunk_size`` and ``lower_bound``: the chunk kernels, or the fused recurrent kernel (decoding).

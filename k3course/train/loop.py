@@ -1,4 +1,5 @@
-"""The one run loop: a run folder trained from a fresh start or a checkpoint, on one process or on P ranks.
+"""The door into training, :func:`train`, and the one run loop behind it: a run folder trained from a fresh
+start or a checkpoint, on one process or on P ranks.
 
     out/config.toml     the whole RunConfig (``k3course train --config`` reads it back)
     out/metrics.jsonl   one record per optimizer step (validation bits/byte on the eval schedule and at the end)
@@ -10,9 +11,10 @@ Micro-batch j of step s is a function of s (:mod:`k3course.train.step`), so a ru
 run on to more steps on a new schedule tail. SIGINT / SIGTERM stop it at a step boundary with a checkpoint
 (:class:`TrainingInterrupted`).
 
-On P expert-parallel ranks (the default process group: ``k3course train --ep P`` or torchrun) every rank runs
-this same loop with its block of routed experts and its 1/P of every micro-batch, and scores its share of the
-validation windows (:func:`k3course.train.evaluate`); rank 0 does all the writing. A checkpoint is always a
+On P expert-parallel ranks (the default process group: ``k3course train --ep P`` or torchrun; a rank calls
+``train(config, out, resume, ranks=P)``) every rank runs this same loop with its block of routed experts and its
+1/P of every micro-batch, and scores its share of the validation windows (:func:`k3course.train.step.evaluate`);
+rank 0 does all the writing. A checkpoint is always a
 one-process checkpoint: the experts' blocks and their optimizer moments are gathered from all ranks, and a
 resume on P ranks cuts them again, so a run may be continued on any number of ranks. A signal stops every rank
 at the same step: each step the ranks agree by an all-reduce (max) of the signal each received, on the model's

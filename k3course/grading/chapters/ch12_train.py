@@ -101,7 +101,7 @@ def stepped_and_the_gradients_left(answer, model: K3Model, optimizer, scheduler,
 
 
 def bits_per_byte(model: K3Model, windows: torch.Tensor, batch_size: int) -> float:
-    """The package's validation number (:func:`k3course.train.evaluate`, nats per predicted byte over all the
+    """The package's validation number (:func:`k3course.train.step.evaluate`, nats per predicted byte over all the
     windows [N, T + 1], in batches of ``batch_size``, in eval mode, the caller's mode restored) in bits: / ln 2."""
     return evaluate(model, windows, batch_size) / LN2
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3course.grading.registry import Case, Exercise, register
+from k3course.grading.registry import Backward, Case, Exercise, register
 from k3course.ops.parallel import decay_attention_parallel
 from k3course.ops.recurrent import decay_step, gla_recurrent
 
@@ -65,6 +65,7 @@ def _recurrent_cases():
                  {"output_final_state": True})]
 
 
-register(Exercise("04.decay_step", decay_step, _step_cases))
-register(Exercise("04.decay_attention_parallel", decay_attention_parallel, _parallel_cases))
-register(Exercise("04.gla_recurrent", gla_recurrent, _recurrent_cases))
+register(Exercise("04.decay_step", decay_step, _step_cases, backward=Backward()))
+register(Exercise("04.decay_attention_parallel", decay_attention_parallel, _parallel_cases, backward=Backward()))
+register(Exercise("04.gla_recurrent", gla_recurrent, _recurrent_cases, backward=Backward(),
+                  may_use=("k3course.ops.recurrent.decay_step",)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3course.grading.registry import Case, Exercise, register
+from k3course.grading.registry import Backward, Case, Exercise, register
 from k3course.ops.recurrent import delta_step, gdn_recurrent, gdn_step
 
 
@@ -63,6 +63,7 @@ def _recurrent_cases():
                  {"output_final_state": True})]
 
 
-register(Exercise("05.delta_step", delta_step, _delta_cases))
-register(Exercise("05.gdn_step", gdn_step, _gdn_step_cases))
-register(Exercise("05.gdn_recurrent", gdn_recurrent, _recurrent_cases))
+register(Exercise("05.delta_step", delta_step, _delta_cases, backward=Backward()))
+register(Exercise("05.gdn_step", gdn_step, _gdn_step_cases, backward=Backward()))
+register(Exercise("05.gdn_recurrent", gdn_recurrent, _recurrent_cases, backward=Backward(),
+                  may_use=("k3course.ops.recurrent.gdn_step",)))

@@ -8,5 +8,5 @@ chapter in :mod:`k3course.grading.chapters`; notebook execution for ``k3course p
 from k3course.grading.check import ExerciseFailed, ExerciseNotDone, check
 from k3course.grading.registry import Backward, Case, Exercise, Probe, all_exercises, get_exercise, register
 
-__all__ = ["Backward", "Case", "Exercise", "ExerciseFailed", "ExerciseNotDone", "all_exercises", "check", "get_exercise",
-           "Probe", "register"]
+__all__ = ["Backward", "Case", "Exercise", "ExerciseFailed", "ExerciseNotDone", "Probe", "all_exercises", "check",
+           "get_exercise", "register"]

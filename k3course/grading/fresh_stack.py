@@ -45,7 +45,8 @@ def _interrupt(thread: threading.Thread) -> None:
 def call_on_fresh_stack(fn: Callable[..., Any], args: tuple, kwargs: dict, forbidden: Forbidden | None = None,
                         package: PackageRule | None = None):
     """``fn(*args, **kwargs)`` on a new thread, refusing ``forbidden``'s torch functions and ``package``'s package
-    functions; its return value, or its exception re-raised here. Interrupting the caller (Ctrl-C, a notebook's stop button) interrupts fn too.
+    functions; its return value, or its exception re-raised here. Interrupting the caller (Ctrl-C, a notebook's
+    stop button) interrupts fn too.
     """
     outcome: dict[str, Any] = {}
     thread = threading.Thread(target=_run, args=(fn, args, kwargs, forbidden, package, outcome), daemon=True,

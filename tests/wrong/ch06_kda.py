@@ -40,7 +40,8 @@ def kda_through_kda_recurrent(state, q, k, v, g, beta):
     """The package's kda_recurrent on a one-token sequence: it runs the package's kda_step inside."""
     from k3course.ops import kda_recurrent
 
-    o, new = kda_recurrent(*(x.unsqueeze(1) for x in (q, k, v, g, beta)), scale=1.0, initial_state=state, output_final_state=True)
+    o, new = kda_recurrent(*(x.unsqueeze(1) for x in (q, k, v, g, beta)), scale=1.0, initial_state=state,
+                           output_final_state=True)
     return o.squeeze(1), new
 
 

@@ -95,6 +95,7 @@ def _ut_probes():
 def _step_probes():
     """β, the decay and the incoming state switched on one at a time, simplest first."""
     q, k, v, g, beta, state = _chunk(15, 8)
+    q64, k64, v64, _, beta64, state64 = _chunk(16, 64)
     no_decay, no_write, no_state = torch.zeros_like(g), torch.zeros_like(beta), torch.zeros_like(state)
     return [Probe(Case("β = 0, g = 0", (q, k, v, no_decay, no_write, state)), "with β = 0 and g = 0 (S only read)",
                   "check the query term O = (e^G ⊙ Q) S and that the state passes through"),
@@ -112,7 +113,7 @@ def _step_probes():
                   "check how the state enters: Ṽ = U − W S, and the query term Q S"),
             Probe(Case("all on", (q, k, v, g, beta, state)), "with an incoming state and a decay",
                   "check where the decay meets the state: W = M(e^G ⊙ K), (e^G ⊙ Q) S and Diag(e^{G_C}) S"),
-            Probe(Case("g = -5 over 64 tokens", (*_chunk(16, 64)[:3], torch.full((2, 64, 4), -5.0), *_chunk(16, 64)[4:])),
+            Probe(Case("g = -5 over 64 tokens", (q64, k64, v64, torch.full((2, 64, 4), -5.0), beta64, state64)),
                   "at the strongest decay over 64 tokens",
                   "every exponent a difference G_r − G_i ≤ 0 (clamped above the diagonal), never −G alone: "
                   "e^{−G} overflows float32 past 88")]

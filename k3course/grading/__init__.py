@@ -6,7 +6,8 @@ chapter in :mod:`k3course.grading.chapters`; notebook execution for ``k3course p
 """
 
 from k3course.grading.check import ExerciseFailed, ExerciseNotDone, check
+from k3course.grading.demo import yours_or_package
 from k3course.grading.registry import Backward, Case, Exercise, Probe, all_exercises, get_exercise, register
 
 __all__ = ["Backward", "Case", "Exercise", "ExerciseFailed", "ExerciseNotDone", "Probe", "all_exercises", "check",
-           "get_exercise", "register"]
+           "get_exercise", "register", "yours_or_package"]

@@ -229,13 +229,13 @@ def _reference_gradients(exercise: Exercise, case: Case) -> dict:
     """The reference's gradients on a backward case: autograd through it, or float64 finite differences."""
     args, kwargs, wrt = _with_leaves(exercise, case)
     if not exercise.backward.finite_differences:
-        return gradients(exercise.reference, args, kwargs, wrt)
+        return gradients(exercise.reference, args, kwargs, wrt, exercise.backward.outputs)
 
     def call(inputs):
         nudged_args, nudged_kwargs, _ = _with_leaves(exercise, case, inputs)
         return exercise.reference(*nudged_args, **nudged_kwargs)
 
-    return finite_differences(call, wrt)
+    return finite_differences(call, wrt, exercise.backward.outputs)
 
 
 NAN_HINT = ("  the forward is right: an exp(·) that overflows where you mask or select it away still sends "
@@ -266,7 +266,7 @@ def _grade_backward(fn, case: Case, exercise: Exercise, package: PackageRule | N
     the failure to raise, or None."""
     where = f"{exercise.id}, backward case '{case.name}'"
     args, kwargs, wrt = _with_leaves(exercise, case)
-    learner = functools.partial(gradients, fn, args, kwargs, wrt)
+    learner = functools.partial(gradients, fn, args, kwargs, wrt, exercise.backward.outputs)
     try:
         mine = _run_learner(lambda: call_on_fresh_stack(learner, (), {}, exercise.forbidden, package), exercise,
                             where)

@@ -53,26 +53,28 @@ def leaves(named: dict[str, Any], wrt: tuple[str, ...] | None) -> tuple[dict[str
     return replacements, found
 
 
-def weighted_sum(output: Any) -> torch.Tensor:
-    """L = Σ_i ⟨w_i, output_i⟩ over the output's floating tensors that carry a gradient."""
-    terms = [(t * _weight(t, i)).sum() for i, t in enumerate(_floating_tensors(output)) if t.requires_grad]
+def weighted_sum(output: Any, positions: tuple[int, ...] | None = None) -> torch.Tensor:
+    """L = Σ_i ⟨w_i, output_i⟩ over the output's floating tensors that carry a gradient (those at ``positions``
+    among them, when given)."""
+    terms = [(t * _weight(t, i)).sum() for i, t in enumerate(_floating_tensors(output))
+             if t.requires_grad and (positions is None or i in positions)]
     if not terms:
         raise NoGradient("your output carries no gradient: computed under torch.no_grad(), detached, or through "
                          "NumPy / .item()? Training differentiates this function: keep it in torch")
     return sum(terms)
 
 
-def gradients(fn: Callable[..., Any], args: tuple, kwargs: dict,
-              wrt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
-    """{name: dL/d(input)} for ``fn(*args, **kwargs)``, whose inputs ``wrt`` are leaves (None: L does not depend
-    on that input through autograd)."""
-    loss = weighted_sum(fn(*args, **kwargs))
+def gradients(fn: Callable[..., Any], args: tuple, kwargs: dict, wrt: dict[str, torch.Tensor],
+              positions: tuple[int, ...] | None = None) -> dict[str, torch.Tensor | None]:
+    """{name: dL/d(input)} for ``fn(*args, **kwargs)``, whose inputs ``wrt`` are leaves, L over the floating
+    outputs at ``positions`` (None: all); None for an input L does not depend on through autograd."""
+    loss = weighted_sum(fn(*args, **kwargs), positions)
     found = torch.autograd.grad(loss, list(wrt.values()), allow_unused=True)
     return dict(zip(wrt, found))
 
 
 def finite_differences(call: Callable[[dict[str, torch.Tensor]], Any], wrt: dict[str, torch.Tensor],
-                       step: float = 1e-6) -> dict[str, torch.Tensor]:
+                       positions: tuple[int, ...] | None = None, step: float = 1e-6) -> dict[str, torch.Tensor]:
     """{name: dL/d(input)} by float64 central differences of L, for a reference without autograd: ``call(inputs)``
     runs it with the tensor inputs replaced by ``inputs`` (float64 copies of ``wrt``, nudged one entry at a time).
     Returned in the inputs' own dtypes. Small tensor inputs only: two calls per entry."""
@@ -82,7 +84,7 @@ def finite_differences(call: Callable[[dict[str, torch.Tensor]], Any], wrt: dict
         with torch.no_grad():
             output = call(inputs)
         return sum(float((t.double() * _weight(t, i).double()).sum())
-                   for i, t in enumerate(_floating_tensors(output)))
+                   for i, t in enumerate(_floating_tensors(output)) if positions is None or i in positions)
 
     found = {}
     for name, x in inputs.items():

@@ -42,6 +42,8 @@ class Backward:
 
     wrt:       the inputs (parameter names) the gradients are taken with respect to; None: every input that is a
                floating tensor or a list of them.
+    outputs:   the positions, among the output's floating tensors (nested in order), of those training
+               differentiates (the loss is Σ_i ⟨w_i, output_i⟩ over them, w_i seeded); None: all of them.
     cases:     builds the backward cases; None: the exercise's own cases in which every named input is a float32
                or float64 tensor (so a case at the gate's lower bound is a backward case too).
     finite_differences: compare with float64 central differences of the reference (for a reference that has no
@@ -50,6 +52,7 @@ class Backward:
     """
 
     wrt: tuple[str, ...] | None = None
+    outputs: tuple[int, ...] | None = None
     cases: Callable[[], list[Case]] | None = None
     finite_differences: bool = False
     tolerance: dict[str, tuple[float, float]] = field(default_factory=dict)

@@ -8,9 +8,14 @@ What an answer can reach: the learner's function runs on a thread of its own
 (:func:`k3course.grading.fresh_stack.call_on_fresh_stack`), in a forked child for exercises that isolate, so
 walking up its call stack (``frame.f_back``, ``sys._getframe``, ``inspect.stack()``) and reading the frames'
 locals and globals finds neither the exercise, nor its reference, nor the registry, nor an expected value.
-Out of scope, because they reach no further than ``import k3course`` does (the reference is a package
-function, one import away, and reading the package is part of the course): importing the registry or the
-reference, the garbage collector (``gc.get_objects``), and other threads' stacks (``sys._current_frames``).
+Calling the reference, or another package function that answers the exercise, is refused however it is reached
+(:mod:`k3course.grading.package_answer`). Out of scope, because they reach no further than ``import k3course``
+does (reading the package is part of the course): importing the registry to read expected values, the garbage
+collector (``gc.get_objects``), other threads' stacks (``sys._current_frames``), and switching the refusal's
+profile hook off (``sys.setprofile``).
+
+Then, for an exercise in the training path, the backward cases (gradients against the reference's); and when a
+case fails, a multi-step exercise's probes name the step (see :mod:`k3course.grading`).
 """
 
 from __future__ import annotations

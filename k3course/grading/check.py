@@ -164,7 +164,7 @@ def _compare_case(fn, case: Case, exercise: Exercise, package: PackageRule | Non
 
 def _diagnosis(fn, exercise: Exercise, package: PackageRule | None) -> str | None:
     """The exercise's diagnostic variants run in order, simplest first; the first that fails names its step:
-    "correct with B (and 1 simpler variants); wrong with C: <where to look>". None when there are none, or when
+    "correct with B (and 1 simpler variant); wrong with C: <where to look>". None when there are none, or when
     all pass."""
     if exercise.probes is None:
         return None
@@ -179,7 +179,8 @@ def _diagnosis(fn, exercise: Exercise, package: PackageRule | None) -> str | Non
             continue
         if not passed:
             return f"wrong already {probe.label}: {probe.hint}"
-        simpler = f" (and {len(passed) - 1} simpler variants)" if len(passed) > 1 else ""
+        more = len(passed) - 1
+        simpler = f" (and {more} simpler variant{'s' if more > 1 else ''})" if more else ""
         return f"correct {passed[-1]}{simpler}; wrong {probe.label}: {probe.hint}"
     return None
 

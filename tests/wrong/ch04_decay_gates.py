@@ -121,3 +121,9 @@ WRONG = {
     "04.gla_recurrent": [recurrent_without_scale, recurrent_ignoring_initial_state,
                          recurrent_updates_initial_state_in_place, recurrent_state_in_input_dtype],
 }
+
+# What the check's message says, for the wrong answers the grader knows the step of (tests/test_grading.py).
+POINTED = {
+    recurrent_without_scale: "wrong with the default scale: scale=None means K^{-1/2}",
+    recurrent_ignoring_initial_state: "wrong with an initial state: start the loop from initial_state",
+}

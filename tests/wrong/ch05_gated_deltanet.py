@@ -103,3 +103,12 @@ WRONG = {
     "05.gdn_step": [gdn_decay_after_update, gdn_error_against_undecayed_state, gdn_step_in_float32],
     "05.gdn_recurrent": [recurrent_without_scale, recurrent_ignoring_initial_state, recurrent_state_in_input_dtype],
 }
+
+# What the check's message says, for the wrong answers the grader knows the step of (tests/test_grading.py).
+POINTED = {
+    recurrent_without_scale: "wrong with the default scale: scale=None means K^{-1/2}",
+    recurrent_ignoring_initial_state: "wrong with an initial state: start the loop from initial_state",
+    gdn_decay_after_update: "wrong with no incoming state (S = 0) under a decay: decay the old state first",
+    gdn_error_against_undecayed_state: "wrong with a state, a decay and a write together: the correction reads "
+                                       "the decayed state",
+}

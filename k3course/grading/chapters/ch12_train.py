@@ -136,4 +136,4 @@ register(Exercise("12.ngram_bits_per_byte", ngram_bits_per_byte, _ngram_cases))
 register(Exercise("12.train_step", train_step, _step_cases, tolerance={"float64": (1e-5, 1e-8)},
                   mutable=("model", "optimizer", "scheduler"), harness=stepped_and_the_gradients_left))
 register(Exercise("12.evaluate", bits_per_byte, _eval_cases, tolerance={"float64": (1e-5, 1e-8)},
-                  harness=evaluated_and_the_mode_after))
+                  harness=evaluated_and_the_mode_after, package=(evaluate,)))

@@ -15,7 +15,8 @@ from k3course.distributed import make_mesh, parallelize, run_ranks
 from k3course.distributed.cost import training_bytes_per_rank
 from k3course.distributed.sharded_checkpoint import latest_sharded, step_folder
 from k3course.lessons.ep_workers import bytes_held, checkpointed_steps, sharded_steps
-from k3course.train import TrainConfig, build_model, make_optimizer, train_step
+from k3course.train import TrainConfig, build_model
+from k3course.train.step import make_optimizer, train_step
 
 MODEL = K3Config.preset("tiny").replace(
     name="test", d_model=32, n_layers=2, kda_n_heads=2, kda_head_dim=16, mla_n_heads=2, q_lora_rank=16,

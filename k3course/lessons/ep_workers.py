@@ -23,6 +23,7 @@ from k3course.distributed import all_to_all, gather_state_dict, make_mesh, paral
 from k3course.distributed.sharded_checkpoint import load_sharded, save_sharded
 from k3course.moe import LatentMoE, MoE
 from k3course.moe.balancing import HISTOGRAM_BINS
+from k3course.train.step import make_optimizer, rank_shards
 
 
 def build_layer(case: dict) -> MoE:
@@ -138,7 +139,7 @@ def sharded_steps(rank: int, world_size: int, case: dict) -> dict:
     sharded = lambda config, seed, device: parallelize(
         train.build_model(config, seed, device).to(case.get("dtype", torch.float32)), mesh)
     stepper = train.Stepper(model_config, train_config,
-                            lambda step: train.rank_shards(case["batches"][step], rank, world_size),
+                            lambda step: rank_shards(case["batches"][step], rank, world_size),
                             model_factory=sharded)
     idle = []
     stepper.optimizer.register_step_pre_hook(lambda *_: idle.append(any(
@@ -153,8 +154,8 @@ def bytes_held(rank: int, world_size: int, case: dict) -> dict[str, int]:
     model_config, train_config = case["model"], case["train"]
     mesh = make_mesh(*case["mesh"])
     model = parallelize(train.build_model(model_config, train_config.seed), mesh)
-    optimizer, scheduler = train.make_optimizer(model, train_config)
-    inputs, targets = train.rank_shards(case["batches"][0], rank, world_size)[0]
+    optimizer, scheduler = make_optimizer(model, train_config)
+    inputs, targets = rank_shards(case["batches"][0], rank, world_size)[0]
     model(inputs, targets=targets)[1].backward()
     local = lambda tensor: tensor.to_local() if isinstance(tensor, DTensor) else tensor
     nbytes = lambda tensors: sum(local(t).numel() * t.element_size() for t in tensors)
@@ -173,7 +174,7 @@ def checkpointed_steps(rank: int, world_size: int, case: dict) -> dict:
     sharded = lambda config, seed, device: parallelize(
         train.build_model(config, seed, device).to(case.get("dtype", torch.float32)), mesh)
     stepper = train.Stepper(model_config, train_config,
-                            lambda step: train.rank_shards(case["batches"][step], rank, world_size),
+                            lambda step: rank_shards(case["batches"][step], rank, world_size),
                             model_factory=sharded)
     if case.get("load"):
         saved = load_sharded(case["load"], stepper.model, stepper.optimizer, mesh,

@@ -141,6 +141,24 @@ def test_a_run_writes_metrics_plot_and_checkpoints(tmp_path, corpus):
     assert [step for step, _ in checkpoint.checkpoints(out)] == [2, 4]
     config = json.loads((checkpoint.step_dir(out, 4) / "config.json").read_text())
     assert config["step"] == 4 and config["train"]["steps"] == 4 and config["model"]["name"] == "test"
+    assert "step" not in torch.load(checkpoint.step_dir(out, 4) / "state.pt", weights_only=True)  # stored once
+    saved = read_saved_run(checkpoint.step_dir(out, 4))  # the typed record a resume reads
+    assert saved.step == 4 and saved.config == train.RunConfig(SMALL, FAST) and saved.extensions == ()
+
+
+def test_the_door_refuses_what_it_cannot_do_before_training(tmp_path, corpus):
+    config = train.RunConfig(SMALL, FAST)
+    with pytest.raises(ValueError, match="resume must be False, True or \"extend\", got 'yes'"):
+        train.train(config, tmp_path / "a", resume="yes", corpus=corpus)
+    with pytest.raises(ValueError, match="ranks must be a number of expert-parallel ranks ≥ 1, got 0"):
+        train.train(config, tmp_path / "a", ranks=0, corpus=corpus)
+    with pytest.raises(ValueError, match="compile: compiles a one-process run"):
+        train.train(config, tmp_path / "a", ranks=2, compile=True)
+    with pytest.raises(ValueError, match="corpus: spawned ranks read config.run's data"):
+        train.train(config, tmp_path / "a", ranks=2, corpus=corpus)
+    with pytest.raises(FileNotFoundError, match="no checkpoint to resume"):
+        train.train(config, tmp_path / "a", resume=True, corpus=corpus)
+    assert not (tmp_path / "a").exists()
 
 
 def test_checkpoint_round_trip_and_clear_errors(tmp_path, corpus):

@@ -3,7 +3,7 @@
 The package is a house of floors, each importing only the floors below it (the course's ladder):
 
     0  config, data, device, debug, params,        K3Config and presets; corpora; parameter marks (init and
-       reference/                                   weight decay); NumPy rung
+       layout, reference/                           weight decay); the released K3 layout and MXFP4; NumPy rung
     1  ops/, pretrained                             linear-attention ops, RMSNorm, input checks; transformers'
                                                     checkpoint layout (names, configs), read by K3Model
     2  kernels/                                     Triton kernels (tested against the ops)

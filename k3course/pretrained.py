@@ -57,9 +57,10 @@ import safetensors
 import safetensors.torch
 import torch
 
-from k3course.config import K3Config
+from k3course import layout
+from k3course.config import K3Config, layer_schedule
 
-MODEL_TYPES = ("kimi_linear", "deepseek_v3", "kimi_k2")
+MODEL_TYPES = ("kimi_linear", "deepseek_v3", "kimi_k2", "kimi_k3")
 # transformers' defaults for keys a config.json may leave out, where the two model types differ
 DEFAULTS = {"kimi_linear": dict(n_group=1, topk_group=1, rms_norm_eps=1e-5, routed_scaling_factor=2.446),
             "deepseek_v3": dict(n_group=8, topk_group=4, rms_norm_eps=1e-6, routed_scaling_factor=2.5)}
@@ -94,11 +95,14 @@ def _key(hf: dict, *names: str, default=_MISSING):
 
 
 def config_from_hf(hf: dict, name: str = "pretrained") -> K3Config:
-    """The :class:`K3Config` of a checkpoint's config.json (released or transformers keys). Dense layers first,
-    PreNorm, SwiGLU, sigmoid routing with a bias trained by DeepSeek's sign rule, no output gate on MLA."""
+    """The :class:`K3Config` of a checkpoint's config.json (released or transformers keys). Kimi Linear and
+    DeepSeek: dense layers first, PreNorm, SwiGLU, sigmoid routing with a bias trained by DeepSeek's sign rule, no
+    output gate on MLA. Kimi K3 (``kimi_k3``): :func:`k3_config_from_hf`."""
     if not isinstance(hf, dict) or hf.get("model_type") not in MODEL_TYPES:
         found = hf.get("model_type") if isinstance(hf, dict) else type(hf).__name__
         raise UnsupportedCheckpoint(f"model_type: {found!r} is not one of {', '.join(MODEL_TYPES)}")
+    if hf["model_type"] == "kimi_k3":
+        return k3_config_from_hf(hf, name)
     _refuse_unsupported(hf)
     kimi_linear = hf["model_type"] == "kimi_linear"
     specific = _kimi_linear_fields(hf) if kimi_linear else _deepseek_fields(hf)
@@ -221,6 +225,85 @@ def _rope_fields(hf: dict) -> dict:
                 rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0))
 
 
+# --- Kimi K3's config.json: one table of keys, read here and written by pretrained_save ----------------------
+
+# text_config key: K3Config field, the same value both ways
+K3_TEXT_KEYS = {
+    "vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden_layers": "n_layers",
+    "intermediate_size": "dense_ffn_dim", "first_k_dense_replace": "first_k_dense", "num_attention_heads": "mla_n_heads",
+    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "num_experts": "n_routed_experts",
+    "num_experts_per_token": "top_k", "num_shared_experts": "n_shared_experts", "moe_intermediate_size": "expert_dim",
+    "routed_expert_hidden_size": "latent_dim", "moe_renormalize": "renormalize_top_k",
+    "routed_scaling_factor": "route_scale", "num_expert_group": "n_expert_groups", "topk_group": "topk_groups",
+    "rms_norm_eps": "norm_eps", "max_position_embeddings": "context_length", "tie_word_embeddings": "tie_embeddings",
+    "pad_token_id": "pad_token_id", "mla_use_output_gate": "mla_gated"}
+# linear_attn_config key: K3Config field
+K3_LINEAR_KEYS = {"num_heads": "kda_n_heads", "head_dim": "kda_head_dim", "short_conv_kernel_size": "kda_conv_size",
+                  "gate_lower_bound": "kda_lower_bound"}
+# what the K3 layout's layers are: text_config (or linear_attn_config) settings the course reads only at this value
+K3_FIXED_KEYS = {"hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+                 "latent_moe_use_norm": True, "mla_use_nope": True, "moe_layer_freq": 1,
+                 "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc", "use_grouped_topk": True}
+K3_FIXED_LINEAR_KEYS = {"use_full_rank_gate": True}
+# ... and the K3Config fields they make (save_pretrained(layout="kimi_k3") refuses a config that sets another)
+K3_FIXED = dict(ffn_activation="situ_glu", router_score="sigmoid", mla_rope=False, kda_output_gate="full",
+                residual="block_attnres", attnres_key_weight=True)
+MXFP4_FORMAT = "mxfp4-pack-quantized"  # compressed-tensors' name for the release's routed experts
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+MULTIMODAL_PREFIX = "language_model."  # the release nests the text model: language_model.model.*, .lm_head
+
+
+def k3_config_from_hf(hf: dict, name: str = "pretrained") -> K3Config:
+    """The :class:`K3Config` of a ``kimi_k3`` config.json: the nested ``text_config`` (:data:`K3_TEXT_KEYS`,
+    ``linear_attn_config`` with 1-indexed ``full_attn_layers``, ``attn_res_block_size`` in layers), K3's layers
+    (:data:`K3_FIXED`), quantile balancing. UnsupportedCheckpoint names a setting the course cannot express."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedCheckpoint("config.json: model_type 'kimi_k3' needs a text_config object")
+    linear = text.get("linear_attn_config")
+    if not isinstance(linear, dict):
+        raise UnsupportedCheckpoint("text_config: no linear_attn_config object (KDA's settings)")
+    mxfp4_group(hf)
+    for where, settings, fixed in (("text_config", text, K3_FIXED_KEYS),
+                                   ("linear_attn_config", linear, K3_FIXED_LINEAR_KEYS)):
+        for key, value in fixed.items():
+            if key in settings and settings[key] != value:
+                raise UnsupportedCheckpoint(f"{where}.{key}: {settings[key]!r} is not supported (the course "
+                                            f"implements {value!r})")
+    fields = {field: _key(text, key) for key, field in K3_TEXT_KEYS.items() if key not in ("pad_token_id",)}
+    fields |= {field: _key(linear, key) for key, field in K3_LINEAR_KEYS.items()}
+    fields["pad_token_id"] = text.get("pad_token_id")
+    block = _key(text, "attn_res_block_size")
+    n_layers = fields["n_layers"]
+    mla_layers = tuple(sorted(i - 1 for i in _key(linear, "full_attn_layers")))
+    schedule = dict(kda_per_mla=3, mla_layers=None)
+    if layer_schedule(n_layers, 3, fields["first_k_dense"])[0] != tuple(
+            "mla" if i in mla_layers else "kda" for i in range(n_layers)):
+        schedule["mla_layers"] = mla_layers
+    return K3Config(name=name, **fields, **schedule, **K3_FIXED, attnres_block_size=2 * block,
+                    kda_norm_eps=fields["norm_eps"], balancing="quantile")
+
+
+def mxfp4_group(hf: dict) -> int | None:
+    """The group size of a ``kimi_k3`` release's MXFP4 routed experts (``quantization_config``: compressed-tensors
+    format ``mxfp4-pack-quantized``, 4-bit weights in groups of 32), or None when unquantized; anything else is
+    refused, naming it."""
+    quantization = hf.get("quantization_config")
+    if not quantization:
+        return None
+    form = quantization.get("format") if isinstance(quantization, dict) else quantization
+    if form != MXFP4_FORMAT:
+        raise UnsupportedCheckpoint(f"quantization_config: format {form!r} is not supported (the course reads "
+                                    f"{MXFP4_FORMAT!r}, the release's routed experts)")
+    groups = quantization.get("config_groups") or {}
+    sizes = {group.get("weights", {}).get("group_size") for group in groups.values() if isinstance(group, dict)}
+    if sizes - {layout.MXFP4_GROUP}:
+        raise UnsupportedCheckpoint(f"quantization_config: weight group_size {sorted(sizes - {32})} is not "
+                                    f"supported (MXFP4 scales groups of {layout.MXFP4_GROUP})")
+    return layout.MXFP4_GROUP
+
+
 # --- tensors: transformers' names -> K3Model's names -------------------------------------------------------------
 
 @dataclass
@@ -233,9 +316,13 @@ class _Source:
     used: set[str]
     block: tuple[int, int] | None = None
     dtype: torch.dtype = torch.float32
+    mxfp4: bool = False
 
     def read(self, key: str) -> torch.Tensor:
-        """Tensor ``key``, checked: a floating dtype, or float8_e4m3fn dequantized with its ``_scale_inv``."""
+        """Tensor ``key``, checked: a floating dtype, float8_e4m3fn dequantized with its ``_scale_inv``, or, in an
+        MXFP4 release, ``key_packed`` and ``key_scale`` dequantized (:func:`~k3course.layout.unpack_mxfp4`)."""
+        if key not in self.keys and self.mxfp4 and key + "_packed" in self.keys:
+            return self._unpacked(key)
         if key not in self.keys:
             raise UnsupportedCheckpoint(f"checkpoint: tensor {key} is missing")
         self.used.add(key)
@@ -246,6 +333,16 @@ class _Source:
             raise UnsupportedCheckpoint(f"checkpoint: tensor {key} holds {str(tensor.dtype).removeprefix('torch.')}; "
                                         "expected float32, bfloat16 or float16 (or float8_e4m3fn with its scales)")
         return tensor
+
+    def _unpacked(self, key: str) -> torch.Tensor:
+        packed, scale = key + "_packed", key + "_scale"
+        if scale not in self.keys:
+            raise UnsupportedCheckpoint(f"checkpoint: tensor {packed} is MXFP4 but its scales {scale} are missing")
+        self.used.update((packed, scale))
+        try:
+            return layout.unpack_mxfp4(self.get(packed), self.get(scale), self.dtype, key)
+        except layout.LayoutError as error:
+            raise UnsupportedCheckpoint(f"checkpoint: {error}") from error
 
     def _dequantized(self, key: str, weight: torch.Tensor) -> torch.Tensor:
         scale_key = key + SCALE_SUFFIX
@@ -314,6 +411,26 @@ def k3_tensors(get: Callable[[str], torch.Tensor], keys, cfg: K3Config, fp8_bloc
     else:
         head["lm_head.weight"] = read(HEAD)
     yield head
+    unread = sorted(k for k in keys - used if not _is_mtp(k, cfg.n_layers))
+    if unread:
+        raise UnsupportedCheckpoint(f"checkpoint: {len(unread)} tensors the course cannot place, e.g. {unread[:4]}")
+
+
+def k3_layout_tensors(get: Callable[[str], torch.Tensor], keys, cfg: K3Config, mxfp4: bool = False,
+                      dtype: torch.dtype = torch.float32) -> Iterator[dict[str, torch.Tensor]]:
+    """{K3Model name: tensor} of a checkpoint in the released K3 layout (:func:`k3course.layout.k3_layout`, names
+    under ``model.``), one part at a time; MXFP4 routed experts (``mxfp4``) dequantized to ``dtype`` one tensor at
+    a time as they are read. Raises UnsupportedCheckpoint naming a missing tensor, one of another shape or dtype,
+    or at the end the tensors nothing read (MTP layers, index ≥ n_layers, are skipped)."""
+    keys, used = set(keys), set()
+    source = _Source(get, keys, used, None, dtype, mxfp4)
+    try:
+        for part in layout.k3_layout(cfg):
+            yield {name: tensor for row in part for name, tensor in row.read(source.read, cfg).items()}
+    except layout.LayoutError as error:
+        raise UnsupportedCheckpoint(str(error)) from error
+    if cfg.tie_embeddings:
+        used.add(HEAD)
     unread = sorted(k for k in keys - used if not _is_mtp(k, cfg.n_layers))
     if unread:
         raise UnsupportedCheckpoint(f"checkpoint: {len(unread)} tensors the course cannot place, e.g. {unread[:4]}")
@@ -420,10 +537,25 @@ class Checkpoint:
     def __init__(self, path: str | Path):
         self.path = _checkpoint_folder(Path(path))
         self.hf_config = read_json_object(self.path / CONFIG_FILE)
-        self.fp8_block = fp8_block_size(self.hf_config)
         config = config_from_hf(self.hf_config, name=f"{self.hf_config.get('model_type')} {self.path.name}")
-        self.files = self._weight_files()
+        self.k3_layout = self.hf_config["model_type"] == "kimi_k3"
+        self.fp8_block = None if self.k3_layout else fp8_block_size(self.hf_config)
+        self.mxfp4 = self.k3_layout and mxfp4_group(self.hf_config) is not None
+        self.files, self.stored_names = self._text_model(self._weight_files())
         self.config = self._untied_if_head_differs(config)
+
+    def _text_model(self, files: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]]:
+        """({tensor name: file}, {tensor name: the name stored}): a ``kimi_k3`` release's text model under
+        ``model.*`` and ``lm_head`` whether stored so (a text-only export) or nested under ``language_model.`` (the
+        multimodal release), its vision tower skipped with one printed line; other model types as stored."""
+        if not self.k3_layout:
+            return files, {name: name for name in files}
+        vision = [name for name in files if name.startswith(VISION_PREFIXES)]
+        if vision:
+            print(f"{self.path}: skipping the vision tower's {len(vision)} tensors ({', '.join(VISION_PREFIXES)}); "
+                  "the course runs the text model")
+        names = {name.removeprefix(MULTIMODAL_PREFIX): name for name in set(files) - set(vision)}
+        return {name: files[stored] for name, stored in names.items()}, names
 
     def _weight_files(self) -> dict[str, Path]:
         """{tensor name: the file that holds it}, from the index or the single file, each file's header read."""
@@ -450,20 +582,24 @@ class Checkpoint:
         """``cfg`` untied when it ties the head to the embedding but the folder stores a different lm_head."""
         if not cfg.tie_embeddings or HEAD not in self.files:
             return cfg
-        if _same_tensor(self.files[EMBEDDING], EMBEDDING, self.files[HEAD], HEAD):
+        if _same_tensor(self.files[EMBEDDING], self.stored_names[EMBEDDING], self.files[HEAD],
+                        self.stored_names[HEAD]):
             return cfg
         warnings.warn(f"{self.path}: config.json sets tie_word_embeddings, but the stored {HEAD} differs from the "
                       "embedding: it is used as the head", stacklevel=3)
         return cfg.replace(tie_embeddings=False)
 
     def k3_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[dict[str, torch.Tensor]]:
-        """:func:`k3_tensors` of this checkpoint (FP8 weights dequantized to ``dtype``), each file memory-mapped
-        once while the parts are read."""
+        """:func:`k3_tensors` (or, for ``kimi_k3``, :func:`k3_layout_tensors`) of this checkpoint (FP8 and MXFP4
+        weights dequantized to ``dtype``), each file memory-mapped once while the parts are read."""
         with ExitStack() as stack:
             handles = {file: stack.enter_context(safetensors.safe_open(file, framework="pt"))
                        for file in sorted(set(self.files.values()))}
-            yield from k3_tensors(lambda key: handles[self.files[key]].get_tensor(key), self.files, self.config,
-                                  self.fp8_block, dtype)
+            get = lambda key: handles[self.files[key]].get_tensor(self.stored_names[key])  # noqa: E731
+            if self.k3_layout:
+                yield from k3_layout_tensors(get, self.files, self.config, self.mxfp4, dtype)
+            else:
+                yield from k3_tensors(get, self.files, self.config, self.fp8_block, dtype)
 
 
 def _checkpoint_folder(path: Path) -> Path:

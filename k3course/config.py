@@ -48,15 +48,17 @@ class K3Config:
     sum of its two best biased scores, and a token picks its ``top_k`` among the ``topk_groups`` best groups.
 
     Settings the reference checkpoints need (:mod:`k3course.pretrained`) default to K3's choices, which are the
-    course's behaviour: NoPE, one expert group, renormalised top-k, a bias on a low-rank KDA output gate. Every
-    RMSNorm's ε is ``norm_eps`` (the decoder's, MLA's q and latent norms, the latent MoE's norm, the AttnRes keys),
-    except KDA's per-head output norm, which reads ``kda_norm_eps``; the course's presets keep 1e-6, the ε they
-    were trained with, and the released K3 and Kimi Linear use 1e-5 for both. RoPE (``mla_rope``) rotates the ``qk_rope_head_dim`` dims of MLA by θ = ``rope_theta``, in
+    course's behaviour: NoPE, one expert group, renormalised top-k, a bias on a low-rank KDA
+    output gate. RoPE (``mla_rope``) rotates the ``qk_rope_head_dim`` dims of MLA by θ = ``rope_theta``, in
     half-split pairs (i, i + r/2) or, ``rope_interleaved``, in pairs (2i, 2i + 1) as DeepSeek checkpoints store
     them; ``rope_yarn_factor`` s > 1 turns on YaRN (DeepSeek-V3: s = 40 over a 4096-token original context):
     frequencies blended between θ^(-2i/r) and θ^(-2i/r)/s by the ramp between ``rope_yarn_beta_fast`` and
     ``rope_yarn_beta_slow`` rotations, cos and sin scaled by m(s, mscale)/m(s, mscale_all_dim) (m(s, 1) when
     either is 0) and the softmax scale by m(s, mscale_all_dim)² (1 when it is 0), m(s, μ) = 1 + 0.1·μ·ln s.
+
+    Every RMSNorm's ε is ``norm_eps`` (the decoder's, MLA's q and latent norms, the latent MoE's norm, the AttnRes
+    keys) except KDA's per-head output norm, which reads ``kda_norm_eps``: the course's presets keep 1e-6, the ε
+    they were trained with; the released K3 and Kimi Linear use 1e-5 for both.
     """
 
     name: str = "tiny"

@@ -1,13 +1,16 @@
-"""The released K3 checkpoint layout as one table of names and shapes, and MXFP4 (floor 0: torch only).
+"""Checkpoint layouts as one table of names and shapes, and MXFP4 (floor 0: torch only).
 
 A layout is a list of parts (the embedding, each decoder layer, the AttnRes queries, the head); a part is a list
 of :class:`Row`: K3Model tensors ``ours`` ⇄ stored tensors ``stored``, related by a :class:`Form` that knows both
 directions (``read``: stored → ours, ``write``: ours → stored). :mod:`k3course.pretrained` reads a folder with it
-and :mod:`k3course.pretrained_save` writes one, so every name is written once. The facts of the layout (names,
-shapes) are the released K3's as its public key maps spell them (torchtitan PRs #4025, #4281); the code is ours.
+and :mod:`k3course.pretrained_save` writes one, so every name is written once, for every layout the package knows
+(:func:`checkpoint_layout`: Kimi Linear, DeepSeek-V3 / Kimi K2, Kimi K3; the spellings transformers uses instead
+of the released ones are :class:`Spelling`). The facts of the K3 layout (names, shapes) are the release's as its
+public key maps spell them (torchtitan PRs #4025, #4281); the code is ours.
 
-Per layer i of K3 (H heads, K = V head width, n / v MLA widths, r latent rank, ℓ MoE latent, f expert width;
-ᵀ: transposed, since K3's FFNs compute x W)::
+Per layer i of K3 (Kimi Linear's and DeepSeek's are the same names without the AttnRes, latent and g_proj
+tensors; Kimi Linear's KDA has the low-rank output gate g_a_proj, g_b_proj; H heads, K = V head width, n / v MLA
+widths, r latent rank, ℓ MoE latent, f expert width; ᵀ: transposed, since K3's FFNs compute x W)::
 
     input_layernorm / post_attention_layernorm         mixer_norm / ffn_norm
     self_attention_res_proj [1, d] / _norm [d]          residual.queries[2i] / residual.key_norms[2i]
@@ -121,24 +124,26 @@ class Same(Form):
 
 
 class Transposed(Form):
-    """Stored as the transpose: nn.Linear's [out, in] for K3's x W weights [in, out]."""
+    """Stored with the last two dimensions swapped: nn.Linear's [out, in] for K3's x W weights [in, out]."""
 
     def read(self, get, stored, cfg):
-        return [get(stored[0]).T]
+        return [get(stored[0]).mT]
 
     def write(self, tensors, cfg):
-        return [tensors[0].T]
+        return [tensors[0].mT]
 
 
 @dataclass(frozen=True)
 class Reshaped(Form):
-    """The same numbers in another shape: stored ``stored_shape(cfg)``, K3 ``our_shape(cfg)``."""
+    """The same numbers in another shape: stored ``stored_shape(cfg)``, K3 ``our_shape(cfg)``, which the config's
+    ``settings(cfg)`` (named when a stored tensor has another size) imply."""
 
     stored_shape: Callable[[object], tuple[int, ...]]
     our_shape: Callable[[object], tuple[int, ...]]
+    settings: Callable[[object], str]
 
     def read(self, get, stored, cfg):
-        return [_reshaped(get(stored[0]), self.our_shape(cfg), stored[0])]
+        return [_reshaped(get(stored[0]), self.our_shape(cfg), stored[0], self.settings(cfg))]
 
     def write(self, tensors, cfg):
         return [tensors[0].reshape(self.stored_shape(cfg))]
@@ -149,7 +154,9 @@ class KeyValueUp(Form):
 
     def read(self, get, stored, cfg):
         shape = (cfg.mla_n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        both = _reshaped(get(stored[0]), shape, stored[0])
+        settings = (f"num_attention_heads {cfg.mla_n_heads}, qk_nope_head_dim {cfg.qk_nope_head_dim}, v_head_dim "
+                    f"{cfg.v_head_dim} and kv_lora_rank {cfg.kv_lora_rank}")
+        both = _reshaped(get(stored[0]), shape, stored[0], settings)
         return [both[:, :cfg.qk_nope_head_dim], both[:, cfg.qk_nope_head_dim:]]
 
     def write(self, tensors, cfg):
@@ -192,16 +199,18 @@ class PerRead(Form):
         self.stored_shape = stored_shape  # (1,) for [1, d], () for [d]
 
     def read(self, get, stored, cfg):
-        return [torch.stack([_reshaped(get(name), (cfg.d_model,), name) for name in stored])]
+        return [torch.stack([_reshaped(get(name), (cfg.d_model,), name, f"hidden_size {cfg.d_model}")
+                             for name in stored])]
 
     def write(self, tensors, cfg):
         return [row.reshape(*self.stored_shape, cfg.d_model) for row in tensors[0]]
 
 
-def _reshaped(tensor: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+def _reshaped(tensor: torch.Tensor, shape: tuple[int, ...], name: str, settings: str) -> torch.Tensor:
+    """``tensor`` as ``shape``; LayoutError naming it and the config's ``settings`` when its size differs."""
     if tensor.numel() != math.prod(shape):
-        raise LayoutError(f"checkpoint: tensor {name} has shape {tuple(tensor.shape)}, but config.json makes it "
-                          f"{shape}")
+        raise LayoutError(f"checkpoint: tensor {name} has shape {tuple(tensor.shape)}, but config.json's {settings} "
+                          f"make it {shape}")
     return tensor.reshape(shape)
 
 
@@ -225,65 +234,132 @@ def rows(pairs: dict[str, str], form: Form, ours: str = "", stored: str = "") ->
     return [Row((ours + mine,), (stored + theirs,), form) for mine, theirs in pairs.items()]
 
 
-# --- the K3 layout ------------------------------------------------------------------------------------------
+# --- the table: every layout the package knows -------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Spelling:
+    """Which of the equivalent spellings a checkpoint's layer uses. The defaults are the released Kimi Linear and
+    K3 names, which the course writes; transformers' Kimi Linear and DeepSeek-V3 read with the others."""
+
+    dense: str = "mlp."  # where a dense layer's FFN is stored
+    moe: str = "block_sparse_moe."  # where an MoE layer's FFN is stored (transformers, DeepSeek: "mlp.")
+    experts: str = "w"  # per-expert w1|w3|w2 ("w"), gate_proj|up_proj|down_proj ("proj"), or fused ("fused")
+    conv: str = "split"  # q|k|v_conv1d, or the three stacked in one conv1d ("stacked")
+    gate: str = ""  # where KDA's forget gate (f_a|f_b_proj, A_log, dt_bias) sits ("forget_gate." in transformers)
+
+
+RELEASED = Spelling()
 SAME, TRANSPOSED = Same(), Transposed()
 KDA_SAME = {f"{name}.weight": f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj")} | {
-    "f_proj.0.weight": "f_a_proj.weight", "f_proj.1.weight": "f_b_proj.weight", "gate_proj.weight": "g_proj.weight",
     "o_norm_weight": "o_norm.weight"}
-MLA_SAME = {"q_down.weight": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight", "q_up.weight": "q_b_proj.weight",
-            "kv_down.weight": "kv_a_proj_with_mqa.weight", "kv_norm.weight": "kv_a_layernorm.weight",
-            "gate.weight": "g_proj.weight", "out.weight": "o_proj.weight"}
+FORGET_GATE = {"f_proj.0.weight": "f_a_proj.weight", "f_proj.1.weight": "f_b_proj.weight"}
+MLA_SAME = {"kv_down.weight": "kv_a_proj_with_mqa.weight", "kv_norm.weight": "kv_a_layernorm.weight",
+            "out.weight": "o_proj.weight"}
+Q_LOW_RANK = {"q_down.weight": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight",
+              "q_up.weight": "q_b_proj.weight"}
 GLU = {"gate": "gate_proj.weight", "up": "up_proj.weight", "down": "down_proj.weight"}
+EXPERT_NAMES = {"w": ("w1", "w3", "w2"), "proj": ("gate_proj", "up_proj", "down_proj")}
 LATENT = {"down_proj": "routed_expert_down_proj.weight", "up_proj": "routed_expert_up_proj.weight"}
 RES = ("self_attention_res", "mlp_res")  # the two reads of a layer: before its mixer, before its FFN
-TEXT = "model."  # the stored text model; the release nests it as language_model.model.
+TEXT = "model."  # the stored text model; the K3 release nests it as language_model.model.
 
 
-def _kda_rows(cfg, ours: str, stored: str) -> list[Row]:
+class StackedConv(Form):
+    """transformers' one conv1d [3C, 1, W] ⇄ the q, k, v convolutions [C, W]."""
+
+    def read(self, get, stored, cfg):
+        return list(get(stored[0]).squeeze(1).chunk(3))
+
+    def write(self, tensors, cfg):
+        return [torch.cat(tensors).unsqueeze(1)]
+
+
+def _kda_rows(cfg, spelling: Spelling, ours: str, stored: str) -> list[Row]:
     heads, width = cfg.kda_n_heads, cfg.kda_head_dim
-    conv = Reshaped(lambda c: (c.kda_n_heads * c.kda_head_dim, 1, c.kda_conv_size),
-                    lambda c: (c.kda_n_heads * c.kda_head_dim, c.kda_conv_size))
-    return (rows(KDA_SAME, SAME, ours, stored)
-            + rows({f"{x}_conv.weight": f"{x}_conv1d.weight" for x in "qkv"}, conv, ours, stored)
-            + rows({"A_log": "A_log"}, Reshaped(lambda c: (1, 1, heads, 1), lambda c: (heads,)), ours, stored)
-            + rows({"dt_bias": "dt_bias"}, Reshaped(lambda c: (heads * width,), lambda c: (heads, width)), ours,
-                   stored))
+    settings = lambda c: f"linear num_heads {c.kda_n_heads} and head_dim {c.kda_head_dim}"  # noqa: E731
+    gate = stored + spelling.gate
+    if spelling.conv == "stacked":
+        convs = [Row(tuple(f"{ours}{x}_conv.weight" for x in "qkv"), (stored + "conv1d.weight",), StackedConv())]
+    else:
+        conv = Reshaped(lambda c: (c.kda_n_heads * c.kda_head_dim, 1, c.kda_conv_size),
+                        lambda c: (c.kda_n_heads * c.kda_head_dim, c.kda_conv_size),
+                        lambda c: settings(c) + f" and short_conv_kernel_size {c.kda_conv_size}")
+        convs = rows({f"{x}_conv.weight": f"{x}_conv1d.weight" for x in "qkv"}, conv, ours, stored)
+    if cfg.kda_output_gate == "full":
+        output_gate = {"gate_proj.weight": "g_proj.weight"}
+    else:
+        output_gate = {"gate_proj.0.weight": "g_a_proj.weight", "gate_proj.1.weight": "g_b_proj.weight"}
+        output_gate |= {"gate_proj.1.bias": "g_b_proj.bias"} if cfg.kda_gate_bias else {}
+    return (rows(KDA_SAME | output_gate, SAME, ours, stored) + rows(FORGET_GATE, SAME, ours, gate)
+            + rows({"A_log": "A_log"}, Reshaped(lambda c: (1, 1, heads, 1), lambda c: (heads,), settings), ours, gate)
+            + rows({"dt_bias": "dt_bias"}, Reshaped(lambda c: (heads * width,), lambda c: (heads, width), settings),
+                   ours, gate) + convs)
 
 
 def _mla_rows(cfg, ours: str, stored: str) -> list[Row]:
-    return rows(MLA_SAME, SAME, ours, stored) + [Row((ours + "k_up", ours + "v_up"), (stored + "kv_b_proj.weight",),
-                                                     KeyValueUp())]
+    query = {"q_up.weight": "q_proj.weight"} if cfg.q_lora_rank is None else Q_LOW_RANK
+    gate = {"gate.weight": "g_proj.weight"} if cfg.mla_gated else {}
+    return (rows(MLA_SAME | query | gate, SAME, ours, stored)
+            + [Row((ours + "k_up", ours + "v_up"), (stored + "kv_b_proj.weight",), KeyValueUp())])
 
 
-def _moe_rows(cfg, ours: str, stored: str) -> list[Row]:
+def _expert_rows(cfg, spelling: Spelling, ours: str, stored: str) -> list[Row]:
+    if spelling.experts == "fused":  # transformers: [E, 2f, d] with the gate rows first, and [E, d, f]
+        return rows({"gate_up": "gate_up_proj", "down": "down_proj"}, TRANSPOSED, ours + "experts.",
+                    stored + "experts.")
+    gate, up, down = EXPERT_NAMES[spelling.experts]
     experts = range(cfg.n_routed_experts)
-    return (rows({"router": "gate.weight"}, TRANSPOSED, ours, stored)
-            + rows({"bias": "gate.e_score_correction_bias", "latent_norm": "routed_expert_norm.weight"}, SAME, ours,
-                   stored)
-            + rows(LATENT, TRANSPOSED, ours, stored)
-            + [Row((ours + "experts.gate_up",), tuple(f"{stored}experts.{j}.{w}.weight" for j in experts
-                                                      for w in ("w1", "w3")), PerExpert(2)),
-               Row((ours + "experts.down",), tuple(f"{stored}experts.{j}.w2.weight" for j in experts), PerExpert(1))]
-            + rows(GLU, TRANSPOSED, ours + "shared.", stored + "shared_experts."))
+    return [Row((ours + "experts.gate_up",), tuple(f"{stored}experts.{j}.{w}.weight" for j in experts
+                                                   for w in (gate, up)), PerExpert(2)),
+            Row((ours + "experts.down",), tuple(f"{stored}experts.{j}.{down}.weight" for j in experts), PerExpert(1))]
 
 
-def k3_layout(cfg) -> list[list[Row]]:
-    """The released K3 layout of a config (K3's layers: full-rank gates, gated MLA with a q rank, latent MoE,
-    Block AttnRes with key-norm weights), stored names under ``model.``: the embedding, each layer, the AttnRes
-    reads, the final norm and head (a tied head is stored as ``lm_head`` too)."""
-    parts = [[Row(("embed.weight",), (TEXT + "embed_tokens.weight",), SAME)]]
-    for i, (mixer, ffn) in enumerate(zip(cfg.layer_types(), cfg.ffn_types())):
-        stored = f"{TEXT}layers.{i}."
-        layer = rows({"mixer_norm.weight": "input_layernorm.weight",
-                      "ffn_norm.weight": "post_attention_layernorm.weight"}, SAME, f"layers.{i}.", stored)
-        layer += (_kda_rows if mixer == "kda" else _mla_rows)(cfg, f"layers.{i}.mixer.", stored + "self_attn.")
-        layer += (rows(GLU, TRANSPOSED, f"layers.{i}.ffn.", stored + "mlp.") if ffn == "dense"
-                  else _moe_rows(cfg, f"layers.{i}.ffn.", stored + "block_sparse_moe."))
-        parts.append(layer)
+def _moe_rows(cfg, spelling: Spelling, ours: str, stored: str) -> list[Row]:
+    out = (rows({"router": "gate.weight"}, TRANSPOSED, ours, stored)
+           + rows({"bias": "gate.e_score_correction_bias"}, SAME, ours, stored)
+           + _expert_rows(cfg, spelling, ours, stored))
+    if cfg.latent_dim is not None:
+        out += (rows({"latent_norm": "routed_expert_norm.weight"}, SAME, ours, stored)
+                + rows(LATENT, TRANSPOSED, ours, stored))
+    if cfg.n_shared_experts:
+        out += rows(GLU, TRANSPOSED, ours + "shared.", stored + "shared_experts.")
+    return out
+
+
+def layer_rows(cfg, i: int, spelling: Spelling = RELEASED) -> list[Row]:
+    """Decoder layer i: its two norms, its mixer (KDA or MLA, as ``cfg`` builds them) under ``self_attn.``, its FFN
+    (dense, or the MoE with its latent projections and shared experts) under the spelling's prefix."""
+    ours, stored = f"layers.{i}.", f"{TEXT}layers.{i}."
+    out = rows({"mixer_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"},
+               SAME, ours, stored)
+    if cfg.layer_types()[i] == "kda":
+        out += _kda_rows(cfg, spelling, ours + "mixer.", stored + "self_attn.")
+    else:
+        out += _mla_rows(cfg, ours + "mixer.", stored + "self_attn.")
+    if cfg.ffn_types()[i] == "dense":
+        return out + rows(GLU, TRANSPOSED, ours + "ffn.", stored + spelling.dense)
+    return out + _moe_rows(cfg, spelling, ours + "ffn.", stored + spelling.moe)
+
+
+def attnres_rows(cfg) -> list[Row]:
+    """Block AttnRes: every read's query (and key-norm weight, with ``attnres_key_weight``), stored per layer as
+    ``self_attention_res_*`` and ``mlp_res_*`` and once as ``output_attn_res_*``."""
     reads = [f"{TEXT}layers.{i}.{res}" for i in range(cfg.n_layers) for res in RES] + [TEXT + "output_attn_res"]
-    parts.append([Row(("residual.queries",), tuple(f"{read}_proj.weight" for read in reads), PerRead((1,))),
-                  Row(("residual.key_norms",), tuple(f"{read}_norm.weight" for read in reads), PerRead(()))])
+    out = [Row(("residual.queries",), tuple(f"{read}_proj.weight" for read in reads), PerRead((1,)))]
+    if cfg.attnres_key_weight:
+        out.append(Row(("residual.key_norms",), tuple(f"{read}_norm.weight" for read in reads), PerRead(())))
+    return out
+
+
+def checkpoint_layout(cfg, spelling: Callable[[int], Spelling] = lambda i: RELEASED) -> list[list[Row]]:
+    """The layout of a config's checkpoint, part by part: the embedding, each decoder layer (``spelling(i)``), the
+    AttnRes reads (Block AttnRes only), the final norm and the head (none stored when tied). One table for every
+    layout the package knows: Kimi Linear and DeepSeek-V3 / Kimi K2 (PreNorm; their layers as the config says)
+    and Kimi K3 (full-rank gates, gated MLA, latent MoE, Block AttnRes)."""
+    parts = [[Row(("embed.weight",), (TEXT + "embed_tokens.weight",), SAME)]]
+    parts += [layer_rows(cfg, i, spelling(i)) for i in range(cfg.n_layers)]
+    if cfg.residual == "block_attnres":
+        parts.append(attnres_rows(cfg))
     head = [Row(("final_norm.weight",), (TEXT + "norm.weight",), SAME)]
     if not cfg.tie_embeddings:
         head.append(Row(("lm_head.weight",), ("lm_head.weight",), SAME))
@@ -291,5 +367,5 @@ def k3_layout(cfg) -> list[list[Row]]:
 
 
 def is_routed_expert(name: str) -> bool:
-    """Whether stored tensor ``name`` is a routed expert's weight (the tensors the release ships in MXFP4)."""
+    """Whether stored tensor ``name`` is a routed expert's weight (the tensors the K3 release ships in MXFP4)."""
     return ".block_sparse_moe.experts." in name and name.endswith(".weight")

@@ -45,7 +45,6 @@ Per layer (H heads; KDA head dim K = V; MLA nope n, v widths, latent r; ᵀ: tra
 from __future__ import annotations
 
 import json
-import math
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -69,6 +68,7 @@ CONFIG_FILE, SINGLE_FILE, INDEX_FILE = "config.json", "model.safetensors", "mode
 FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SCALE_SUFFIX = "_scale_inv"  # an FP8 release's block scales of tensor X.weight: X.weight_scale_inv
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+MOE_KEY = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.")
 # What Kimi Linear's layers are, whatever the config: save_pretrained refuses a config that sets another value.
 KIMI_LINEAR_FIXED = dict(residual="prenorm", ffn_activation="swiglu", router_score="sigmoid", mla_gated=False,
                          mla_rope=False, latent_dim=None, kda_output_gate="low_rank", kda_gate_bias=False,
@@ -230,7 +230,8 @@ def _rope_fields(hf: dict) -> dict:
 # text_config key: K3Config field, the same value both ways
 K3_TEXT_KEYS = {
     "vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden_layers": "n_layers",
-    "intermediate_size": "dense_ffn_dim", "first_k_dense_replace": "first_k_dense", "num_attention_heads": "mla_n_heads",
+    "intermediate_size": "dense_ffn_dim", "first_k_dense_replace": "first_k_dense",
+    "num_attention_heads": "mla_n_heads",
     "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
     "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "num_experts": "n_routed_experts",
     "num_experts_per_token": "top_k", "num_shared_experts": "n_shared_experts", "moe_intermediate_size": "expert_dim",
@@ -370,67 +371,45 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     return (weight.float() * scale).to(dtype)
 
 
-class _Reader:
-    """The tensors under one name prefix of a checkpoint (a :class:`_Source`)."""
+def stored_spellings(keys) -> Callable[[int], layout.Spelling]:
+    """Which spelling (:class:`~k3course.layout.Spelling`) each decoder layer of a checkpoint with tensors ``keys``
+    uses: its FFN under ``block_sparse_moe.`` (Kimi Linear's released MoE layers, and every FFN transformers writes
+    for Kimi Linear) or ``mlp.``; per-expert w1|w3|w2, gate|up|down_proj or transformers' fused experts; split or
+    stacked KDA convolutions; KDA's forget gate at the attention's top or under ``forget_gate.``."""
+    keys = set(keys)
+    moe_layers = {match.group(1) for key in keys if (match := MOE_KEY.match(key))}
 
-    def __init__(self, source: _Source, prefix: str):
-        self.source, self.prefix = source, prefix
-
-    def has(self, name: str) -> bool:
-        return self.prefix + name in self.source.keys
-
-    def under(self, prefix: str) -> _Reader:
-        return _Reader(self.source, self.prefix + prefix)
-
-    def __call__(self, name: str) -> torch.Tensor:
-        return self.source.read(self.prefix + name)
-
-    def shaped(self, name: str, shape: tuple[int, ...], settings: str) -> torch.Tensor:
-        """Tensor ``name`` reshaped to ``shape``, which config.json's ``settings`` (named in the error) imply."""
-        tensor = self(name)
-        if tensor.numel() != math.prod(shape):
-            raise UnsupportedCheckpoint(f"checkpoint: tensor {self.prefix + name} has shape {tuple(tensor.shape)}, "
-                                        f"but config.json's {settings} make it {shape}")
-        return tensor.reshape(shape)
+    def spelling(i: int) -> layout.Spelling:
+        layer = f"model.layers.{i}."
+        ffn = "block_sparse_moe." if str(i) in moe_layers else "mlp."
+        experts = ("fused" if f"{layer}{ffn}experts.gate_up_proj" in keys
+                   else "w" if {f"{layer}{ffn}experts.0.w1.weight", f"{layer}{ffn}experts.0.w1.weight_packed"} & keys
+                   else "proj")
+        return layout.Spelling(dense=ffn, moe=ffn, experts=experts,
+                               conv="stacked" if f"{layer}self_attn.conv1d.weight" in keys else "split",
+                               gate="forget_gate." if f"{layer}self_attn.forget_gate.A_log" in keys else "")
+    return spelling
 
 
 def k3_tensors(get: Callable[[str], torch.Tensor], keys, cfg: K3Config, fp8_block: tuple[int, int] | None = None,
-               dtype: torch.dtype = torch.float32) -> Iterator[dict[str, torch.Tensor]]:
-    """{K3Model name: tensor} of a checkpoint's tensors ``get(key)`` (names ``keys``), one part at a time: the
-    embedding, each decoder layer, the final norm and head; FP8 weights (blocks ``fp8_block``) dequantized to
-    ``dtype`` as they are read. Raises UnsupportedCheckpoint naming a missing tensor or one of another dtype, or
-    at the end the tensors nothing read (MTP layers, index ≥ n_layers, are skipped)."""
+               dtype: torch.dtype = torch.float32, mxfp4: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """{K3Model name: tensor} of a checkpoint's tensors ``get(key)`` (names ``keys``, in the layout
+    :func:`k3course.layout.checkpoint_layout` gives ``cfg``, each layer in the spelling it uses), one part at a
+    time: the embedding, each decoder layer, the AttnRes reads, the final norm and head. FP8 weights (blocks
+    ``fp8_block``) and MXFP4 routed experts (``mxfp4``) are dequantized to ``dtype`` as they are read. Raises
+    UnsupportedCheckpoint naming a missing tensor, one of another shape or dtype, or at the end the tensors
+    nothing read (MTP layers, index ≥ n_layers, are skipped)."""
     keys, used = set(keys), set()
-    read = _Reader(_Source(get, keys, used, fp8_block, dtype), "")
-    yield {"embed.weight": read(EMBEDDING)}
-    for i, (mixer, ffn) in enumerate(zip(cfg.layer_types(), cfg.ffn_types())):
-        yield _layer_tensors(read.under(f"model.layers.{i}."), cfg, mixer, ffn, i)
-    head = {"final_norm.weight": read("model.norm.weight")}
-    if cfg.tie_embeddings:
-        used.add(HEAD)  # a tied head may be stored too; Checkpoint unties a config whose stored head differs
-    else:
-        head["lm_head.weight"] = read(HEAD)
-    yield head
-    unread = sorted(k for k in keys - used if not _is_mtp(k, cfg.n_layers))
-    if unread:
-        raise UnsupportedCheckpoint(f"checkpoint: {len(unread)} tensors the course cannot place, e.g. {unread[:4]}")
-
-
-def k3_layout_tensors(get: Callable[[str], torch.Tensor], keys, cfg: K3Config, mxfp4: bool = False,
-                      dtype: torch.dtype = torch.float32) -> Iterator[dict[str, torch.Tensor]]:
-    """{K3Model name: tensor} of a checkpoint in the released K3 layout (:func:`k3course.layout.k3_layout`, names
-    under ``model.``), one part at a time; MXFP4 routed experts (``mxfp4``) dequantized to ``dtype`` one tensor at
-    a time as they are read. Raises UnsupportedCheckpoint naming a missing tensor, one of another shape or dtype,
-    or at the end the tensors nothing read (MTP layers, index ≥ n_layers, are skipped)."""
-    keys, used = set(keys), set()
-    source = _Source(get, keys, used, None, dtype, mxfp4)
+    source = _Source(get, keys, used, fp8_block, dtype, mxfp4)
     try:
-        for part in layout.k3_layout(cfg):
+        for part in layout.checkpoint_layout(cfg, stored_spellings(keys)):
             yield {name: tensor for row in part for name, tensor in row.read(source.read, cfg).items()}
     except layout.LayoutError as error:
         raise UnsupportedCheckpoint(str(error)) from error
+    if not cfg.n_shared_experts:
+        _no_shared_experts(source, cfg)
     if cfg.tie_embeddings:
-        used.add(HEAD)
+        used.add(HEAD)  # a tied head may be stored too; Checkpoint unties a config whose stored head differs
     unread = sorted(k for k in keys - used if not _is_mtp(k, cfg.n_layers))
     if unread:
         raise UnsupportedCheckpoint(f"checkpoint: {len(unread)} tensors the course cannot place, e.g. {unread[:4]}")
@@ -446,84 +425,12 @@ def _is_mtp(key: str, n_layers: int) -> bool:
     return match is not None and int(match.group(1)) >= n_layers
 
 
-def _layer_tensors(read: _Reader, cfg: K3Config, mixer: str, ffn: str, i: int) -> dict[str, torch.Tensor]:
-    """Layer i's tensors; its FFN under ``block_sparse_moe.`` (Kimi Linear's released MoE layers, and every FFN
-    transformers writes for Kimi Linear) or ``mlp.``."""
-    attention = read.under("self_attn.")
-    mixer_tensors = _kda_tensors(attention, cfg) if mixer == "kda" else _mla_tensors(attention, cfg)
-    moe_prefix = read.prefix + "block_sparse_moe."
-    ffn_read = read.under("block_sparse_moe." if any(k.startswith(moe_prefix) for k in read.source.keys) else "mlp.")
-    ffn_tensors = _dense_tensors(ffn_read) if ffn == "dense" else _moe_tensors(ffn_read, cfg)
-    parts = {"mixer_norm.weight": read("input_layernorm.weight"),
-             "ffn_norm.weight": read("post_attention_layernorm.weight"),
-             **{f"mixer.{k}": t for k, t in mixer_tensors.items()}, **{f"ffn.{k}": t for k, t in ffn_tensors.items()}}
-    return {f"layers.{i}.{name}": tensor for name, tensor in parts.items()}
-
-
-def _kda_tensors(read: _Reader, cfg: K3Config) -> dict[str, torch.Tensor]:
-    heads, width = cfg.kda_n_heads, cfg.kda_head_dim
-    settings = f"linear num_heads {heads} and head_dim {width}"
-    out = {f"{name}.weight": read(f"{name}.weight") for name in ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj")}
-    if read.has("conv1d.weight"):  # transformers: q, k, v convolutions stacked
-        convs = read("conv1d.weight").squeeze(1).chunk(3)
-    else:
-        convs = [read(f"{x}_conv1d.weight").squeeze(1) for x in "qkv"]
-    gate = read.under("forget_gate." if read.has("forget_gate.A_log") else "")
-    out |= {"q_conv.weight": convs[0], "k_conv.weight": convs[1], "v_conv.weight": convs[2],
-            "f_proj.0.weight": gate("f_a_proj.weight"), "f_proj.1.weight": gate("f_b_proj.weight"),
-            "A_log": gate.shaped("A_log", (heads,), settings),
-            "dt_bias": gate.shaped("dt_bias", (heads, width), settings),
-            "gate_proj.0.weight": read("g_a_proj.weight"), "gate_proj.1.weight": read("g_b_proj.weight"),
-            "o_norm_weight": read("o_norm.weight")}
-    if cfg.kda_gate_bias:
-        out["gate_proj.1.bias"] = read("g_b_proj.bias")
-    return out
-
-
-def _mla_tensors(read: _Reader, cfg: K3Config) -> dict[str, torch.Tensor]:
-    if cfg.q_lora_rank is None:
-        out = {"q_up.weight": read("q_proj.weight")}
-    else:
-        out = {"q_down.weight": read("q_a_proj.weight"), "q_norm.weight": read("q_a_layernorm.weight"),
-               "q_up.weight": read("q_b_proj.weight")}
-    settings = (f"num_attention_heads {cfg.mla_n_heads}, qk_nope_head_dim {cfg.qk_nope_head_dim}, v_head_dim "
-                f"{cfg.v_head_dim} and kv_lora_rank {cfg.kv_lora_rank}")
-    kv_up = read.shaped("kv_b_proj.weight",
-                        (cfg.mla_n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank), settings)
-    return out | {"kv_down.weight": read("kv_a_proj_with_mqa.weight"), "kv_norm.weight": read("kv_a_layernorm.weight"),
-                  "k_up": kv_up[:, :cfg.qk_nope_head_dim], "v_up": kv_up[:, cfg.qk_nope_head_dim:],
-                  "out.weight": read("o_proj.weight")}
-
-
-def _dense_tensors(read: _Reader) -> dict[str, torch.Tensor]:
-    return {name: read(f"{name}_proj.weight").T for name in ("gate", "up", "down")}
-
-
-def _moe_tensors(read: _Reader, cfg: K3Config) -> dict[str, torch.Tensor]:
-    out = {"router": read("gate.weight").T, "bias": read("gate.e_score_correction_bias")}
-    if read.has("experts.gate_up_proj"):  # transformers: every expert in one tensor, gate rows before up rows
-        out |= {"experts.gate_up": read("experts.gate_up_proj").transpose(1, 2),
-                "experts.down": read("experts.down_proj").transpose(1, 2)}
-    else:
-        released_kimi = read.has("experts.0.w1.weight")
-        gate, up, down = ("w1", "w3", "w2") if released_kimi else ("gate_proj", "up_proj", "down_proj")
-        expert = lambda j, name: read(f"experts.{j}.{name}.weight").T
-        out |= {"experts.gate_up": torch.stack([torch.cat([expert(j, gate), expert(j, up)], dim=1)
-                                                for j in range(cfg.n_routed_experts)]),
-                "experts.down": torch.stack([expert(j, down) for j in range(cfg.n_routed_experts)])}
-    if cfg.n_shared_experts:
-        out |= {f"shared.{k}": t for k, t in _dense_tensors(read.under("shared_experts.")).items()}
-    else:
-        _no_shared_experts(read.under("shared_experts."))
-    return out
-
-
-def _no_shared_experts(read: _Reader) -> None:
+def _no_shared_experts(source: _Source, cfg: K3Config) -> None:
     """With ``n_shared_experts: 0`` transformers still writes the shared expert, with no rows: read it and check
     that it is empty (nothing to place)."""
-    for name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
-        if read.has(name) and read(name).numel():
-            raise UnsupportedCheckpoint(f"checkpoint: tensor {read.prefix + name} is not empty, but config.json has "
+    for key in sorted(source.keys):
+        if ".shared_experts." in key and source.read(key).numel():
+            raise UnsupportedCheckpoint(f"checkpoint: tensor {key} is not empty, but config.json has "
                                         "n_shared_experts 0")
 
 
@@ -590,16 +497,13 @@ class Checkpoint:
         return cfg.replace(tie_embeddings=False)
 
     def k3_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[dict[str, torch.Tensor]]:
-        """:func:`k3_tensors` (or, for ``kimi_k3``, :func:`k3_layout_tensors`) of this checkpoint (FP8 and MXFP4
-        weights dequantized to ``dtype``), each file memory-mapped once while the parts are read."""
+        """:func:`k3_tensors` of this checkpoint (FP8 and MXFP4 weights dequantized to ``dtype``), each file
+        memory-mapped once while the parts are read."""
         with ExitStack() as stack:
             handles = {file: stack.enter_context(safetensors.safe_open(file, framework="pt"))
                        for file in sorted(set(self.files.values()))}
-            get = lambda key: handles[self.files[key]].get_tensor(self.stored_names[key])  # noqa: E731
-            if self.k3_layout:
-                yield from k3_layout_tensors(get, self.files, self.config, self.mxfp4, dtype)
-            else:
-                yield from k3_tensors(get, self.files, self.config, self.fp8_block, dtype)
+            yield from k3_tensors(lambda key: handles[self.files[key]].get_tensor(self.stored_names[key]),
+                                  self.files, self.config, self.fp8_block, dtype, self.mxfp4)
 
 
 def _checkpoint_folder(path: Path) -> Path:

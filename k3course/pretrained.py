@@ -1,45 +1,34 @@
-"""Checkpoints in transformers' layout: Kimi Linear and DeepSeek-V3 (floor 1: configs, names and shapes).
+"""Checkpoints: Kimi Linear and DeepSeek-V3 in transformers' layout, Kimi K3 in its released layout (floor 1:
+configs and reading; the names and shapes are :mod:`k3course.layout`'s one table).
 
 A checkpoint is a folder with ``config.json`` and safetensors weights: one ``model.safetensors``, or shards listed
-by ``model.safetensors.index.json``. Two model types are read, each in both spellings of its keys:
+by ``model.safetensors.index.json``. Three families of model types are read:
 
     kimi_linear   Kimi-Linear-48B-A3B: KDA + NoPE MLA, sigmoid MoE with a shared expert
     deepseek_v3   DeepSeek-V3, Kimi K2 (``model_type`` "kimi_k2"), Moonlight: MLA with (YaRN) RoPE, grouped routing
+    kimi_k3       Kimi K3's release: a nested ``text_config`` (:func:`k3_config_from_hf`), tensors under
+                  ``language_model.model.`` (or ``model.`` in a text-only export; the vision tower skipped with
+                  one printed line), routed experts in MXFP4 (compressed-tensors ``mxfp4-pack-quantized``)
+
+The first two in both spellings of their keys:
 
 released    the config.json keys and tensor names of the published checkpoints (Kimi Linear: ``linear_attn_config``
             with 1-indexed ``full_attn_layers``, ``num_experts``, per-expert ``w1 / w2 / w3``, ``q_conv1d``;
             DeepSeek: ``rope_scaling``, per-expert ``gate_proj / up_proj / down_proj``)
 transformers  the names its config classes and modules use (``layer_types``, ``rope_parameters``; fused
-            ``experts.gate_up_proj``, ``conv1d``, ``forget_gate.*``)
+            ``experts.gate_up_proj``, ``conv1d``, ``forget_gate.*``): :func:`stored_spellings`
 
 Multi-token-prediction layers (index ≥ ``num_hidden_layers``) are skipped. FP8 releases (DeepSeek-V3, Kimi K2:
-e4m3 weights with a ``weight_scale_inv`` per 128 × 128 block, ``quantization_config``) are dequantized tensor by
-tensor as they are read (:func:`dequantize_fp8`); every tensor's dtype is checked. What the course cannot express
-(INT4 compressed-tensors weights, another routing function or activation, attention biases, another RoPE type) is
-refused with :class:`UnsupportedCheckpoint` naming it. The way back (a :class:`K3Config`
-that Kimi Linear can express, written in the released layout that transformers reads) is
-:mod:`k3course.pretrained_save`.
+e4m3 weights with a ``weight_scale_inv`` per 128 × 128 block, ``quantization_config``) and K3's MXFP4 routed experts
+are dequantized tensor by tensor as they are read (:func:`dequantize_fp8`, :func:`k3course.layout.unpack_mxfp4`);
+every tensor's dtype is checked. What the course cannot express (INT4 compressed-tensors weights, another routing
+function or activation, attention biases, another RoPE type, K3 settings other than its own) is refused with
+:class:`UnsupportedCheckpoint` naming it. The way back is :mod:`k3course.pretrained_save`.
 
 This module knows :class:`~k3course.model.K3Model`'s parameter names as strings and never imports the model:
 ``K3Model.from_pretrained`` builds it on the meta device and assigns what :meth:`Checkpoint.k3_tensors` yields,
-one layer at a time, read from memory-mapped files, so the weights are never in memory twice.
-
-Per layer (H heads; KDA head dim K = V; MLA nope n, v widths, latent r; ᵀ: transposed, since K3's FFNs compute x W):
-
-    input_layernorm / post_attention_layernorm      mixer_norm / ffn_norm
-    KDA  q|k|v|b|o_proj                             mixer.q|k|v|b|o_proj
-         q|k|v_conv1d [C, 1, W] (or conv1d [3C, 1, W])  mixer.q|k|v_conv [C, W]
-         f_a_proj, f_b_proj, A_log [1, 1, H, 1], dt_bias [H·K]   mixer.f_proj.0|1, A_log [H], dt_bias [H, K]
-         g_a_proj, g_b_proj, o_norm                 mixer.gate_proj.0|1, o_norm_weight
-    MLA  q_proj or q_a_proj, q_a_layernorm, q_b_proj    mixer.q_up or q_down, q_norm, q_up
-         kv_a_proj_with_mqa, kv_a_layernorm         mixer.kv_down, kv_norm
-         kv_b_proj [H·(n + v), r]                   mixer.k_up [H, n, r], v_up [H, v, r] (split per head)
-         o_proj                                     mixer.out
-    FFN  mlp.gate|up|down_proj                      ffn.gate|up|down ᵀ
-    MoE  gate.weight [E, d], gate.e_score_correction_bias     ffn.router [d, E] ᵀ, ffn.bias
-         experts.j.w1|w3|w2 (gate_proj|up_proj|down_proj),   ffn.experts.gate_up [E, d, 2f] = [w1ᵀ | w3ᵀ],
-         or experts.gate_up_proj [E, 2f, d], down_proj       ffn.experts.down [E, f, d] = w2ᵀ
-         shared_experts.gate|up|down_proj            ffn.shared.gate|up|down ᵀ
+one part at a time, read from memory-mapped files, so the weights are never in memory twice. The names and shapes
+per layer are in :mod:`k3course.layout`.
 """
 
 from __future__ import annotations
@@ -239,6 +228,7 @@ K3_TEXT_KEYS = {
     "routed_scaling_factor": "route_scale", "num_expert_group": "n_expert_groups", "topk_group": "topk_groups",
     "rms_norm_eps": "norm_eps", "max_position_embeddings": "context_length", "tie_word_embeddings": "tie_embeddings",
     "pad_token_id": "pad_token_id", "mla_use_output_gate": "mla_gated"}
+K3_OPTIONAL = {"pad_token_id": None, "tie_word_embeddings": False}  # the text_config keys a config may leave out
 # linear_attn_config key: K3Config field
 K3_LINEAR_KEYS = {"num_heads": "kda_n_heads", "head_dim": "kda_head_dim", "short_conv_kernel_size": "kda_conv_size",
                   "gate_lower_bound": "kda_lower_bound"}
@@ -272,9 +262,8 @@ def k3_config_from_hf(hf: dict, name: str = "pretrained") -> K3Config:
             if key in settings and settings[key] != value:
                 raise UnsupportedCheckpoint(f"{where}.{key}: {settings[key]!r} is not supported (the course "
                                             f"implements {value!r})")
-    fields = {field: _key(text, key) for key, field in K3_TEXT_KEYS.items() if key not in ("pad_token_id",)}
+    fields = {field: _key(text, key, default=K3_OPTIONAL.get(key, _MISSING)) for key, field in K3_TEXT_KEYS.items()}
     fields |= {field: _key(linear, key) for key, field in K3_LINEAR_KEYS.items()}
-    fields["pad_token_id"] = text.get("pad_token_id")
     block = _key(text, "attn_res_block_size")
     n_layers = fields["n_layers"]
     mla_layers = tuple(sorted(i - 1 for i in _key(linear, "full_attn_layers")))

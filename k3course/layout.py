@@ -1,4 +1,4 @@
-"""Checkpoint layouts as one table of names and shapes, and MXFP4 (floor 0: torch only).
+"""Checkpoint layouts as one table of names and shapes, and MXFP4 (a leaf: it imports only torch).
 
 A layout is a list of parts (the embedding, each decoder layer, the AttnRes queries, the head); a part is a list
 of :class:`Row`: K3Model tensors ``ours`` ⇄ stored tensors ``stored``, related by a :class:`Form` that knows both

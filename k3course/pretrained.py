@@ -1,5 +1,5 @@
-"""Checkpoints: Kimi Linear and DeepSeek-V3 in transformers' layout, Kimi K3 in its released layout (floor 1:
-configs and reading; the names and shapes are :mod:`k3course.layout`'s one table).
+"""Checkpoints: Kimi Linear and DeepSeek-V3 in transformers' layout, Kimi K3 in its released layout (configs and
+reading; the names and shapes are :mod:`k3course.layout`'s one table).
 
 A checkpoint is a folder with ``config.json`` and safetensors weights: one ``model.safetensors``, or shards listed
 by ``model.safetensors.index.json``. Three families of model types are read:

@@ -224,11 +224,12 @@ def _router_params(cfg: K3Config) -> int:
 
 def _norm_and_residual_params(cfg: K3Config) -> int:
     """RMSNorm before each sub-layer (2 per layer) and the final norm; Block AttnRes adds a query per
-    sub-layer (2 per layer) and one for the final aggregation, each of width d."""
+    sub-layer (2 per layer) and one for the final aggregation, each of width d, and as many key-norm weights
+    with ``attnres_key_weight``."""
     d = cfg.d_model
     norms = 2 * cfg.n_layers * d + d
-    queries = (2 * cfg.n_layers + 1) * d if cfg.residual == "block_attnres" else 0
-    return norms + queries
+    per_read = 1 + cfg.attnres_key_weight if cfg.residual == "block_attnres" else 0
+    return norms + per_read * (2 * cfg.n_layers + 1) * d
 
 
 def _component_counts(cfg: K3Config) -> dict[str, tuple[int, int]]:

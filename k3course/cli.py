@@ -282,7 +282,8 @@ def parser() -> argparse.ArgumentParser:
     which = generate.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", help="a step-NNNNNN folder, or a run folder (latest)")
     which.add_argument("--pretrained", metavar="PATH", help="a Kimi Linear / DeepSeek-V3 checkpoint folder in "
-                       "transformers' layout, run by K3Model.from_pretrained with its own tokenizer (no download)")
+                       "transformers' layout or a Kimi K3 one in its released layout, run by "
+                       "K3Model.from_pretrained with its own tokenizer (no download)")
     generate.add_argument("--device", default="cpu", help="with --pretrained: torch device (cpu, cuda)")
     generate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                           help="with --pretrained: weight dtype (bfloat16 halves the memory)")

@@ -103,7 +103,8 @@ class K3Model(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.kernels) for i in range(cfg.n_layers))
         block_size = cfg.attnres_block_size if cfg.residual == "block_attnres" else None
-        self.residual = make_residual(cfg.residual, 2 * cfg.n_layers, cfg.d_model, block_size)
+        self.residual = make_residual(cfg.residual, 2 * cfg.n_layers, cfg.d_model, block_size, cfg.norm_eps,
+                                      cfg.attnres_key_weight)
         self.final_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         no_weight_decay(self.final_norm.weight)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -145,11 +146,19 @@ class K3Model(nn.Module):
         model._materialize(device)
         return model.eval()
 
-    def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
-        """Write this model as a Kimi Linear checkpoint folder that transformers' ``from_pretrained`` opens
-        (config.json + safetensors, sharded above ``max_shard_bytes``). Raises
-        :class:`~k3course.pretrained.UnsupportedCheckpoint` naming each setting Kimi Linear cannot express (Block
-        AttnRes, SiTU-GLU, K3's full-rank or biased gates, the bounded KDA gate, latent MoE, RoPE ...)."""
+    def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 * 2**30, layout: str = "kimi_linear",
+                        mxfp4: bool = False) -> Path:
+        """Write this model as a checkpoint folder (config.json + safetensors, sharded above ``max_shard_bytes``)
+        in ``layout``: "kimi_linear" (what transformers' Kimi Linear opens; UnsupportedCheckpoint names each
+        setting Kimi Linear cannot express: Block AttnRes, SiTU-GLU, K3's full-rank or biased gates, the bounded
+        KDA gate, latent MoE, RoPE ...) or "kimi_k3" (the released K3 layout in bf16, routed experts in MXFP4 with
+        ``mxfp4``; UnsupportedCheckpoint names what it cannot express)."""
+        if layout not in pretrained_save.LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(pretrained_save.LAYOUTS)}, got {layout!r}")
+        if mxfp4 and layout != "kimi_k3":
+            raise ValueError("mxfp4: only the kimi_k3 layout stores routed experts in MXFP4")
+        if layout == "kimi_k3":
+            return pretrained_save.save_kimi_k3(self.cfg, self.state_dict(), path, max_shard_bytes, mxfp4)
         return pretrained_save.save_kimi_linear(self.cfg, self.state_dict(), path, max_shard_bytes)
 
     @torch.no_grad()

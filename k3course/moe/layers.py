@@ -100,11 +100,12 @@ class MoE(nn.Module):
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> MoE:
-        """The MoE layer of a :class:`k3course.config.K3Config` (its expert, router and balancing fields)."""
+        """The MoE layer of a :class:`k3course.config.K3Config` (its expert, router and balancing fields; the latent
+        RMSNorm takes ``norm_eps``)."""
         fields = ("d_model", "n_routed_experts", "top_k", "n_shared_experts", "expert_dim", "latent_dim",
                   "router_score", "route_scale", "balancing", "n_expert_groups", "topk_groups")
         sizes = {name: getattr(cfg, name) for name in fields}
-        sizes |= dict(activation=cfg.ffn_activation, renormalize=cfg.renormalize_top_k)
+        sizes |= dict(activation=cfg.ffn_activation, renormalize=cfg.renormalize_top_k, eps=cfg.norm_eps)
         return cls(**{**sizes, **overrides})
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

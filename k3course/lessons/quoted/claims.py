@@ -222,7 +222,7 @@ def train_bytes(which: str = "claims") -> float:
     import dataclasses
 
     from k3course.lessons import capstone, claims
-    from k3course.train import train_preset
+    from k3course.train.config import train_preset
 
     settings = {"claims": lambda: dataclasses.asdict(claims.TEXT_TRAIN),
                 "default": lambda: dataclasses.asdict(train_preset("tiny")[1]),

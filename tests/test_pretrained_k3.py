@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -234,3 +235,11 @@ def test_the_folders_config_beside_the_released_one(saved):
     assert rows["rms_norm_eps"] == (1e-5, 1e-5) and rows["intermediate_size"] == (256, 33792)
     assert rows["linear_attn_config.full_attn_layers"][1][-2:] == [92, 93]
     assert Checkpoint(saved[1]).config.layer_types() == TINY_K3.layer_types()
+
+
+def test_the_shipped_tiny_checkpoint_loads_as_it_was_trained():
+    """Saved before attnres_key_weight existed: it takes its default (no key-norm weights), and ε stays 1e-6."""
+    folder = Path(__file__).resolve().parents[1] / "k3course" / "checkpoints" / "tiny"
+    saved_cfg = K3Config.from_dict(json.loads((folder / "config.json").read_text())["model"])
+    assert (saved_cfg.attnres_key_weight, saved_cfg.norm_eps, saved_cfg.kda_norm_eps) == (False, 1e-6, 1e-6)
+    assert saved_cfg == K3Config.preset("tiny")

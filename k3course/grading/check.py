@@ -73,8 +73,8 @@ def _learner_call(fn, case: Case, exercise: Exercise):
 
 
 def _same(before: Any, after: Any) -> bool:
-    """Exact equality of an input before and after a call (tensors and arrays: same dtype, shape and values; generators: same
-    state; modules, optimizers, schedulers: same ``state_dict()``)."""
+    """Exact equality of an input before and after a call (tensors and arrays: same dtype, shape and values;
+    generators: same state; modules, optimizers, schedulers: same ``state_dict()``)."""
     if isinstance(before, torch.Tensor):
         return (isinstance(after, torch.Tensor) and before.dtype == after.dtype and before.shape == after.shape
                 and torch.equal(before, after))

@@ -228,6 +228,12 @@ def absorb_query(q_nope: torch.Tensor, k_up: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bthn,hnr->bthr", q_nope, k_up)
 
 
+def output_gate(heads: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """Gated MLA's output gate: σ(x W_Gᵀ) ⊙ heads, the gate read from the layer's input x, elementwise on the
+    attention output. heads [B, T, H·v]; x [B, T, d]; gate_weight [H·v, d] -> [B, T, H·v]."""
+    return torch.sigmoid(x @ gate_weight.T) * heads
+
+
 def visible_keys(n_queries: int, n_keys: int, start: int, device=None) -> torch.Tensor:
     """The causal mask with a cache prefix: visible[t, s] = s ≤ start + t (query t sits at position start + t).
 

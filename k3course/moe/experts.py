@@ -111,6 +111,13 @@ def init_weight(shape: tuple[int, ...], fan_in: int, generator: torch.Generator 
     return nn.Parameter((torch.randn(shape, generator=generator, device=draw_on) / math.sqrt(fan_in)).to(device))
 
 
+def glu_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+            activation: str = "swiglu") -> torch.Tensor:
+    """A dense gated FFN: act(x W_g, x W_u) W_d. x [..., d]; w_gate, w_up [d, h]; w_down [h, d] -> [..., d].
+    K3's shared experts are one such FFN of n_shared_experts · expert_dim hidden units."""
+    return activation_fn(activation)(x @ w_gate, x @ w_up) @ w_down
+
+
 class GLUFFN(nn.Module):
     """A dense gated FFN: y = act(x W_g, x W_u) W_d. Used for shared experts (fused into one wide MLP).
 

@@ -37,6 +37,7 @@ from torch import nn
 from k3course.ops.checks import check_mixer_input
 from k3course.ops.norm import NORM_EPS
 from k3course.params import no_weight_decay, residual_output
+from k3course.parts import part
 
 DECODE_TOKENS = 64  # at inference, up to this many new tokens attend in the absorbed form (auto path)
 
@@ -470,7 +471,7 @@ class GatedMLA(nn.Module):
         attend = self.attend_absorbed if use_absorbed else self.attend_naive
         heads = attend(q_nope, q_rope, cache, start).flatten(2)                # [B, T, H·v]
         if self.gated:
-            heads = torch.sigmoid(self.gate(x)) * heads
+            heads = part("mla_output_gate", output_gate)(heads, x, self.gate.weight)  # a learner's, if held
         return self.out(heads), cache
 
 

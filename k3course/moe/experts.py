@@ -21,6 +21,7 @@ from k3course.moe.dispatch import (
     unsort,
 )
 from k3course.params import residual_output
+from k3course.parts import part
 
 SITU_BETA1 = 4.0  # β₁: SiTU-GLU's soft cap on the gate branch (K3)
 SITU_BETA2 = 25.0  # β₂: SiTU-GLU's soft cap on the up branch (K3)
@@ -88,7 +89,13 @@ def _tanh_by_expm1(x: torch.Tensor, scale: float) -> torch.Tensor:
     return e.div_(e + 2.0)
 
 
-ACTIVATIONS = {"swiglu": swiglu, "situ_glu": situ_glu}
+def situ_glu_part(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiTU-GLU as every layer of the model applies it: a learner's ``situ_glu`` while :mod:`k3course.parts`
+    holds one (K3's β₁ = 4, β₂ = 25 are its defaults), else :func:`situ_glu`."""
+    return part("situ_glu", situ_glu)(gate, up)
+
+
+ACTIVATIONS = {"swiglu": swiglu, "situ_glu": situ_glu_part}
 
 
 def activation_fn(name: str):
@@ -127,7 +134,7 @@ class GLUFFN(nn.Module):
     def __init__(self, d: int, hidden: int, activation: str = "swiglu", generator: torch.Generator | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
-        self.act = activation_fn(activation)
+        self.act, self.activation = activation_fn(activation), activation
         self.gate = init_weight((d, hidden), d, generator, device)
         self.up = init_weight((d, hidden), d, generator, device)
         self.down = residual_output(init_weight((hidden, d), hidden, generator, device))
@@ -216,5 +223,5 @@ class LocalDispatch:
 
     def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int, tokens: int) -> torch.Tensor:
         """:func:`~k3course.moe.quantile_balance_bias` on the scores [M, n] of all tokens (here M = ``tokens``
-        are all on this process) -> new bias [n]."""
-        return quantile_balance_bias(scores, bias, k)
+        are all on this process) -> new bias [n] (a learner's function while :mod:`k3course.parts` holds one)."""
+        return part("quantile_balance_bias", quantile_balance_bias)(scores, bias, k)

@@ -1,6 +1,5 @@
 """Plausible wrong answers for chapter 01's shared experts."""
 
-import torch
 import torch.nn.functional as F
 
 from k3course.moe.experts import glu_ffn

@@ -11,7 +11,7 @@
   :func:`experts_touched`), the hybrid's memory crossover, a roofline TPOT, the largest batch a GPU's memory
   holds (:func:`max_decode_batch`) and the FLOPs of a prefill (:func:`prefill_flops`).
 
-It sits above the model (floor 5): the formulas read a :class:`~k3course.config.K3Config`, the meta counts build
+It sits above the model: the formulas read a :class:`~k3course.config.K3Config`, the meta counts build
 the layers and :class:`~k3course.model.K3Model`.
 """
 

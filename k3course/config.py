@@ -1,4 +1,4 @@
-"""``K3Config``: the dimensions of a K3-style model, their validation, and the presets (floor 0, a leaf).
+"""``K3Config``: the dimensions of a K3-style model, their validation, and the presets (a leaf of the package).
 
 One dataclass describes every model in the course, from the four reference models (DeepSeek-V3, Kimi K2,
 Kimi Linear 48B, Kimi K3) down to the ``tiny`` and ``small`` presets that train on a laptop CPU. What a
@@ -132,14 +132,9 @@ class K3Config:
 
     @classmethod
     def from_dict(cls, fields: dict) -> K3Config:
-        """The config of saved fields (``dataclasses.asdict``, read back from JSON): lists become tuples, fields
-        added since it was saved take their defaults (so old runs keep loading), unknown fields are an error."""
-        if not isinstance(fields, dict):
-            raise TypeError(f"fields must be a dict of K3Config fields, got {type(fields).__name__}")
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise TypeError(f"fields: {', '.join(unknown)} are not K3Config fields")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+        """The config of saved fields (:func:`from_saved_fields`: fields added since it was saved take their
+        defaults, so old runs keep loading)."""
+        return from_saved_fields(cls, fields)
 
     def replace(self, **changes) -> K3Config:
         """A copy with some fields changed (validated like a new config)."""
@@ -350,6 +345,17 @@ PUBLISHED_PARAMS: dict[str, tuple[float, float]] = {
 # --- settings from text: TOML files and key=value overrides (k3course train --config / --set) ---------------
 
 NONE_WORDS = ("none", "null")  # how TOML and the command line write None (TOML has no null)
+
+
+def from_saved_fields(cls, fields: dict):
+    """The dataclass ``cls`` of saved fields (``dataclasses.asdict``, read back from JSON): lists become tuples,
+    fields left out take their defaults, unknown fields are a TypeError naming them; the class validates."""
+    if not isinstance(fields, dict):
+        raise TypeError(f"fields must be a dict of {cls.__name__} fields, got {type(fields).__name__}")
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise TypeError(f"fields: {', '.join(unknown)} are not {cls.__name__} fields")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
 def field_types(cls) -> dict[str, object]:

@@ -70,16 +70,17 @@ class DecoderLayer(nn.Module):
     """One K3 decoder layer: a token mixer (KDA or gated MLA) and an FFN (dense GLU or MoE), each behind an
     RMSNorm; the residual scheme decides what each reads (see the module docstring)."""
 
-    def __init__(self, cfg: K3Config, index: int):
+    def __init__(self, cfg: K3Config, index: int, kernels: str | None = None):
         super().__init__()
         self.mixer_kind, self.ffn_kind = cfg.layer_types()[index], cfg.ffn_types()[index]
         self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mixer = KimiDeltaAttention.from_config(cfg) if self.mixer_kind == "kda" else GatedMLA.from_config(cfg)
+        self.mixer = (KimiDeltaAttention.from_config(cfg, kernels=kernels) if self.mixer_kind == "kda"
+                      else GatedMLA.from_config(cfg))
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         for norm in (self.mixer_norm, self.ffn_norm):
             no_weight_decay(norm.weight)
         self.ffn = (GLUFFN(cfg.d_model, cfg.dense_ffn_dim, cfg.ffn_activation) if self.ffn_kind == "dense"
-                    else MoE.from_config(cfg))
+                    else MoE.from_config(cfg, kernels=kernels))
 
     def forward(self, stream, cache: KDACache | MLACache | None):
         """Read, mix, write; read, FFN, write. Returns the layer's (updated) cache."""
@@ -92,13 +93,15 @@ class DecoderLayer(nn.Module):
 class K3Model(nn.Module):
     """The K3 decoder of a :class:`K3Config`, built only from the package's layers (see the module docstring)."""
 
-    def __init__(self, cfg: K3Config):
+    def __init__(self, cfg: K3Config, kernels: str | None = None):
         super().__init__()
         if not isinstance(cfg, K3Config):
             raise TypeError(f"cfg must be a K3Config (e.g. K3Config.preset('tiny')), got {type(cfg).__name__}")
-        self.cfg = cfg
+        from k3course.kernels import kernel_backend
+
+        self.cfg, self.kernels = cfg, kernel_backend(kernels)  # the one kernel choice, read by every layer
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.kernels) for i in range(cfg.n_layers))
         block_size = cfg.attnres_block_size if cfg.residual == "block_attnres" else None
         self.residual = make_residual(cfg.residual, 2 * cfg.n_layers, cfg.d_model, block_size)
         self.final_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
@@ -107,10 +110,13 @@ class K3Model(nn.Module):
         self.init_weights()
 
     @classmethod
-    def from_config(cls, cfg: K3Config, device: torch.device | str | None = None) -> K3Model:
-        """Build on ``device`` (``"meta"``: shapes only, no memory, seconds even for the full K3)."""
+    def from_config(cls, cfg: K3Config, device: torch.device | str | None = None,
+                    kernels: str | None = None) -> K3Model:
+        """Build on ``device`` (``"meta"``: shapes only, no memory, seconds even for the full K3) with the kernel
+        backend ``kernels`` (:data:`k3course.kernels.BACKENDS`; None: the environment variable
+        ``K3COURSE_KERNELS``, default "auto"): chosen once here, read by every KDA layer and expert bank."""
         with torch.device(device or "cpu"):
-            return cls(cfg)
+            return cls(cfg, kernels)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str | None = None,

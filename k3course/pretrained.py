@@ -1,4 +1,4 @@
-"""Checkpoints in transformers' layout: Kimi Linear and DeepSeek-V3 (floor 1: configs, names and shapes).
+"""Checkpoints in transformers' layout: Kimi Linear and DeepSeek-V3 (configs, names and shapes).
 
 A checkpoint is a folder with ``config.json`` and safetensors weights: one ``model.safetensors``, or shards listed
 by ``model.safetensors.index.json``. Two model types are read, each in both spellings of its keys:

@@ -225,7 +225,8 @@ def test_one_train_step_on_two_ranks_matches_one_process_on_the_concatenated_bat
 
     from k3course.config import K3Config
     from k3course.lessons.ep_workers import expert_parallel_steps
-    from k3course.train import TrainConfig, build_model, make_optimizer, train_step
+    from k3course.train import TrainConfig, build_model
+    from k3course.train.step import make_optimizer, train_step
 
     model_config = dataclasses.replace(K3Config.preset("tiny"), balancing="sign")  # the sign rule is exact
     # in float64: the ranks sum in another order, and in float32 that rounding grows step by step (a router score
@@ -265,7 +266,10 @@ def test_train_ep_writes_a_one_process_checkpoint_with_the_one_process_first_los
 
     from k3course import data
     from k3course.cli import main
-    from k3course.train import build_model, load_model, make_optimizer, train_preset, train_step
+    from k3course.train import build_model
+    from k3course.train.config import train_preset
+    from k3course.train.generate import load_model
+    from k3course.train.step import make_optimizer, train_step
 
     assert main(["train", "--preset", "tiny", "--steps", "1", "--ep", "2", "--out", str(tmp_path)]) == 0
     model_config, train_config = train_preset("tiny")

@@ -11,7 +11,7 @@ from k3course.config import K3Config
 from k3course.layers import kda as kda_layer
 from k3course.layers import mla
 from k3course.layers.residual import depth_attention
-from k3course.lessons.parts import PARTS, compare, use_parts
+from k3course.lessons.parts import PART_NAMES, compare, use_parts
 from k3course.model import K3Model
 from k3course.moe import experts, latent, routing
 from k3course.ops import chunk, recurrent
@@ -45,7 +45,7 @@ def test_every_part_is_called_by_the_model_and_restored_after(model):
                  "kda_gate": kda_layer.kda_gate, "mla_output_gate": mla.output_gate}
     # all_to_all runs only on P ranks, in the expert-parallel dispatch: tests/test_capstone.py swaps it there;
     # quantile_balance_bias only when training moves the bias (test_the_quantile_bias_part_moves_the_bias)
-    assert set(originals) == set(PARTS) - {"all_to_all", "quantile_balance_bias"}
+    assert set(originals) == set(PART_NAMES) - {"all_to_all", "quantile_balance_bias"}
     with use_parts(**{name: counting(fn, calls, name) for name, fn in originals.items()}):
         model(tokens(70))  # chunked path: ut_transform
         model(tokens(5))  # recurrent path: kda_step

@@ -33,4 +33,5 @@ def _cases() -> list[Case]:
             Case("one token", moe_case(5, 1, 8, 6, 2, 2, 0.2))]
 
 
-register(Exercise("01.moe_forward_numpy", moe_forward_numpy, _cases, forbidden=NUMPY_ONLY))
+register(Exercise("01.moe_forward_numpy", moe_forward_numpy, _cases, forbidden=NUMPY_ONLY,
+                  package=(ref.moe_forward,)))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from k3course.config import K3Config
-from k3course.grading.registry import Case, Exercise, register
-from k3course.moe.experts import glu_ffn
+from k3course.grading.registry import Backward, Case, Exercise, register
+from k3course.moe.experts import GLUFFN, glu_ffn
 
 
 def shared_expert_case(seed: int, shape: tuple, d: int, hidden: int, activation: str, scale: float = 1.0,
@@ -31,4 +31,5 @@ def _cases() -> list[Case]:
                                                                                     dtype=torch.bfloat16))]
 
 
-register(Exercise("01.shared_experts", glu_ffn, _cases, tolerance={"float32": (1e-5, 1e-6)}))
+register(Exercise("01.shared_experts", glu_ffn, _cases, tolerance={"float32": (1e-5, 1e-6)}, backward=Backward(),
+                  package=(GLUFFN.forward,)))

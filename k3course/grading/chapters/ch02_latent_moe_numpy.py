@@ -34,4 +34,5 @@ def _cases() -> list[Case]:
             Case("large inputs: SiTU-GLU's caps bite", latent_moe_case(4, 5, 2, 1, scale=40.0))]
 
 
-register(Exercise("02.latent_moe_forward_numpy", latent_moe_forward_numpy, _cases, forbidden=NUMPY_ONLY))
+register(Exercise("02.latent_moe_forward_numpy", latent_moe_forward_numpy, _cases, forbidden=NUMPY_ONLY,
+                  package=(ref.moe_forward,)))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from k3course.config import K3Config
-from k3course.grading.registry import Case, Exercise, register
-from k3course.moe import LatentMoE
+from k3course.grading.registry import Backward, Case, Exercise, register
+from k3course.moe import LatentMoE, MoE
 
 
 def latent_moe_forward(layer, x):
@@ -39,4 +39,5 @@ def _cases() -> list[Case]:
                                                                      _tokens(8, 5, 128)))]
 
 
-register(Exercise("02.latent_moe_forward", latent_moe_forward, _cases))
+register(Exercise("02.latent_moe_forward", latent_moe_forward, _cases, backward=Backward(("x",)),
+                  package=(MoE.forward,)))

@@ -29,4 +29,5 @@ def _cases() -> list[Case]:
             Case("m k / n not an integer", quantile_case(5, 13, 6, 3, bias=0.1))]
 
 
-register(Exercise("03.quantile_bias_numpy", quantile_bias_numpy, _cases, forbidden=NUMPY_ONLY))
+register(Exercise("03.quantile_bias_numpy", quantile_bias_numpy, _cases, forbidden=NUMPY_ONLY,
+                  package=(ref.quantile_balance_bias,)))

@@ -37,4 +37,5 @@ def _cases() -> list[Case]:
             Case("strong decay, g down to -5", sequence_case(7, 9, strength=5.0), {"initial_state": initial_state(8)})]
 
 
-register(Exercise("04.decay_recurrence_numpy", decay_recurrence_numpy, _cases, forbidden=NUMPY_ONLY))
+register(Exercise("04.decay_recurrence_numpy", decay_recurrence_numpy, _cases, forbidden=NUMPY_ONLY,
+                  package=(ref.decay_linear_attention, ref.linear_attention)))

@@ -23,4 +23,5 @@ def _cases() -> list[Case]:
             Case("T = 1", sequence_case(7, 1, "scalar", beta=True), {"initial_state": initial_state(8)})]
 
 
-register(Exercise("05.gated_delta_numpy", gated_delta_numpy, _cases, forbidden=NUMPY_ONLY))
+register(Exercise("05.gated_delta_numpy", gated_delta_numpy, _cases, forbidden=NUMPY_ONLY,
+                  package=(ref.gated_delta_rule, ref.kda)))

@@ -22,4 +22,5 @@ def _cases() -> list[Case]:
             Case("explicit scale, T = 1", sequence_case(7, 1, beta=True), {"scale": 0.5})]
 
 
-register(Exercise("06.kda_numpy", kda_numpy, _cases, forbidden=NUMPY_ONLY))
+register(Exercise("06.kda_numpy", kda_numpy, _cases, forbidden=NUMPY_ONLY,
+                  package=(ref.kda,)))

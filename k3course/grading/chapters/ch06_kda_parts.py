@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from k3course.config import K3Config
-from k3course.grading.registry import Case, Exercise, register
+from k3course.grading.registry import Backward, Case, Exercise, register
 from k3course.layers import KimiDeltaAttention
 
 
@@ -39,4 +39,6 @@ def _cases() -> list[Case]:
                  (kda_layer(7, output_gate="low_rank", lower_bound=None), _tokens(8, 1, 12)))]
 
 
-register(Exercise("06.kda_layer_forward", kda_layer_forward, _cases, tolerance={"float32": (1e-4, 1e-5)}))
+register(Exercise("06.kda_layer_forward", kda_layer_forward, _cases, tolerance={"float32": (1e-4, 1e-5)},
+                  backward=Backward(("x",)), package=(KimiDeltaAttention.forward,),
+                  may_use=("k3course.ops.kda_recurrent", "k3course.ops.kda_chunk")))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from k3course.grading.chapters.ch04_decay_gates_numpy import initial_state, sequence_case
 from k3course.grading.registry import NUMPY_ONLY, Case, Exercise, register
 from k3course.reference import chunkwise as ref
+from k3course.reference import linear_attention as recurrence
 
 
 def kda_chunkwise_numpy(q, k, v, g, beta, chunk_size, initial_state=None):
@@ -23,4 +24,5 @@ def _cases() -> list[Case]:
                  {"initial_state": initial_state(8, V=4)})]
 
 
-register(Exercise("07.kda_chunkwise_numpy", kda_chunkwise_numpy, _cases, forbidden=NUMPY_ONLY))
+register(Exercise("07.kda_chunkwise_numpy", kda_chunkwise_numpy, _cases, forbidden=NUMPY_ONLY,
+                  package=(ref.kda_chunkwise, ref.kda_chunk_step, recurrence.kda)))

@@ -37,5 +37,6 @@ def _cases() -> list[Case]:
             Case("one head, rope 4, rank 3", mla_case(4, 4, start=2, H=1, rope=4, rank=3))]
 
 
-register(Exercise("09.attend_naive_numpy", attend_naive_numpy, _cases, forbidden=NUMPY_ONLY))
-register(Exercise("09.attend_absorbed_numpy", attend_absorbed_numpy, _cases, forbidden=NUMPY_ONLY))
+ATTENTION = (ref.attend_naive, ref.attend_absorbed)  # either one answers both exercises
+register(Exercise("09.attend_naive_numpy", attend_naive_numpy, _cases, forbidden=NUMPY_ONLY, package=ATTENTION))
+register(Exercise("09.attend_absorbed_numpy", attend_absorbed_numpy, _cases, forbidden=NUMPY_ONLY, package=ATTENTION))

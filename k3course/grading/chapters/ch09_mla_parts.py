@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from k3course.config import K3Config
-from k3course.grading.registry import Case, Exercise, register
+from k3course.grading.registry import Backward, Case, Exercise, register
 from k3course.layers.mla import GatedMLA, output_gate
 
 
@@ -48,5 +48,7 @@ def _gate_cases() -> list[Case]:
             Case("d ≠ H·v: the gate reads the layer input", (heads[..., :48], x, weight[:48]))]
 
 
-register(Exercise("09.mla_output_gate", output_gate, _gate_cases))
-register(Exercise("09.gated_mla_forward", gated_mla_forward, _forward_cases, tolerance={"float32": (1e-4, 1e-5)}))
+register(Exercise("09.mla_output_gate", output_gate, _gate_cases, backward=Backward()))
+register(Exercise("09.gated_mla_forward", gated_mla_forward, _forward_cases, tolerance={"float32": (1e-4, 1e-5)},
+                  backward=Backward(("x",)), package=(GatedMLA.forward,),
+                  may_use=("k3course.layers.mla.rope_rotate",)))

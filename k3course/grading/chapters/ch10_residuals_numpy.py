@@ -32,4 +32,5 @@ def _cases() -> list[Case]:
             Case("block_size 1 is Full AttnRes", stack_case(5, 3), {"block_size": 1})]
 
 
-register(Exercise("10.attnres_stack_numpy", attnres_stack_numpy, _cases, forbidden=NUMPY_ONLY))
+register(Exercise("10.attnres_stack_numpy", attnres_stack_numpy, _cases, forbidden=NUMPY_ONLY,
+                  package=(ref.run_stack,)))

@@ -8,8 +8,14 @@ Each part is called at exactly one place in the model, which asks this registry 
 where it runs
 
     topk_route, router_scores   every MoE layer's router (chapter 01)
+    shared_experts              every MoE layer's shared experts (chapter 01)
+    situ_glu                    every SiTU-GLU of the model: routed, shared and dense FFNs (chapter 02)
+    latent_combine              every latent MoE layer's RMSNorm(Σ p E) W↑ (chapter 02)
+    quantile_balance_bias       the bias update of quantile balancing, on one process (chapter 03)
+    short_conv, kda_gate        every KDA layer's short convolutions and forget gate (chapter 06)
     kda_step                    the recurrent KDA op: decoding, inference on up to a chunk of tokens (chapter 06)
     ut_transform                the chunked KDA op: training, inference on more than a chunk (chapter 07)
+    mla_output_gate             every gated MLA layer's output gate (chapter 09)
     depth_attention             every read of the Full / Block AttnRes residual stream (chapter 10)
     all_to_all                  expert-parallel dispatch and combine between ranks (chapter 13)
 
@@ -23,7 +29,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-PART_NAMES = ("topk_route", "router_scores", "kda_step", "ut_transform", "depth_attention", "all_to_all")
+PART_NAMES = ("topk_route", "router_scores", "kda_step", "ut_transform", "depth_attention", "all_to_all",
+              "shared_experts", "situ_glu", "latent_combine", "quantile_balance_bias", "short_conv", "kda_gate",
+              "mla_output_gate")
 
 _in_use: dict[str, Callable] = {}  # part name -> the function use_parts put in place of the package's
 

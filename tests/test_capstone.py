@@ -136,3 +136,47 @@ def test_the_shipped_model_on_two_ranks_with_your_all_to_all_is_the_one_process_
                                                                                send_splits, group)
     wrong = capstone.train_on_ranks(2, batches, config, {"all_to_all": misrouted})
     assert abs(wrong[0][0] - alone[0]) > 1e-3 * alone[0]
+
+
+def test_your_function_may_call_a_helper_from_another_cell(tmp_path):
+    """The whole notebook up to your function defines it (check cells left out): a helper from an earlier cell
+    and a constant from a later-run cell above it are there when the model calls your function."""
+    (tmp_path / "solutions").symlink_to(ROOT / "solutions")
+    path = tmp_path / "exercises" / capstone.PART_NOTEBOOKS["topk_route"]
+    cells = ["import torch\n\nfrom k3course.grading import check",
+             "def largest_first(row_scores, k):\n    return torch.sort(row_scores, descending=True, stable=True)"
+             ".indices[:k]",
+             'check("01.sort_by_expert", largest_first)',  # a check cell: left out, it would fail
+             "MARK = 'helper cell ran'",
+             "def topk_route(scores, k, bias=None, renormalize=True):\n"
+             "    chosen = largest_first(scores if bias is None else scores + bias, k)\n"
+             "    return chosen, MARK"]
+    path.parent.mkdir(parents=True)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), path)
+    (part,) = [p for p in capstone.your_parts(tmp_path) if p.name == "topk_route"]
+    assert part.whose == "yours"
+    chosen, mark = part.function(torch.tensor([0.1, 0.9, 0.5]), 2)
+    assert chosen.tolist() == [1, 2] and mark == "helper cell ran"
+
+
+def test_a_broken_cell_above_your_function_is_named(tmp_path):
+    path = tmp_path / "nb.ipynb"
+    cells = ["x = 1", "raise KeyError('oops')", "def topk_route(scores, k, bias=None, renormalize=True):\n    return x"]
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), path)
+    with pytest.raises(RuntimeError, match="code cell 2 of .* raised KeyError"):
+        capstone.function_from_notebook(path, "topk_route")
+
+
+def test_the_shipped_model_with_every_solution_part_inside_scores_as_with_the_package():
+    """Every part the model looks up comes from the solved notebooks; on the run's validation windows the shipped
+    model scores the same bits/byte with them as with the package's functions (a first slice of the windows: the
+    package alone reproduces the run's number on all of them, test above)."""
+    parts = capstone.your_parts(ROOT, folder="solutions")
+    in_model = capstone.model_parts(parts)
+    assert set(capstone.PART_NAMES) - set(in_model) == {"router_scores"}  # the one part no exercise writes
+    assert all(part.whose == "the solution's" for part in parts)
+    config, model, windows = capstone.shipped_config(), capstone.shipped_model(), capstone.shipped_windows()[:64]
+    package = train.evaluate(model, windows, config["train"]["batch_size"]) / math.log(2)
+    with capstone.use_parts(**in_model):
+        solutions = train.evaluate(model, windows, config["train"]["batch_size"]) / math.log(2)
+    assert abs(solutions - package) < 1e-4, (solutions, package)

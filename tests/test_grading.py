@@ -194,6 +194,8 @@ def _zeroed(output):
     """The reference's output with every number set to zero (same structure, types, shapes and dtypes)."""
     if isinstance(output, torch.Tensor):
         return torch.zeros_like(output)
+    if isinstance(output, np.ndarray):
+        return np.zeros_like(output)
     if isinstance(output, tuple | list):
         return type(output)(_zeroed(item) for item in output)
     if isinstance(output, dict):
@@ -204,6 +206,8 @@ def _zeroed(output):
 def _largest_number(output) -> float:
     if isinstance(output, torch.Tensor):
         return float(output.abs().max()) if output.numel() else 0.0
+    if isinstance(output, np.ndarray):
+        return float(np.abs(output).max()) if output.size else 0.0
     if isinstance(output, tuple | list | dict):
         items = output.values() if isinstance(output, dict) else output
         return max((_largest_number(item) for item in items), default=0.0)

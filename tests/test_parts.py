@@ -8,10 +8,12 @@ import torch
 
 from k3course import parts as registry
 from k3course.config import K3Config
+from k3course.layers import kda as kda_layer
+from k3course.layers import mla
 from k3course.layers.residual import depth_attention
 from k3course.lessons.parts import PART_NAMES, compare, use_parts
 from k3course.model import K3Model
-from k3course.moe import routing
+from k3course.moe import experts, latent, routing
 from k3course.ops import chunk, recurrent
 
 KDA_STEP, UT_TRANSFORM = recurrent.kda_step, chunk.ut_transform  # the package's, before any swap
@@ -38,15 +40,29 @@ def test_every_part_is_called_by_the_model_and_restored_after(model):
     calls = {}
     originals = {"topk_route": routing.topk_route, "router_scores": routing.router_scores,
                  "ut_transform": chunk.ut_transform, "kda_step": recurrent.kda_step,
-                 "depth_attention": depth_attention}
-    # all_to_all runs only on P ranks, in the expert-parallel dispatch: tests/test_capstone.py swaps it there
-    assert set(originals) == set(PART_NAMES) - {"all_to_all"}
+                 "depth_attention": depth_attention, "shared_experts": experts.glu_ffn, "situ_glu": experts.situ_glu,
+                 "latent_combine": latent.latent_combine, "short_conv": kda_layer.short_conv,
+                 "kda_gate": kda_layer.kda_gate, "mla_output_gate": mla.output_gate}
+    # all_to_all runs only on P ranks, in the expert-parallel dispatch: tests/test_capstone.py swaps it there;
+    # quantile_balance_bias only when training moves the bias (test_the_quantile_bias_part_moves_the_bias)
+    assert set(originals) == set(PART_NAMES) - {"all_to_all", "quantile_balance_bias"}
     with use_parts(**{name: counting(fn, calls, name) for name, fn in originals.items()}):
         model(tokens(70))  # chunked path: ut_transform
         model(tokens(5))  # recurrent path: kda_step
     assert set(calls) == set(originals), f"never called: {set(originals) - set(calls)}"
     report = compare(model, tokens(70), **originals)
     assert report.first is None and max(row.relative_error for row in report.rows) == 0
+
+
+def test_the_quantile_bias_part_moves_the_bias():
+    """quantile_balance_bias runs where training moves the bias: a learner's is called, and its bias is set."""
+    from k3course.moe import LatentMoE
+
+    layer = LatentMoE(16, 4, 2, generator=torch.Generator().manual_seed(0)).train()
+    layer(torch.randn(12, 16, generator=torch.Generator().manual_seed(1)))
+    with use_parts(quantile_balance_bias=lambda scores, bias, k: torch.full_like(bias, 0.25)):
+        assert layer.update_bias()
+    assert torch.equal(layer.bias, torch.full((4,), 0.25))
 
 
 def lowest_scores_route(scores, k, bias=None, renormalize=True):
@@ -71,6 +87,11 @@ def depth_attention_uniform(query, sources, eps=1e-6):
     ("topk_route", lowest_scores_route, 20, "layers.1.ffn"),  # layer 0 is dense: the first MoE is layer 1
     ("kda_step", kda_step_without_decay, 20, "layers.0.mixer"),  # short input at inference: recurrent path
     ("ut_transform", ut_transform_without_beta, 70, "layers.0.mixer"),  # longer than a chunk: chunked path
+    ("situ_glu", lambda gate, up: experts.swiglu(gate, up), 20, "layers.0.ffn"),  # layer 0's dense FFN
+    ("shared_experts", lambda x, *weights: 2 * experts.glu_ffn(x, *weights), 20, "layers.1.ffn"),
+    ("short_conv", lambda x, weight, cache=None: kda_layer.short_conv(x, weight.flip(-1), cache), 20,
+     "layers.0.mixer"),
+    ("mla_output_gate", lambda heads, x, weight: heads, 20, "layers.3.mixer"),  # the tiny K3's MLA is layer 3
 ])
 def test_compare_names_the_first_sub_layer_a_wrong_part_changes(model, part, wrong, length, first):
     report = compare(model, tokens(length), **{part: wrong})

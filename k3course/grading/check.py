@@ -27,6 +27,7 @@ import math
 import traceback
 from typing import Any
 
+import numpy as np
 import torch
 
 from k3course.grading.compare import describe, explain_difference
@@ -81,11 +82,14 @@ def _learner_call(fn, case: Case, exercise: Exercise, package: PackageRule | Non
 
 
 def _same(before: Any, after: Any) -> bool:
-    """Exact equality of an input before and after a call (tensors: same dtype, shape and bits; generators: same
-    state; modules, optimizers, schedulers: same ``state_dict()``; a float NaN stays NaN)."""
+    """Exact equality of an input before and after a call (tensors and arrays: same dtype, shape and values;
+    generators: same state; modules, optimizers, schedulers: same ``state_dict()``; a float NaN stays NaN)."""
     if isinstance(before, torch.Tensor):
         return (isinstance(after, torch.Tensor) and before.dtype == after.dtype and before.shape == after.shape
                 and torch.equal(before, after))
+    if isinstance(before, np.ndarray):
+        return (isinstance(after, np.ndarray) and before.dtype == after.dtype and before.shape == after.shape
+                and np.array_equal(before, after, equal_nan=True))
     if isinstance(before, torch.Generator):
         return isinstance(after, torch.Generator) and torch.equal(before.get_state(), after.get_state())
     if callable(getattr(before, "state_dict", None)):  # a module, an optimizer, a scheduler: its state

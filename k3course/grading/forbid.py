@@ -65,7 +65,8 @@ class _Refuse(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = _name(func)
-        if name in self.rule.names and _called_by_learner(self.library_dirs, self.rule.made_in):
+        refused = self.rule.every_call or name in self.rule.names
+        if refused and _called_by_learner(self.library_dirs, self.rule.made_in):
             raise ForbiddenCall(f"your code called {name}: {self.rule.why}")
         return func(*args, **(kwargs or {}))
 

@@ -27,6 +27,7 @@ class Forbidden:
     """Torch functions an exercise's answer must not call (matched by name), and why, for the message.
 
     Only calls made from the learner's own code count: torch's and Triton's internals may call anything.
+    every_call: refuse every torch function and tensor method the learner calls (a NumPy rung's answer).
     made_in: when given, only the calls made through one of these torch modules (path fragments, e.g.
     ``torch/distributed/nn/``) count: a shortcut that wraps a function the answer may call itself.
     """
@@ -34,6 +35,11 @@ class Forbidden:
     names: frozenset[str]
     why: str
     made_in: tuple[str, ...] = ()
+    every_call: bool = False  # refuse every torch call of the learner's, whatever its name (a NumPy exercise)
+
+
+NUMPY_ONLY = Forbidden(frozenset(), "this exercise is the NumPy rung: write it with NumPy arrays, no torch",
+                       every_call=True)
 
 
 @dataclass(frozen=True)

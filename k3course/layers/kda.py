@@ -27,6 +27,7 @@ from k3course.ops.chunk import gdn_chunk, gla_chunk, kda_chunk
 from k3course.ops.norm import NORM_EPS, rms_norm
 from k3course.ops.recurrent import gdn_recurrent, gla_recurrent, kda_recurrent
 from k3course.params import forget_gate, no_weight_decay, residual_output
+from k3course.parts import part
 
 KDA_LOWER_BOUND = -5.0  # K3's bounded forget gate: g ∈ (−5, 0), so α ∈ (e^-5, 1)
 MODES = ("auto", "chunk", "recurrent")
@@ -211,7 +212,7 @@ class _GatedMixer(nn.Module):
         weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # [3·H·D, d]
         conv_weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])  # [3·H·D, W]
         tails = None if cache is None else torch.cat([cache.conv_q, cache.conv_k, cache.conv_v], dim=-1)
-        y, tails = short_conv(F.linear(x, weight), conv_weight, tails)
+        y, tails = part("short_conv", short_conv)(F.linear(x, weight), conv_weight, tails)  # a learner's, if held
         return F.silu(y).split(width, dim=-1), tails.split(width, dim=-1)
 
     def _heads(self, x):
@@ -315,7 +316,8 @@ class KimiDeltaAttention(_GatedMixer):
         return dict(lower_bound=cfg.kda_lower_bound)
 
     def log_decay(self, x):
-        return kda_gate(self._heads(self.f_proj(x)), self.A_log, self.dt_bias, self.lower_bound)
+        gate = part("kda_gate", kda_gate)  # a learner's, while k3course.parts holds one
+        return gate(self._heads(self.f_proj(x)), self.A_log, self.dt_bias, self.lower_bound)
 
     @torch.no_grad()
     def starting_decays(self) -> torch.Tensor:

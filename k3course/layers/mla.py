@@ -37,6 +37,7 @@ from torch import nn
 from k3course.ops.checks import check_mixer_input
 from k3course.ops.norm import NORM_EPS
 from k3course.params import no_weight_decay, residual_output
+from k3course.parts import part
 
 DECODE_TOKENS = 64  # at inference, up to this many new tokens attend in the absorbed form (auto path)
 
@@ -226,6 +227,12 @@ def absorb_query(q_nope: torch.Tensor, k_up: torch.Tensor) -> torch.Tensor:
     q_nope [B, T, H, nope]; k_up [H, nope, kv_lora_rank] -> [B, T, H, kv_lora_rank].
     """
     return torch.einsum("bthn,hnr->bthr", q_nope, k_up)
+
+
+def output_gate(heads: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """Gated MLA's output gate: σ(x W_Gᵀ) ⊙ heads, the gate read from the layer's input x, elementwise on the
+    attention output. heads [B, T, H·v]; x [B, T, d]; gate_weight [H·v, d] -> [B, T, H·v]."""
+    return torch.sigmoid(x @ gate_weight.T) * heads
 
 
 def visible_keys(n_queries: int, n_keys: int, start: int, device=None) -> torch.Tensor:
@@ -466,7 +473,7 @@ class GatedMLA(nn.Module):
         attend = self.attend_absorbed if use_absorbed else self.attend_naive
         heads = attend(q_nope, q_rope, cache, start).flatten(2)                # [B, T, H·v]
         if self.gated:
-            heads = torch.sigmoid(self.gate(x)) * heads
+            heads = part("mla_output_gate", output_gate)(heads, x, self.gate.weight)  # a learner's, if held
         return self.out(heads), cache
 
 

@@ -1,16 +1,23 @@
 """The capstone (lesson 16): your own chapter functions, taken from your exercise notebooks, inside the model.
 
-:func:`your_parts` reads each function you wrote (:data:`PART_NOTEBOOKS`) from your saved exercise notebook — the
-cell that defines it, run after the notebook's import cell — and falls back to the solved notebook in
-``solutions/`` where your exercise is still a stub. :func:`finetune` continues a model with your training step
-and schedule. :func:`shipped_model` is the tiny K3 that ``k3course train --preset tiny`` trained for 2400 steps,
-shipped with the package (:data:`SHIPPED`); :func:`train_on_ranks` continues it on P gloo ranks with
-expert-parallel experts.
+:func:`your_parts` reads each function you wrote (:data:`PART_NOTEBOOKS`) from your saved exercise notebook — every
+code cell up to the one that defines it, as Run All would (check cells left out), so helpers from other cells work —
+and falls back to the solved notebook in ``solutions/`` where your exercise is still a stub. :func:`finetune`
+continues a model with your training step and schedule. :func:`shipped_model` is the tiny K3 that
+``k3course train --preset tiny`` trained for 2400 steps, shipped with the package (:data:`SHIPPED`);
+:func:`train_on_ranks` continues it on P gloo ranks with expert-parallel experts.
 
     part              chapter    where it runs
     topk_route        01         in every MoE layer: top-k on s + b, weights from s
+    shared_experts    01         in every MoE layer: the shared experts' gated FFN
+    situ_glu          02         every SiTU-GLU: routed experts, shared experts, the dense FFN
+    latent_combine    02         in every MoE layer: RMSNorm(Σ p E) W↑
+    quantile_balance_bias 03     where training moves the MoE bias (one process)
+    short_conv        06         in every KDA layer: the causal depthwise convolutions of q, k, v
+    kda_gate          06         in every KDA layer: the forget gate g
     kda_step          06         in the recurrent KDA path (decoding, inputs of up to one chunk)
     ut_transform      07         in the chunked KDA path (training; prefill longer than a chunk)
+    mla_output_gate   09         in every MLA layer: σ(x W_G) ⊙ heads
     depth_attention   10         in every Block AttnRes read
     sample_next       11         your generate's choice of the next token
     generate          11         prefill, then one cached step per new token
@@ -26,7 +33,9 @@ The parts the model looks up by name (:data:`k3course.lessons.parts.PART_NAMES`)
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import json
 import re
 from collections.abc import Callable
@@ -50,8 +59,15 @@ from k3course.train.step import make_optimizer, rank_shards, train_step
 # part -> the exercise notebook (in exercises/ and solutions/) whose function it is
 PART_NOTEBOOKS: dict[str, str] = {
     "topk_route": "01_sparse_moe_exercises.ipynb",
+    "shared_experts": "01_sparse_moe_exercises.ipynb",
+    "situ_glu": "02_latent_moe_exercises.ipynb",
+    "latent_combine": "02_latent_moe_exercises.ipynb",
+    "quantile_balance_bias": "03_quantile_routing_exercises.ipynb",
     "kda_step": "06_kda_exercises.ipynb",
+    "short_conv": "06_kda_exercises.ipynb",
+    "kda_gate": "06_kda_exercises.ipynb",
     "ut_transform": "07_chunkwise_exercises.ipynb",
+    "mla_output_gate": "09_gated_mla_exercises.ipynb",
     "depth_attention": "10_residuals_exercises.ipynb",
     "sample_next": "11_model_exercises.ipynb",
     "generate": "11_model_exercises.ipynb",  # after sample_next: your generate calls your sample_next
@@ -62,6 +78,7 @@ PART_NOTEBOOKS: dict[str, str] = {
     "predicted_tpot": "14_decoding_exercises.ipynb",
 }
 STUB = "raise NotImplementedError"
+CHECK_CELL = re.compile(r"^check\(", re.M)  # a cell that calls the grader: it grades, it defines nothing
 EXERCISE_EPS = 1e-6  # the RMSNorm ε chapter 10's depth_attention exercise writes into its function
 
 
@@ -79,32 +96,45 @@ class Part:
         return "the solution's" if self.notebook.parts[0] == "solutions" else "yours"
 
 
-def _defining_cell(notebook: nbformat.NotebookNode, name: str) -> str | None:
-    """The source of the code cell that defines ``def name(``, or None."""
-    pattern = re.compile(rf"^def {name}\(", re.M)
-    return next((cell.source for cell in notebook.cells if cell.cell_type == "code" and pattern.search(cell.source)),
-                None)
+def _defining_cells(cells: list[str], names: list[str]) -> dict[str, int]:
+    """{name: index of the first of ``cells`` that defines ``def name(``} for the names some cell defines."""
+    found = {}
+    for name in names:
+        pattern = re.compile(rf"^def {name}\(", re.M)
+        index = next((i for i, source in enumerate(cells) if pattern.search(source)), None)
+        if index is not None:
+            found[name] = index
+    return found
 
 
-def _first_code_cell(notebook: nbformat.NotebookNode) -> str:
-    return next(cell.source for cell in notebook.cells if cell.cell_type == "code")
-
-
-def function_from_notebook(path: Path | str, name: str, known: dict[str, Callable] | None = None) -> Callable | None:
-    """The function ``name`` as the notebook at ``path`` defines it: its import cell, then its defining cell, run
-    in a namespace of their own that also holds ``known`` (functions found before it, which it may call: your
-    ``generate`` calls your ``sample_next``). None when no cell defines it or the definition is still the stub."""
+def notebook_functions(path: Path | str, names: list[str]) -> tuple[dict[str, Callable], dict]:
+    """The functions ``names`` as the notebook at ``path`` defines them, from one run of its code cells in order
+    (as Run All would, check cells left out and what the cells print swallowed) up to the last cell that defines
+    one of them: a function may call helpers from any earlier cell. Returns ({name: function} without the names
+    that no cell defines or whose definition is still the stub, the namespace the cells ran in); ({}, {}) when
+    there is no notebook at ``path``."""
     path = Path(path)
     if not path.is_file():
-        return None
-    notebook = nbformat.read(path, 4)
-    source = _defining_cell(notebook, name)
-    if source is None or STUB in source:
-        return None
-    namespace: dict = {**(known or {}), "__name__": f"notebook_{path.stem}"}
-    exec(compile(_first_code_cell(notebook), str(path), "exec"), namespace)
-    exec(compile(source, str(path), "exec"), namespace)
-    return fitted(name, namespace[name])
+        return {}, {}
+    cells = [cell.source for cell in nbformat.read(path, 4).cells
+             if cell.cell_type == "code" and not CHECK_CELL.search(cell.source)]
+    defining = _defining_cells(cells, names)
+    namespace: dict = {"__name__": f"notebook_{path.stem}"}
+    for index, source in enumerate(cells[:max(defining.values(), default=-1) + 1]):
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                exec(compile(source, f"{path} (code cell {index + 1})", "exec"), namespace)
+        except Exception as error:
+            raise RuntimeError(f"path: code cell {index + 1} of {path} raised {type(error).__name__}: {error}; "
+                               f"it runs before your function is read from the notebook") from error
+    return {name: namespace[name] for name, index in defining.items() if STUB not in cells[index]}, namespace
+
+
+def function_from_notebook(path: Path | str, name: str) -> Callable | None:
+    """The function ``name`` as the notebook at ``path`` defines it (:func:`notebook_functions`), fitted to the
+    model's call; None when no cell defines it or the definition is still the stub."""
+    function = notebook_functions(path, [name])[0].get(name)
+    return None if function is None else fitted(name, function)
 
 
 def fitted(name: str, function: Callable) -> Callable:
@@ -124,18 +154,27 @@ def fitted(name: str, function: Callable) -> Callable:
 
 def your_parts(root: Path | str = "..", folder: str = "exercises") -> list[Part]:
     """Your function for each part of :data:`PART_NOTEBOOKS`, from ``root/folder`` (your saved exercise
-    notebooks), else from ``root/solutions`` where yours is not written yet."""
+    notebooks), else from ``root/solutions`` where yours is not written yet. Each notebook runs once; where the
+    solution's function stands in for a stub of yours, your functions call it in the stub's place and it calls
+    yours (the solved ``generate`` calls your ``sample_next``, yours the solved one until you write it)."""
     root = Path(root)
-    parts = []
+    by_notebook: dict[str, list[str]] = {}
     for name, notebook in PART_NOTEBOOKS.items():
-        for where in (root / folder / notebook, root / "solutions" / notebook):
-            function = function_from_notebook(where, name, {part.name: part.function for part in parts})
-            if function is not None:
-                parts.append(Part(name, function, where.relative_to(root)))
-                break
-        else:
-            raise FileNotFoundError(f"root: no notebook under {root} defines {name} ({notebook})")
-    return parts
+        by_notebook.setdefault(notebook, []).append(name)
+    found: dict[str, Part] = {}
+    for notebook, names in by_notebook.items():
+        yours, namespace = notebook_functions(root / folder / notebook, names)
+        missing = [name for name in names if name not in yours]
+        solved, solved_namespace = notebook_functions(root / "solutions" / notebook, missing) if missing else ({}, {})
+        solved_namespace.update(yours)  # the solution's functions call yours, looked up when they run
+        for name in missing:
+            if name not in solved:
+                raise FileNotFoundError(f"root: no notebook under {root} defines {name} ({notebook})")
+            namespace[name] = solved[name]  # and yours call the solution's in place of your stubs
+        for name in names:
+            where = (root / folder / notebook) if name in yours else (root / "solutions" / notebook)
+            found[name] = Part(name, fitted(name, yours.get(name) or solved[name]), where.relative_to(root))
+    return [found[name] for name in PART_NOTEBOOKS]
 
 
 def model_parts(parts: list[Part]) -> dict[str, Callable]:

@@ -15,6 +15,7 @@ import torch
 
 from k3course import debug
 from k3course.moe.balancing import quantile_balance_bias
+from k3course.parts import part
 
 
 def sort_by_expert(expert_idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,5 +192,5 @@ class LocalDispatch:
 
     def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int, tokens: int) -> torch.Tensor:
         """:func:`~k3course.moe.quantile_balance_bias` on the scores [M, n] of all tokens (here M = ``tokens``
-        are all on this process) -> new bias [n]."""
-        return quantile_balance_bias(scores, bias, k)
+        are all on this process) -> new bias [n] (a learner's function while :mod:`k3course.parts` holds one)."""
+        return part("quantile_balance_bias", quantile_balance_bias)(scores, bias, k)

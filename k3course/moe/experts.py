@@ -17,6 +17,7 @@ from k3course.moe.dispatch import (
     grouped_mm_path,
 )
 from k3course.params import residual_output
+from k3course.parts import part
 
 SITU_BETA1 = 4.0  # β₁: SiTU-GLU's soft cap on the gate branch (K3)
 SITU_BETA2 = 25.0  # β₂: SiTU-GLU's soft cap on the up branch (K3)
@@ -84,7 +85,13 @@ def _tanh_by_expm1(x: torch.Tensor, scale: float) -> torch.Tensor:
     return e.div_(e + 2.0)
 
 
-ACTIVATIONS = {"swiglu": swiglu, "situ_glu": situ_glu}
+def situ_glu_part(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiTU-GLU as every layer of the model applies it: a learner's ``situ_glu`` while :mod:`k3course.parts`
+    holds one (K3's β₁ = 4, β₂ = 25 are its defaults), else :func:`situ_glu`."""
+    return part("situ_glu", situ_glu)(gate, up)
+
+
+ACTIVATIONS = {"swiglu": swiglu, "situ_glu": situ_glu_part}
 
 
 def activation_fn(name: str):
@@ -107,6 +114,13 @@ def init_weight(shape: tuple[int, ...], fan_in: int, generator: torch.Generator 
     return nn.Parameter((torch.randn(shape, generator=generator, device=draw_on) / math.sqrt(fan_in)).to(device))
 
 
+def glu_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+            activation: str = "swiglu") -> torch.Tensor:
+    """A dense gated FFN: act(x W_g, x W_u) W_d. x [..., d]; w_gate, w_up [d, h]; w_down [h, d] -> [..., d].
+    K3's shared experts are one such FFN of n_shared_experts · expert_dim hidden units."""
+    return activation_fn(activation)(x @ w_gate, x @ w_up) @ w_down
+
+
 class GLUFFN(nn.Module):
     """A dense gated FFN: y = act(x W_g, x W_u) W_d. Used for shared experts (fused into one wide MLP).
 
@@ -116,7 +130,7 @@ class GLUFFN(nn.Module):
     def __init__(self, d: int, hidden: int, activation: str = "swiglu", generator: torch.Generator | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
-        self.act = activation_fn(activation)
+        self.act, self.activation = activation_fn(activation), activation
         self.gate = init_weight((d, hidden), d, generator, device)
         self.up = init_weight((d, hidden), d, generator, device)
         self.down = residual_output(init_weight((hidden, d), hidden, generator, device))

@@ -31,11 +31,12 @@ from k3course.debug import profiler_range
 from k3course.moe.balancer import Balancer, keep_fp32
 from k3course.moe.balancing import AUX_LOSS_WEIGHT, SIGN_RULE_STEP
 from k3course.moe.dispatch import LocalDispatch
-from k3course.moe.experts import GLUFFN, RoutedExperts, init_weight
+from k3course.moe.experts import GLUFFN, RoutedExperts, glu_ffn, init_weight
 from k3course.moe.latent import latent_combine
 from k3course.moe.router import Router
 from k3course.ops.norm import NORM_EPS
 from k3course.params import no_weight_decay, residual_output
+from k3course.parts import part
 
 
 class MoE(nn.Module):
@@ -145,10 +146,12 @@ class MoE(nn.Module):
             if self.latent_dim is None:
                 y = torch.einsum("mk,mkd->md", weights, out_slots)
             else:
-                y = latent_combine(out_slots, weights, self.up_proj, self.latent_norm, self.eps)
+                combine = part("latent_combine", latent_combine)  # a learner's, while k3course.parts holds one
+                y = combine(out_slots, weights, self.up_proj, self.latent_norm, self.eps)
         if self.shared is not None:
             with profiler_range("moe.shared"):
-                y = y + self.shared(flat)
+                shared = self.shared
+                y = y + part("shared_experts", glu_ffn)(flat, shared.gate, shared.up, shared.down, shared.activation)
         if self.training:
             self.z_loss, aux_loss = self.balancer.record(logits, scores, expert_idx)
             self.aux_loss = self.aux_loss if aux_loss is None else aux_loss

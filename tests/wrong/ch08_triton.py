@@ -373,6 +373,24 @@ def reverse_pass_without_the_delta_term(q, k, gc, w, aqk, grad_o, grad_final_sta
     return _reverse_state_slip(q, k, gc, w, aqk, grad_o, grad_final_state, scale, DELTA_TERM=False)
 
 
+def reverse_pass_with_the_default_scale(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
+    """Takes s = K^-1/2 for the (Γ ⊙ Q)ᵀ dO term instead of the scale it was given: right only at the default."""
+    return _reverse_state_slip(q, k, gc, w, aqk, grad_o.contiguous(), grad_final_state, q.shape[-1] ** -0.5)
+
+
+def reverse_pass_outputs_in_the_gradients_dtype(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
+    """Right values, returned in dO's dtype: bf16 gradients in, bf16 out, where fp32 is promised."""
+    grad_final_state = None if grad_final_state is None else grad_final_state.float()
+    outputs = _reverse_state_slip(q, k, gc, w, aqk, grad_o.float().contiguous(), grad_final_state, scale)
+    return tuple(x.to(grad_o.dtype) for x in outputs)
+
+
+def reverse_pass_reads_grad_o_as_contiguous(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
+    """Hands dO to the kernel as it came: a transposed gradient is then read in the wrong order."""
+    grad_final_state = None if grad_final_state is None else grad_final_state.float()
+    return _reverse_state_slip(q, k, gc, w, aqk, grad_o.float(), grad_final_state, scale)
+
+
 def reverse_pass_in_torch(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
     """The right recurrence, chunk by chunk in torch: right values, no kernel."""
     B, T, H, K = q.shape
@@ -406,5 +424,6 @@ WRONG = {
     "08.kk_tile": [tile_factored_naively, tile_always_16_wide, tile_in_torch],
     "08.reverse_state_pass": [reverse_pass_run_forward, reverse_pass_without_the_decay,
                               reverse_pass_stores_one_chunk_late, reverse_pass_without_the_delta_term,
-                              reverse_pass_in_torch],
+                              reverse_pass_in_torch, reverse_pass_with_the_default_scale,
+                              reverse_pass_outputs_in_the_gradients_dtype, reverse_pass_reads_grad_o_as_contiguous],
 }

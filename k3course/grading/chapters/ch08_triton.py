@@ -141,22 +141,29 @@ def _decode_cases() -> list[Case]:
 
 
 def _reverse_pass_inputs(T: int, K: int, V: int, chunk_size: int, seed: int, decay: tuple[float, float] = (-5.0, 0.0),
-                         batch: int = 1, final_gradient: bool = True) -> tuple:
+                         batch: int = 1, final_gradient: bool = True, scale: float | None = None,
+                         grad_dtype: torch.dtype = torch.float32, strided_grad_o: bool = False) -> tuple:
     """What the reverse state pass reads, for two heads: q, k, G, W, A_qk (recomputed from seeded q, k, v, g, β by
     the package's forward kernels, as the backward does), the upstream gradients dO and dS_T (None: no gradient
-    reaches the final state) and the scale. g is uniform in ``decay``."""
+    reaches the final state) and the scale (K^-1/2 unless given). g is uniform in ``decay``. The upstream gradients
+    come in ``grad_dtype`` (bf16: mixed-precision training; the outputs stay fp32); ``strided_grad_o``: dO is a
+    [B, T, V, H] tensor seen as [B, T, H, V] (strides (T·V·H, V·H, 1, H)), as a transposed gradient arrives."""
     gen = _generator(seed)
     q = torch.randn(batch, T, 2, K, generator=gen)
     k = torch.nn.functional.normalize(torch.randn(batch, T, 2, K, generator=gen), dim=-1)
     v = torch.randn(batch, T, 2, V, generator=gen)
     low, high = decay
     g = low + (high - low) * torch.rand(batch, T, 2, K, generator=gen)
-    beta, scale = torch.rand(batch, T, 2, generator=gen), K ** -0.5
+    beta, scale = torch.rand(batch, T, 2, generator=gen), K ** -0.5 if scale is None else scale
     gc = chunk_local_cumsum(g, chunk_size)
     akk, aqk = intra_chunk_scores(q, k, gc, beta, scale, chunk_size)
     w, _ = wy_factors(k, v, gc, beta, akk, chunk_size)
-    grad_o = torch.randn(batch, T, 2, V, generator=gen)
+    if strided_grad_o:
+        grad_o = torch.randn(batch, T, V, 2, generator=gen).transpose(2, 3)
+    else:
+        grad_o = torch.randn(batch, T, 2, V, generator=gen)
     grad_final = torch.randn(batch, 2, K, V, generator=gen) if final_gradient else None
+    grad_o, grad_final = (None if x is None else x.to(grad_dtype) for x in (grad_o, grad_final))
     return q, k, gc, w, aqk, grad_o, grad_final, scale
 
 
@@ -171,6 +178,12 @@ def _reverse_pass_cases() -> list[Case]:
         Case("T = 5: one partial chunk of 64", _reverse_pass_inputs(5, 16, 16, 64, 44)),
         Case("batch 2, K = 20, V = 12 (masked), chunk 16, T = 40",
              _reverse_pass_inputs(40, 20, 12, 16, 45, (-1.0, 0.0), batch=2)),
+        Case("scale 0.3, not K^-1/2 (A_qk scaled alike), chunk 16, T = 35",
+             _reverse_pass_inputs(35, 16, 16, 16, 46, scale=0.3)),
+        Case("bf16 dO and dS_T: the outputs are still fp32, chunk 16, T = 33",
+             _reverse_pass_inputs(33, 16, 16, 16, 47, grad_dtype=torch.bfloat16)),
+        Case("a strided dO (a transposed [B, T, V, H] tensor), V = 24, chunk 16, T = 30",
+             _reverse_pass_inputs(30, 16, 24, 16, 48, strided_grad_o=True)),
     ]
 
 

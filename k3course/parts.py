@@ -10,6 +10,8 @@ where it runs
     topk_route, router_scores   every MoE layer's router (chapter 01)
     kda_step                    the recurrent KDA op: decoding, inference on up to a chunk of tokens (chapter 06)
     ut_transform                the chunked KDA op: training, inference on more than a chunk (chapter 07)
+    kda_chunk                   the whole chunked KDA op, forward only, in place of the torch or Triton one
+                                (chapter 08's three kernels, composed by kernels.kda_chunk.kda_chunk_from_kernels)
     depth_attention             every read of the Full / Block AttnRes residual stream (chapter 10)
     all_to_all                  expert-parallel dispatch and combine between ranks (chapter 13)
 
@@ -23,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-PART_NAMES = ("topk_route", "router_scores", "kda_step", "ut_transform", "depth_attention", "all_to_all")
+PART_NAMES = ("topk_route", "router_scores", "kda_step", "ut_transform", "depth_attention", "all_to_all",
+              "kda_chunk")
 
 _in_use: dict[str, Callable] = {}  # part name -> the function use_parts put in place of the package's
 

@@ -38,11 +38,11 @@ def test_every_part_is_called_by_the_model_and_restored_after(model):
     calls = {}
     originals = {"topk_route": routing.topk_route, "router_scores": routing.router_scores,
                  "ut_transform": chunk.ut_transform, "kda_step": recurrent.kda_step,
-                 "depth_attention": depth_attention}
+                 "depth_attention": depth_attention, "kda_chunk": chunk.kda_chunk}
     # all_to_all runs only on P ranks, in the expert-parallel dispatch: tests/test_capstone.py swaps it there
     assert set(originals) == set(PARTS) - {"all_to_all"}
     with use_parts(**{name: counting(fn, calls, name) for name, fn in originals.items()}):
-        model(tokens(70))  # chunked path: ut_transform
+        model(tokens(70))  # chunked path: kda_chunk, and inside it ut_transform
         model(tokens(5))  # recurrent path: kda_step
     assert set(calls) == set(originals), f"never called: {set(originals) - set(calls)}"
     report = compare(model, tokens(70), **originals)

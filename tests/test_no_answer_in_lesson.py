@@ -96,7 +96,8 @@ def answers() -> dict[str, list[str]]:
 
 def package_answers() -> dict[str, object]:
     """The package functions that are some exercise's answer: each exercise's reference (where it lives in
-    ``k3course`` outside the grader) and the Triton kernels it launches (module globals named in its source)."""
+    ``k3course`` outside the grader), the functions of its module it names, and the Triton kernels either names
+    (a reference that chains three launchers answers with all three launchers' kernels)."""
     from k3course.grading.registry import all_exercises
 
     found = {}
@@ -106,12 +107,23 @@ def package_answers() -> dict[str, object]:
         if module is None or not module.__name__.startswith("k3course.") or ".grading" in module.__name__:
             continue
         found[f"{exercise_id}'s reference {module.__name__}.{reference.__name__}"] = reference
-        source = inspect.getsource(reference)
-        for name, value in vars(module).items():
-            kernel = getattr(value, "fn", None)  # a @triton.jit function wraps the Python one
-            if kernel is not None and inspect.isfunction(kernel) and re.search(rf"\b{name}\b", source):
-                found[f"{exercise_id}'s kernel {module.__name__}.{name}"] = kernel
+        for name, function in _named_in(reference, module):
+            found[f"{exercise_id}'s {module.__name__}.{name}"] = function
+            for inner_name, inner in _named_in(function, module):
+                found[f"{exercise_id}'s {module.__name__}.{inner_name}"] = inner
     return found
+
+
+def _named_in(function, module) -> list[tuple[str, object]]:
+    """The functions and Triton kernels of ``module`` (its own, not imported) that ``function``'s source names."""
+    source = inspect.getsource(function)
+    named = []
+    for name, value in vars(module).items():
+        value = getattr(value, "fn", value)  # a @triton.jit function wraps the Python one
+        if (inspect.isfunction(value) and value is not function and value.__module__ == module.__name__
+                and re.search(rf"\b{name}\b", source)):
+            named.append((name, value))
+    return named
 
 
 def lesson_streams(path: Path) -> list[tuple[str, list[str]]]:
@@ -162,6 +174,7 @@ KNOWN = {
     "09_gated_mla": f"{_SHOWN} 09.compress_kv, attention_probs, absorb_query",
     "10_residuals": f"{_SHOWN} 10.depth_attention",
     "11_model": f"{_SHOWN} 11.layer_schedule",
+    "12_train": f"{_SHOWN} 12.train_step (its step_on_device)",
     "13_expert_parallel": f"{_SHOWN} 13.dispatch_permutation",
     "14_decoding": f"{_SHOWN} 14.predicted_tpot",
 }

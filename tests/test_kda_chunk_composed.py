@@ -62,3 +62,18 @@ def test_composed_op_refuses_negative_eigenvalues():
     q, k, v, g, beta, _ = inputs(1, 5, 1, 16, 16, seed=3)
     with pytest.raises(ValueError, match="allow_neg_eigval"):
         kda_chunk_from_kernels()(q, k, v, g, beta, allow_neg_eigval=True)
+
+
+def test_the_capstone_composes_chapter_08s_kernels_from_a_notebook():
+    """capstone.your_kda_chunk reads the three kernels (each a @triton.jit kernel and its launcher, defined in a
+    notebook cell) from the unsolved exercises' fallback, the solutions, and the composed op equals the chunk op."""
+    from helpers import ROOT
+
+    from k3course.lessons import capstone
+
+    op, where = capstone.your_kda_chunk(root=ROOT)
+    assert str(where) == "solutions/08_triton_exercises.ipynb"  # the committed exercises are stubs
+    q, k, v, g, beta, h0 = inputs(1, 20, 1, 16, 16, seed=4)
+    got, _ = op(q, k, v, g, beta, initial_state=h0, chunk_size=16, lower_bound=-5.0)
+    want, _ = kda_chunk(q, k, v, g, beta, initial_state=h0, chunk_size=16, lower_bound=-5.0)
+    assert relative(got, want) <= 1e-5

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import linecache
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,8 +100,32 @@ def function_from_notebook(path: Path | str, name: str, known: dict[str, Callabl
         return None
     namespace: dict = {**(known or {}), "__name__": f"notebook_{path.stem}"}
     exec(compile(_first_code_cell(notebook), str(path), "exec"), namespace)
-    exec(compile(source, str(path), "exec"), namespace)
+    exec(_compiled_cell(source, f"{path}:{name}"), namespace)
     return fitted(name, namespace[name])
+
+
+def _compiled_cell(source: str, filename: str):
+    """``source`` compiled as the file ``filename``, its lines registered where ``inspect.getsource`` looks (as
+    IPython does for a cell): a ``@triton.jit`` function reads its own source when it is defined."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    return compile(source, filename, "exec")
+
+
+KDA_KERNELS = ("kda_intra_chunk", "kda_state_pass", "kda_chunk_output")  # chapter 08's three, in the order they run
+
+
+def your_kda_chunk(root: Path | str = "..", folder: str = "exercises") -> tuple[Callable, Path]:
+    """Chapter 08's three KDA kernels from your exercise notebook (else the solutions' where one of yours is not
+    written yet), composed by ``kda_chunk_from_kernels`` into the whole chunked KDA forward: (the op, for
+    ``use_parts(kda_chunk=...)``, and the notebook its kernels came from). Forward only: it has no backward."""
+    from k3course.kernels.kda_chunk import kda_chunk_from_kernels  # here: selecting the Triton mode comes first
+
+    root = Path(root)
+    for where in (root / folder / "08_triton_exercises.ipynb", root / "solutions" / "08_triton_exercises.ipynb"):
+        kernels = [function_from_notebook(where, name) for name in KDA_KERNELS]
+        if all(kernel is not None for kernel in kernels):
+            return kda_chunk_from_kernels(*kernels), where.relative_to(root)
+    raise FileNotFoundError(f"root: no 08_triton_exercises.ipynb under {root} defines {', '.join(KDA_KERNELS)}")
 
 
 def fitted(name: str, function: Callable) -> Callable:

@@ -11,7 +11,7 @@
   :func:`experts_touched`), the hybrid's memory crossover, a roofline TPOT, the largest batch a GPU's memory
   holds (:func:`max_decode_batch`) and the FLOPs of a prefill (:func:`prefill_flops`).
 
-It sits above the model (floor 5): the formulas read a :class:`~k3course.config.K3Config`, the meta counts build
+It sits above the model: the formulas read a :class:`~k3course.config.K3Config`, the meta counts build
 the layers and :class:`~k3course.model.K3Model`.
 """
 
@@ -224,11 +224,12 @@ def _router_params(cfg: K3Config) -> int:
 
 def _norm_and_residual_params(cfg: K3Config) -> int:
     """RMSNorm before each sub-layer (2 per layer) and the final norm; Block AttnRes adds a query per
-    sub-layer (2 per layer) and one for the final aggregation, each of width d."""
+    sub-layer (2 per layer) and one for the final aggregation, each of width d, and as many key-norm weights
+    with ``attnres_key_weight``."""
     d = cfg.d_model
     norms = 2 * cfg.n_layers * d + d
-    queries = (2 * cfg.n_layers + 1) * d if cfg.residual == "block_attnres" else 0
-    return norms + queries
+    per_read = 1 + cfg.attnres_key_weight if cfg.residual == "block_attnres" else 0
+    return norms + per_read * (2 * cfg.n_layers + 1) * d
 
 
 def _component_counts(cfg: K3Config) -> dict[str, tuple[int, int]]:

@@ -4,8 +4,9 @@ complete, and the run's metrics.jsonl (:class:`MetricsLog`, :func:`read_metrics`
     out/metrics.jsonl       one JSON object per optimizer step: {"step", "loss", "lr", ..., "val_bpb" when evaluated}
     out/step-000600/
         model.safetensors   the weights and buffers (MoE balancing biases included), by name
-        config.json         {"model": K3Config fields, "train": TrainConfig fields, "step": 600}
-        state.pt            optimizer and scheduler state, torch RNG state, step
+        config.json         {"model": K3Config fields, "train": TrainConfig fields, ..., "step": 600}: the one
+                            place the step is stored
+        state.pt            optimizer and scheduler state, torch RNG state
 
 A folder named ``step-*`` is complete by construction (the rename is the last thing that happens), so a crash
 while saving leaves a ``.tmp-*`` folder that is ignored, never a half-written checkpoint under a good name.
@@ -81,7 +82,7 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer, sch
         safetensors.torch.save_model(model, str(temporary / "model.safetensors"))
         (temporary / "config.json").write_text(json.dumps({**config, "step": step}, indent=1))
         state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "rng": {"torch": torch.get_rng_state()}, "step": step}
+                 "rng": {"torch": torch.get_rng_state()}}
         if torch.cuda.is_available():
             state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(state, temporary / "state.pt")
@@ -127,8 +128,8 @@ def load_weights(folder: Path, model: torch.nn.Module) -> None:
                               f"unexpected {sorted(unexpected)}")
 
 
-def load_state(folder: Path, optimizer, scheduler, shard: Callable[[dict], dict] | None = None) -> int:
-    """Restore optimizer, scheduler and RNG state from state.pt; returns the step to continue from.
+def load_state(folder: Path, optimizer, scheduler, shard: Callable[[dict], dict] | None = None) -> None:
+    """Restore optimizer, scheduler and RNG state from state.pt (the step to continue from is config.json's).
 
     ``shard`` maps the saved (one-process) optimizer state to ``optimizer``'s: with expert-parallel experts,
     :func:`k3course.distributed.shard_optimizer_state` keeps this rank's block of every expert's moments.
@@ -143,7 +144,6 @@ def load_state(folder: Path, optimizer, scheduler, shard: Callable[[dict], dict]
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return int(state["step"])
 
 
 def _require_complete(folder: Path) -> Path:

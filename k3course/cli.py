@@ -93,36 +93,49 @@ def _train_flags(args) -> list[tuple[str, str, object]]:
 
 
 def _train(args) -> int:
+    import time
+
+    from k3course import checkpoint, data
     from k3course.checkpoint import CheckpointError
-    from k3course.train import TrainingInterrupted, configure, train_command
+    from k3course.train import TrainingInterrupted, train
+    from k3course.train.config import run_corpus
+    from k3course.train.launch import configure
 
     _set_threads(args)
-    options = dict(config_file=args.config, flags=_train_flags(args), sets=args.set, resume=args.resume,
-                   extend_to=args.extend_to)
+    if args.ep > 1 and args.compile:
+        print(f"--compile: compiles a one-process run; leave it out with --ep {args.ep}", file=sys.stderr)
+        return 2
     try:
+        config, out, resume, saved = configure(args.preset, args.out, args.config, _train_flags(args), args.set,
+                                               args.resume, args.extend_to)
         if args.print_config:
-            print(configure(args.preset, args.out, **options)[0].toml(), end="")
+            print(config.toml(), end="")
             return 0
-        summary = train_command(args.preset, args.out, device=args.device, notice=print, compile=args.compile,
-                                ep=args.ep, **options)
+        if args.extend_to is not None:
+            print(f"extending {out} from step {saved.step} to {args.extend_to}: a new schedule tail (from here the "
+                  f"learning rate follows the warmup + cosine of a {args.extend_to}-step run); not the same as a "
+                  f"straight {args.extend_to}-step run")
+        began = time.perf_counter()
+        train(config, out, resume, ranks=args.ep, device=args.device, compile=args.compile)
     except TrainingInterrupted as stopped:
         print(stopped, file=sys.stderr)
         return 128 + stopped.signum
     except (ValueError, OSError, CheckpointError) as error:
         print(error, file=sys.stderr)
         return 2
-    if args.resume and summary["started_at"] == summary["step"]:
-        print(f"{summary['out']} is finished (step {summary['step']}): nothing to resume; --extend-to N trains it "
-              "further")
+    final = checkpoint.read_metrics(out)[-1]
+    if args.resume and saved.step == final["step"]:
+        print(f"{out} is finished (step {final['step']}): nothing to resume; --extend-to N trains it further")
         return 0
-    trigram, ranks = summary["baselines"]["trigram"], f" on {args.ep} expert-parallel ranks" if args.ep > 1 else ""
-    print(f"step {summary['step']}{ranks}: validation {summary['val_bpb']:.3f} bits/byte (byte trigram {trigram:.3f}) "
-          f"in {summary['seconds'] / 60:.1f} min; checkpoints, metrics.jsonl and loss.png in {summary['out']}")
+    trigram = data.baselines(run_corpus(config.run))["trigram"]
+    ranks = f" on {args.ep} expert-parallel ranks" if args.ep > 1 else ""
+    print(f"step {final['step']}{ranks}: validation {final['val_bpb']:.3f} bits/byte (byte trigram {trigram:.3f}) "
+          f"in {(time.perf_counter() - began) / 60:.1f} min; checkpoints, metrics.jsonl and loss.png in {out}")
     return 0
 
 
 def _generate(args) -> int:
-    from k3course.train import generate_command
+    from k3course.train.generate import generate_command
 
     _set_threads(args)
     if args.pretrained is not None:
@@ -212,7 +225,8 @@ same as a straight N-step run). Every field of the three tables, with the tiny p
 
 def _add_train(sub) -> None:
     """``k3course train`` and its options; the help lists each option's default and every config field."""
-    from k3course.train import RunConfig, train_preset
+    from k3course.train import RunConfig
+    from k3course.train.config import train_preset
 
     fields = RunConfig(*train_preset("tiny")).toml().split("\n", 2)[2]
     train = sub.add_parser("train", help="train a K3 on the stdlib's source bytes or on your own text",
@@ -268,7 +282,8 @@ def parser() -> argparse.ArgumentParser:
     which = generate.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", help="a step-NNNNNN folder, or a run folder (latest)")
     which.add_argument("--pretrained", metavar="PATH", help="a Kimi Linear / DeepSeek-V3 checkpoint folder in "
-                       "transformers' layout, run by K3Model.from_pretrained with its own tokenizer (no download)")
+                       "transformers' layout or a Kimi K3 one in its released layout, run by "
+                       "K3Model.from_pretrained with its own tokenizer (no download)")
     generate.add_argument("--device", default="cpu", help="with --pretrained: torch device (cpu, cuda)")
     generate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                           help="with --pretrained: weight dtype (bfloat16 halves the memory)")

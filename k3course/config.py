@@ -1,4 +1,4 @@
-"""``K3Config``: the dimensions of a K3-style model, their validation, and the presets (floor 0, a leaf).
+"""``K3Config``: the dimensions of a K3-style model, their validation, and the presets (a leaf of the package).
 
 One dataclass describes every model in the course, from the four reference models (DeepSeek-V3, Kimi K2,
 Kimi Linear 48B, Kimi K3) down to the ``tiny`` and ``small`` presets that train on a laptop CPU. What a
@@ -48,13 +48,17 @@ class K3Config:
     sum of its two best biased scores, and a token picks its ``top_k`` among the ``topk_groups`` best groups.
 
     Settings the reference checkpoints need (:mod:`k3course.pretrained`) default to K3's choices, which are the
-    course's behaviour: RMSNorm ε 1e-6, NoPE, one expert group, renormalised top-k, a bias on a low-rank KDA
+    course's behaviour: NoPE, one expert group, renormalised top-k, a bias on a low-rank KDA
     output gate. RoPE (``mla_rope``) rotates the ``qk_rope_head_dim`` dims of MLA by θ = ``rope_theta``, in
     half-split pairs (i, i + r/2) or, ``rope_interleaved``, in pairs (2i, 2i + 1) as DeepSeek checkpoints store
     them; ``rope_yarn_factor`` s > 1 turns on YaRN (DeepSeek-V3: s = 40 over a 4096-token original context):
     frequencies blended between θ^(-2i/r) and θ^(-2i/r)/s by the ramp between ``rope_yarn_beta_fast`` and
     ``rope_yarn_beta_slow`` rotations, cos and sin scaled by m(s, mscale)/m(s, mscale_all_dim) (m(s, 1) when
     either is 0) and the softmax scale by m(s, mscale_all_dim)² (1 when it is 0), m(s, μ) = 1 + 0.1·μ·ln s.
+
+    Every RMSNorm's ε is ``norm_eps`` (the decoder's, MLA's q and latent norms, the latent MoE's norm, the AttnRes
+    keys) except KDA's per-head output norm, which reads ``kda_norm_eps``: the course's presets keep 1e-6, the ε
+    they were trained with; the released K3 and Kimi Linear use 1e-5 for both.
     """
 
     name: str = "tiny"
@@ -72,9 +76,9 @@ class K3Config:
     kda_output_gate: str = "full"  # K3: full-rank d → H·V; Kimi Linear: low rank d → K → H·V
     kda_gate_bias: bool = True  # the low-rank output gate's second map has a bias (fla's layer; Kimi Linear: none)
     kda_lower_bound: float | None = -5.0  # K3's bounded gate g ∈ (−5, 0); None: Kimi Linear's unbounded gate
-    # ε of the per-head output RMSNorm. K3's value is not published (assumption: 1e-6, the course's); Kimi Linear
-    # uses rms_norm_eps = 1e-5. A head's output RMS is ~5e-3 at course sizes (mean square ~2.5e-5), so 1e-5
-    # instead of 1e-6 shrinks outputs by tens of percent there; at full scale the choice matters far less.
+    # ε of the per-head output RMSNorm (K3 and Kimi Linear: rms_norm_eps = 1e-5; the course's presets: 1e-6). A
+    # head's output RMS is ~5e-3 at course sizes (mean square ~2.5e-5), so 1e-5 instead of 1e-6 shrinks outputs by
+    # tens of percent there; at full scale the choice matters far less.
     kda_norm_eps: float = 1e-6
     # (gated) multi-head latent attention
     mla_n_heads: int = 4
@@ -111,9 +115,10 @@ class K3Config:
     ffn_activation: str = "situ_glu"
     residual: str = "block_attnres"
     attnres_block_size: int = 4  # SUB-layers per Block AttnRes block, 2 per decoder layer (K3: 24 = 12 layers)
+    attnres_key_weight: bool = False  # a learned RMSNorm weight on each AttnRes read's keys (K3's release: true)
     context_length: int = 256  # longest context the model is meant for (tokens)
     tie_embeddings: bool = False
-    norm_eps: float = 1e-6  # ε of the RMSNorms before each sub-layer and before the head (rms_norm_eps)
+    norm_eps: float = 1e-6  # ε of every RMSNorm but KDA's output norm (rms_norm_eps; see the class docstring)
     pad_token_id: int | None = None  # the embedding row that gets no gradient (nn.Embedding's padding_idx)
 
     def __post_init__(self) -> None:
@@ -132,14 +137,9 @@ class K3Config:
 
     @classmethod
     def from_dict(cls, fields: dict) -> K3Config:
-        """The config of saved fields (``dataclasses.asdict``, read back from JSON): lists become tuples, fields
-        added since it was saved take their defaults (so old runs keep loading), unknown fields are an error."""
-        if not isinstance(fields, dict):
-            raise TypeError(f"fields must be a dict of K3Config fields, got {type(fields).__name__}")
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise TypeError(f"fields: {', '.join(unknown)} are not K3Config fields")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+        """The config of saved fields (:func:`from_saved_fields`: fields added since it was saved take their
+        defaults, so old runs keep loading)."""
+        return from_saved_fields(cls, fields)
 
     def replace(self, **changes) -> K3Config:
         """A copy with some fields changed (validated like a new config)."""
@@ -226,7 +226,7 @@ def _check_fields(cfg: K3Config) -> None:
         if getattr(cfg, field_name) not in choices:
             raise ValueError(f"{field_name} must be one of {', '.join(choices)}, got {getattr(cfg, field_name)!r}")
     for field_name in ("mla_gated", "tie_embeddings", "kda_gate_bias", "mla_rope", "rope_interleaved",
-                       "renormalize_top_k"):
+                       "renormalize_top_k", "attnres_key_weight"):
         if not isinstance(getattr(cfg, field_name), bool):
             raise TypeError(f"{field_name} must be a bool, got {getattr(cfg, field_name)!r}")
     for field_name in ("z_loss_weight", "rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
@@ -298,7 +298,9 @@ _DEEPSEEK_ROPE = dict(mla_rope=True, rope_interleaved=True, rope_yarn_original_c
 
 # The reference presets carry their released config.json values (DeepSeek-V3 and Kimi Linear as transformers 5.23
 # documents them; Kimi K2's RoPE (θ = 50000, YaRN ×32 with β 1 / 1) from its released config, recalled, not
-# re-read here: an assumption).
+# re-read here: an assumption). Kimi K3's ε (1e-5), dense FFN width (33 792) and AttnRes key-norm weights are the
+# released config's and key map's as two public implementations read them (torchtitan PRs #4025, #4281; see
+# notebooks/references.md).
 _PRESETS: dict[str, dict] = {
     "deepseek-v3": dict(
         name="deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, first_k_dense=3, mla_n_heads=128,
@@ -325,8 +327,9 @@ _PRESETS: dict[str, dict] = {
         name="kimi-k3", vocab_size=163840, d_model=7168, n_layers=93, first_k_dense=1, kda_per_mla=3,
         kda_n_heads=96, kda_head_dim=128, kda_output_gate="full", mla_n_heads=96, **_REFERENCE_MLA, mla_gated=True,
         n_routed_experts=896, top_k=16, n_shared_experts=2, expert_dim=3072, latent_dim=3584,
-        dense_ffn_dim=18432, route_scale=1.0, balancing="quantile", ffn_activation="situ_glu",
-        residual="block_attnres", attnres_block_size=24, context_length=1048576),
+        dense_ffn_dim=33792, route_scale=1.0, balancing="quantile", ffn_activation="situ_glu",
+        residual="block_attnres", attnres_block_size=24, attnres_key_weight=True, context_length=1048576,
+        norm_eps=1e-5, kda_norm_eps=1e-5),
     "tiny": dict(name="tiny"),
     "small": dict(
         name="small", vocab_size=256, d_model=256, n_layers=8, first_k_dense=1, kda_per_mla=3, kda_n_heads=4,
@@ -350,6 +353,17 @@ PUBLISHED_PARAMS: dict[str, tuple[float, float]] = {
 # --- settings from text: TOML files and key=value overrides (k3course train --config / --set) ---------------
 
 NONE_WORDS = ("none", "null")  # how TOML and the command line write None (TOML has no null)
+
+
+def from_saved_fields(cls, fields: dict):
+    """The dataclass ``cls`` of saved fields (``dataclasses.asdict``, read back from JSON): lists become tuples,
+    fields left out take their defaults, unknown fields are a TypeError naming them; the class validates."""
+    if not isinstance(fields, dict):
+        raise TypeError(f"fields must be a dict of {cls.__name__} fields, got {type(fields).__name__}")
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise TypeError(f"fields: {', '.join(unknown)} are not {cls.__name__} fields")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
 def field_types(cls) -> dict[str, object]:

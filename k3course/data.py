@@ -357,7 +357,7 @@ def lzma_bits_per_byte(data: np.ndarray) -> float:
 
 def window_baselines(train: np.ndarray, windows: np.ndarray, k: float = 0.1) -> dict[str, float]:
     """Bits/byte of the add-k n-grams fitted on ``train`` and of lzma -9 on the bytes a model predicts from
-    ``windows`` [N, T + 1], the bytes :func:`k3course.train.evaluate` scores: each window's from its second on
+    ``windows`` [N, T + 1], the bytes :func:`k3course.train.step.evaluate` scores: each window's from its second on
     (the trigram's from its third: it needs two bytes of history)."""
     windows = np.asarray(windows, dtype=np.uint8)
     result = {name: ngram_bits_per_byte(train, windows[:, max(0, 2 - order):], order, k)

@@ -1,10 +1,12 @@
-"""Where tensors live: CUDA when present, else CPU; how the CPU's freed memory is kept; and how a call is timed
-(the best of several, on a shared machine)."""
+"""Where tensors live: CUDA when present, else CPU; how the CPU's freed memory is kept; how a call is timed
+(the best of several, on a shared machine); and which machine ran it (:func:`machine`)."""
 
 from __future__ import annotations
 
 import ctypes
+import platform
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -68,3 +70,12 @@ def interleaved_best_seconds(calls: dict, rounds: int = 3, device: torch.device 
         for name, (fn, repeats) in calls.items():
             best[name] = min(best[name], best_seconds(fn, repeats, device))
     return best
+
+
+def machine() -> str:
+    """The CPU and the kernel set ATen dispatches to, e.g. "AMD EPYC / AVX2": float sums depend on both."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.exists() else []
+    return f"{names[0] if names else platform.processor() or platform.machine()} / " \
+           f"{torch.backends.cpu.get_cpu_capability()}"

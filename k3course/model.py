@@ -70,16 +70,17 @@ class DecoderLayer(nn.Module):
     """One K3 decoder layer: a token mixer (KDA or gated MLA) and an FFN (dense GLU or MoE), each behind an
     RMSNorm; the residual scheme decides what each reads (see the module docstring)."""
 
-    def __init__(self, cfg: K3Config, index: int):
+    def __init__(self, cfg: K3Config, index: int, kernels: str | None = None):
         super().__init__()
         self.mixer_kind, self.ffn_kind = cfg.layer_types()[index], cfg.ffn_types()[index]
         self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mixer = KimiDeltaAttention.from_config(cfg) if self.mixer_kind == "kda" else GatedMLA.from_config(cfg)
+        self.mixer = (KimiDeltaAttention.from_config(cfg, kernels=kernels) if self.mixer_kind == "kda"
+                      else GatedMLA.from_config(cfg))
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         for norm in (self.mixer_norm, self.ffn_norm):
             no_weight_decay(norm.weight)
         self.ffn = (GLUFFN(cfg.d_model, cfg.dense_ffn_dim, cfg.ffn_activation) if self.ffn_kind == "dense"
-                    else MoE.from_config(cfg))
+                    else MoE.from_config(cfg, kernels=kernels))
 
     def forward(self, stream, cache: KDACache | MLACache | None):
         """Read, mix, write; read, FFN, write. Returns the layer's (updated) cache."""
@@ -92,25 +93,31 @@ class DecoderLayer(nn.Module):
 class K3Model(nn.Module):
     """The K3 decoder of a :class:`K3Config`, built only from the package's layers (see the module docstring)."""
 
-    def __init__(self, cfg: K3Config):
+    def __init__(self, cfg: K3Config, kernels: str | None = None):
         super().__init__()
         if not isinstance(cfg, K3Config):
             raise TypeError(f"cfg must be a K3Config (e.g. K3Config.preset('tiny')), got {type(cfg).__name__}")
-        self.cfg = cfg
+        from k3course.kernels import kernel_backend
+
+        self.cfg, self.kernels = cfg, kernel_backend(kernels)  # the one kernel choice, read by every layer
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.kernels) for i in range(cfg.n_layers))
         block_size = cfg.attnres_block_size if cfg.residual == "block_attnres" else None
-        self.residual = make_residual(cfg.residual, 2 * cfg.n_layers, cfg.d_model, block_size)
+        self.residual = make_residual(cfg.residual, 2 * cfg.n_layers, cfg.d_model, block_size, cfg.norm_eps,
+                                      cfg.attnres_key_weight)
         self.final_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         no_weight_decay(self.final_norm.weight)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.init_weights()
 
     @classmethod
-    def from_config(cls, cfg: K3Config, device: torch.device | str | None = None) -> K3Model:
-        """Build on ``device`` (``"meta"``: shapes only, no memory, seconds even for the full K3)."""
+    def from_config(cls, cfg: K3Config, device: torch.device | str | None = None,
+                    kernels: str | None = None) -> K3Model:
+        """Build on ``device`` (``"meta"``: shapes only, no memory, seconds even for the full K3) with the kernel
+        backend ``kernels`` (:data:`k3course.kernels.BACKENDS`; None: the environment variable
+        ``K3COURSE_KERNELS``, default "auto"): chosen once here, read by every KDA layer and expert bank."""
         with torch.device(device or "cpu"):
-            return cls(cfg)
+            return cls(cfg, kernels)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str | None = None,
@@ -139,11 +146,19 @@ class K3Model(nn.Module):
         model._materialize(device)
         return model.eval()
 
-    def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
-        """Write this model as a Kimi Linear checkpoint folder that transformers' ``from_pretrained`` opens
-        (config.json + safetensors, sharded above ``max_shard_bytes``). Raises
-        :class:`~k3course.pretrained.UnsupportedCheckpoint` naming each setting Kimi Linear cannot express (Block
-        AttnRes, SiTU-GLU, K3's full-rank or biased gates, the bounded KDA gate, latent MoE, RoPE ...)."""
+    def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 * 2**30, layout: str = "kimi_linear",
+                        mxfp4: bool = False) -> Path:
+        """Write this model as a checkpoint folder (config.json + safetensors, sharded above ``max_shard_bytes``)
+        in ``layout``: "kimi_linear" (what transformers' Kimi Linear opens; UnsupportedCheckpoint names each
+        setting Kimi Linear cannot express: Block AttnRes, SiTU-GLU, K3's full-rank or biased gates, the bounded
+        KDA gate, latent MoE, RoPE ...) or "kimi_k3" (the released K3 layout in bf16, routed experts in MXFP4 with
+        ``mxfp4``; UnsupportedCheckpoint names what it cannot express)."""
+        if layout not in pretrained_save.LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(pretrained_save.LAYOUTS)}, got {layout!r}")
+        if mxfp4 and layout != "kimi_k3":
+            raise ValueError("mxfp4: only the kimi_k3 layout stores routed experts in MXFP4")
+        if layout == "kimi_k3":
+            return pretrained_save.save_kimi_k3(self.cfg, self.state_dict(), path, max_shard_bytes, mxfp4)
         return pretrained_save.save_kimi_linear(self.cfg, self.state_dict(), path, max_shard_bytes)
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""What a parameter is, marked where its layer creates it (floor 0, a leaf).
+"""What a parameter is, marked where its layer creates it (a leaf of the package).
 
 :class:`k3course.model.K3Model` initialises and groups its parameters by these marks, never by their names
 (as fla marks ``A_log`` and ``dt_bias`` with ``_no_weight_decay``):
@@ -51,12 +51,15 @@ def is_forget_gate(param: nn.Parameter) -> bool:
 
 def param_groups(params, weight_decay: float, gate_lr_scale: float = 1.0, lr: float | None = None) -> list[dict]:
     """AdamW groups by the marks: weight decay on the projections, none on the :func:`no_weight_decay`
-    parameters; with ``gate_lr_scale`` ≠ 1 the :func:`forget_gate` parameters form groups of their own whose
-    ``"lr_scale"`` multiplies the learning rate (``gate_lr_scale`` = 1: two groups, the gates among them); given
-    ``lr``, each group also carries its rate, "lr" = lr × "lr_scale". Empty groups are left out."""
+    parameters. Given ``lr``, each group carries its rate "lr"; with ``gate_lr_scale`` ≠ 1 the :func:`forget_gate`
+    parameters form groups of their own at "lr" = lr × gate_lr_scale (which needs ``lr``: a scale without the
+    rate it scales is refused). ``gate_lr_scale`` = 1: two groups, the gates among them. Empty groups are left
+    out. (TrainConfig.gate_lr_scale sets it for a run; chapter 12's recall experiments, for theirs.)"""
     params = list(params)
     if not (isinstance(gate_lr_scale, int | float) and not isinstance(gate_lr_scale, bool) and gate_lr_scale > 0):
         raise ValueError(f"gate_lr_scale must be a number > 0, got {gate_lr_scale!r}")
+    if gate_lr_scale != 1 and lr is None:
+        raise ValueError(f"lr: gate_lr_scale = {gate_lr_scale} scales the learning rate; give lr, the rate it scales")
     scales = (1.0,) if gate_lr_scale == 1 else (1.0, float(gate_lr_scale))
     groups = []
     for scale in scales:
@@ -65,7 +68,7 @@ def param_groups(params, weight_decay: float, gate_lr_scale: float = 1.0, lr: fl
             members = [p for p in chosen if is_decayed(p) == decayed]
             if members or scale == 1.0:
                 groups.append({"params": members, "weight_decay": weight_decay if decayed else 0.0,
-                               "lr_scale": scale, **({} if lr is None else {"lr": lr * scale})})
+                               **({} if lr is None else {"lr": lr * scale})})
     return groups
 
 

@@ -1,51 +1,39 @@
-"""Checkpoints in transformers' layout: Kimi Linear and DeepSeek-V3 (floor 1: configs, names and shapes).
+"""Checkpoints: Kimi Linear and DeepSeek-V3 in transformers' layout, Kimi K3 in its released layout (configs and
+reading; the names and shapes are :mod:`k3course.layout`'s one table).
 
 A checkpoint is a folder with ``config.json`` and safetensors weights: one ``model.safetensors``, or shards listed
-by ``model.safetensors.index.json``. Two model types are read, each in both spellings of its keys:
+by ``model.safetensors.index.json``. Three families of model types are read:
 
     kimi_linear   Kimi-Linear-48B-A3B: KDA + NoPE MLA, sigmoid MoE with a shared expert
     deepseek_v3   DeepSeek-V3, Kimi K2 (``model_type`` "kimi_k2"), Moonlight: MLA with (YaRN) RoPE, grouped routing
+    kimi_k3       Kimi K3's release: a nested ``text_config`` (:func:`k3_config_from_hf`), tensors under
+                  ``language_model.model.`` (or ``model.`` in a text-only export; the vision tower skipped with
+                  one printed line), routed experts in MXFP4 (compressed-tensors ``mxfp4-pack-quantized``)
+
+The first two in both spellings of their keys:
 
 released    the config.json keys and tensor names of the published checkpoints (Kimi Linear: ``linear_attn_config``
             with 1-indexed ``full_attn_layers``, ``num_experts``, per-expert ``w1 / w2 / w3``, ``q_conv1d``;
             DeepSeek: ``rope_scaling``, per-expert ``gate_proj / up_proj / down_proj``)
 transformers  the names its config classes and modules use (``layer_types``, ``rope_parameters``; fused
-            ``experts.gate_up_proj``, ``conv1d``, ``forget_gate.*``)
+            ``experts.gate_up_proj``, ``conv1d``, ``forget_gate.*``): :func:`stored_spellings`
 
 Multi-token-prediction layers (index ≥ ``num_hidden_layers``) are skipped. FP8 releases (DeepSeek-V3, Kimi K2:
-e4m3 weights with a ``weight_scale_inv`` per 128 × 128 block, ``quantization_config``) are dequantized tensor by
-tensor as they are read (:func:`dequantize_fp8`); every tensor's dtype is checked. What the course cannot express
-(INT4 compressed-tensors weights, another routing function or activation, attention biases, another RoPE type) is
-refused with :class:`UnsupportedCheckpoint` naming it. The way back (a :class:`K3Config`
-that Kimi Linear can express, written in the released layout that transformers reads) is
-:mod:`k3course.pretrained_save`.
+e4m3 weights with a ``weight_scale_inv`` per 128 × 128 block, ``quantization_config``) and K3's MXFP4 routed experts
+are dequantized tensor by tensor as they are read (:func:`dequantize_fp8`, :func:`k3course.layout.unpack_mxfp4`);
+every tensor's dtype is checked. What the course cannot express (INT4 compressed-tensors weights, another routing
+function or activation, attention biases, another RoPE type, K3 settings other than its own) is refused with
+:class:`UnsupportedCheckpoint` naming it. The way back is :mod:`k3course.pretrained_save`.
 
 This module knows :class:`~k3course.model.K3Model`'s parameter names as strings and never imports the model:
 ``K3Model.from_pretrained`` builds it on the meta device and assigns what :meth:`Checkpoint.k3_tensors` yields,
-one layer at a time, read from memory-mapped files, so the weights are never in memory twice.
-
-Per layer (H heads; KDA head dim K = V; MLA nope n, v widths, latent r; ᵀ: transposed, since K3's FFNs compute x W):
-
-    input_layernorm / post_attention_layernorm      mixer_norm / ffn_norm
-    KDA  q|k|v|b|o_proj                             mixer.q|k|v|b|o_proj
-         q|k|v_conv1d [C, 1, W] (or conv1d [3C, 1, W])  mixer.q|k|v_conv [C, W]
-         f_a_proj, f_b_proj, A_log [1, 1, H, 1], dt_bias [H·K]   mixer.f_proj.0|1, A_log [H], dt_bias [H, K]
-         g_a_proj, g_b_proj, o_norm                 mixer.gate_proj.0|1, o_norm_weight
-    MLA  q_proj or q_a_proj, q_a_layernorm, q_b_proj    mixer.q_up or q_down, q_norm, q_up
-         kv_a_proj_with_mqa, kv_a_layernorm         mixer.kv_down, kv_norm
-         kv_b_proj [H·(n + v), r]                   mixer.k_up [H, n, r], v_up [H, v, r] (split per head)
-         o_proj                                     mixer.out
-    FFN  mlp.gate|up|down_proj                      ffn.gate|up|down ᵀ
-    MoE  gate.weight [E, d], gate.e_score_correction_bias     ffn.router [d, E] ᵀ, ffn.bias
-         experts.j.w1|w3|w2 (gate_proj|up_proj|down_proj),   ffn.experts.gate_up [E, d, 2f] = [w1ᵀ | w3ᵀ],
-         or experts.gate_up_proj [E, 2f, d], down_proj       ffn.experts.down [E, f, d] = w2ᵀ
-         shared_experts.gate|up|down_proj            ffn.shared.gate|up|down ᵀ
+one part at a time, read from memory-mapped files, so the weights are never in memory twice. The names and shapes
+per layer are in :mod:`k3course.layout`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -57,9 +45,10 @@ import safetensors
 import safetensors.torch
 import torch
 
-from k3course.config import K3Config
+from k3course import layout
+from k3course.config import K3Config, layer_schedule
 
-MODEL_TYPES = ("kimi_linear", "deepseek_v3", "kimi_k2")
+MODEL_TYPES = ("kimi_linear", "deepseek_v3", "kimi_k2", "kimi_k3")
 # transformers' defaults for keys a config.json may leave out, where the two model types differ
 DEFAULTS = {"kimi_linear": dict(n_group=1, topk_group=1, rms_norm_eps=1e-5, routed_scaling_factor=2.446),
             "deepseek_v3": dict(n_group=8, topk_group=4, rms_norm_eps=1e-6, routed_scaling_factor=2.5)}
@@ -68,6 +57,7 @@ CONFIG_FILE, SINGLE_FILE, INDEX_FILE = "config.json", "model.safetensors", "mode
 FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SCALE_SUFFIX = "_scale_inv"  # an FP8 release's block scales of tensor X.weight: X.weight_scale_inv
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+MOE_KEY = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.")
 # What Kimi Linear's layers are, whatever the config: save_pretrained refuses a config that sets another value.
 KIMI_LINEAR_FIXED = dict(residual="prenorm", ffn_activation="swiglu", router_score="sigmoid", mla_gated=False,
                          mla_rope=False, latent_dim=None, kda_output_gate="low_rank", kda_gate_bias=False,
@@ -94,11 +84,14 @@ def _key(hf: dict, *names: str, default=_MISSING):
 
 
 def config_from_hf(hf: dict, name: str = "pretrained") -> K3Config:
-    """The :class:`K3Config` of a checkpoint's config.json (released or transformers keys). Dense layers first,
-    PreNorm, SwiGLU, sigmoid routing with a bias trained by DeepSeek's sign rule, no output gate on MLA."""
+    """The :class:`K3Config` of a checkpoint's config.json (released or transformers keys). Kimi Linear and
+    DeepSeek: dense layers first, PreNorm, SwiGLU, sigmoid routing with a bias trained by DeepSeek's sign rule, no
+    output gate on MLA. Kimi K3 (``kimi_k3``): :func:`k3_config_from_hf`."""
     if not isinstance(hf, dict) or hf.get("model_type") not in MODEL_TYPES:
         found = hf.get("model_type") if isinstance(hf, dict) else type(hf).__name__
         raise UnsupportedCheckpoint(f"model_type: {found!r} is not one of {', '.join(MODEL_TYPES)}")
+    if hf["model_type"] == "kimi_k3":
+        return k3_config_from_hf(hf, name)
     _refuse_unsupported(hf)
     kimi_linear = hf["model_type"] == "kimi_linear"
     specific = _kimi_linear_fields(hf) if kimi_linear else _deepseek_fields(hf)
@@ -221,6 +214,86 @@ def _rope_fields(hf: dict) -> dict:
                 rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0))
 
 
+# --- Kimi K3's config.json: one table of keys, read here and written by pretrained_save ----------------------
+
+# text_config key: K3Config field, the same value both ways
+K3_TEXT_KEYS = {
+    "vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden_layers": "n_layers",
+    "intermediate_size": "dense_ffn_dim", "first_k_dense_replace": "first_k_dense",
+    "num_attention_heads": "mla_n_heads",
+    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "num_experts": "n_routed_experts",
+    "num_experts_per_token": "top_k", "num_shared_experts": "n_shared_experts", "moe_intermediate_size": "expert_dim",
+    "routed_expert_hidden_size": "latent_dim", "moe_renormalize": "renormalize_top_k",
+    "routed_scaling_factor": "route_scale", "num_expert_group": "n_expert_groups", "topk_group": "topk_groups",
+    "rms_norm_eps": "norm_eps", "max_position_embeddings": "context_length", "tie_word_embeddings": "tie_embeddings",
+    "pad_token_id": "pad_token_id", "mla_use_output_gate": "mla_gated"}
+K3_OPTIONAL = {"pad_token_id": None, "tie_word_embeddings": False}  # the text_config keys a config may leave out
+# linear_attn_config key: K3Config field
+K3_LINEAR_KEYS = {"num_heads": "kda_n_heads", "head_dim": "kda_head_dim", "short_conv_kernel_size": "kda_conv_size",
+                  "gate_lower_bound": "kda_lower_bound"}
+# what the K3 layout's layers are: text_config (or linear_attn_config) settings the course reads only at this value
+K3_FIXED_KEYS = {"hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+                 "latent_moe_use_norm": True, "mla_use_nope": True, "moe_layer_freq": 1,
+                 "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc", "use_grouped_topk": True}
+K3_FIXED_LINEAR_KEYS = {"use_full_rank_gate": True}
+# ... and the K3Config fields they make (save_pretrained(layout="kimi_k3") refuses a config that sets another)
+K3_FIXED = dict(ffn_activation="situ_glu", router_score="sigmoid", mla_rope=False, kda_output_gate="full",
+                residual="block_attnres", attnres_key_weight=True)
+MXFP4_FORMAT = "mxfp4-pack-quantized"  # compressed-tensors' name for the release's routed experts
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+MULTIMODAL_PREFIX = "language_model."  # the release nests the text model: language_model.model.*, .lm_head
+
+
+def k3_config_from_hf(hf: dict, name: str = "pretrained") -> K3Config:
+    """The :class:`K3Config` of a ``kimi_k3`` config.json: the nested ``text_config`` (:data:`K3_TEXT_KEYS`,
+    ``linear_attn_config`` with 1-indexed ``full_attn_layers``, ``attn_res_block_size`` in layers), K3's layers
+    (:data:`K3_FIXED`), quantile balancing. UnsupportedCheckpoint names a setting the course cannot express."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedCheckpoint("config.json: model_type 'kimi_k3' needs a text_config object")
+    linear = text.get("linear_attn_config")
+    if not isinstance(linear, dict):
+        raise UnsupportedCheckpoint("text_config: no linear_attn_config object (KDA's settings)")
+    mxfp4_group(hf)
+    for where, settings, fixed in (("text_config", text, K3_FIXED_KEYS),
+                                   ("linear_attn_config", linear, K3_FIXED_LINEAR_KEYS)):
+        for key, value in fixed.items():
+            if key in settings and settings[key] != value:
+                raise UnsupportedCheckpoint(f"{where}.{key}: {settings[key]!r} is not supported (the course "
+                                            f"implements {value!r})")
+    fields = {field: _key(text, key, default=K3_OPTIONAL.get(key, _MISSING)) for key, field in K3_TEXT_KEYS.items()}
+    fields |= {field: _key(linear, key) for key, field in K3_LINEAR_KEYS.items()}
+    block = _key(text, "attn_res_block_size")
+    n_layers = fields["n_layers"]
+    mla_layers = tuple(sorted(i - 1 for i in _key(linear, "full_attn_layers")))
+    schedule = dict(kda_per_mla=3, mla_layers=None)
+    if layer_schedule(n_layers, 3, fields["first_k_dense"])[0] != tuple(
+            "mla" if i in mla_layers else "kda" for i in range(n_layers)):
+        schedule["mla_layers"] = mla_layers
+    return K3Config(name=name, **fields, **schedule, **K3_FIXED, attnres_block_size=2 * block,
+                    kda_norm_eps=fields["norm_eps"], balancing="quantile")
+
+
+def mxfp4_group(hf: dict) -> int | None:
+    """The group size of a ``kimi_k3`` release's MXFP4 routed experts (``quantization_config``: compressed-tensors
+    format ``mxfp4-pack-quantized``, 4-bit weights in groups of 32), or None when unquantized; anything else is
+    refused, naming it."""
+    quantization = hf.get("quantization_config")
+    if not quantization:
+        return None
+    form = quantization.get("format") if isinstance(quantization, dict) else quantization
+    if form != MXFP4_FORMAT:
+        raise UnsupportedCheckpoint(f"quantization_config: format {form!r} is not supported (the course reads "
+                                    f"{MXFP4_FORMAT!r}, the release's routed experts)")
+    groups = quantization.get("config_groups") or {}
+    sizes = {group.get("weights", {}).get("group_size") for group in groups.values() if isinstance(group, dict)}
+    if sizes - {layout.MXFP4_GROUP}:
+        raise UnsupportedCheckpoint(f"quantization_config: weight group_size {sorted(sizes - {32})} is not "
+                                    f"supported (MXFP4 scales groups of {layout.MXFP4_GROUP})")
+    return layout.MXFP4_GROUP
+
+
 # --- tensors: transformers' names -> K3Model's names -------------------------------------------------------------
 
 @dataclass
@@ -233,9 +306,13 @@ class _Source:
     used: set[str]
     block: tuple[int, int] | None = None
     dtype: torch.dtype = torch.float32
+    mxfp4: bool = False
 
     def read(self, key: str) -> torch.Tensor:
-        """Tensor ``key``, checked: a floating dtype, or float8_e4m3fn dequantized with its ``_scale_inv``."""
+        """Tensor ``key``, checked: a floating dtype, float8_e4m3fn dequantized with its ``_scale_inv``, or, in an
+        MXFP4 release, ``key_packed`` and ``key_scale`` dequantized (:func:`~k3course.layout.unpack_mxfp4`)."""
+        if key not in self.keys and self.mxfp4 and key + "_packed" in self.keys:
+            return self._unpacked(key)
         if key not in self.keys:
             raise UnsupportedCheckpoint(f"checkpoint: tensor {key} is missing")
         self.used.add(key)
@@ -246,6 +323,16 @@ class _Source:
             raise UnsupportedCheckpoint(f"checkpoint: tensor {key} holds {str(tensor.dtype).removeprefix('torch.')}; "
                                         "expected float32, bfloat16 or float16 (or float8_e4m3fn with its scales)")
         return tensor
+
+    def _unpacked(self, key: str) -> torch.Tensor:
+        packed, scale = key + "_packed", key + "_scale"
+        if scale not in self.keys:
+            raise UnsupportedCheckpoint(f"checkpoint: tensor {packed} is MXFP4 but its scales {scale} are missing")
+        self.used.update((packed, scale))
+        try:
+            return layout.unpack_mxfp4(self.get(packed), self.get(scale), self.dtype, key)
+        except layout.LayoutError as error:
+            raise UnsupportedCheckpoint(f"checkpoint: {error}") from error
 
     def _dequantized(self, key: str, weight: torch.Tensor) -> torch.Tensor:
         scale_key = key + SCALE_SUFFIX
@@ -273,47 +360,45 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     return (weight.float() * scale).to(dtype)
 
 
-class _Reader:
-    """The tensors under one name prefix of a checkpoint (a :class:`_Source`)."""
+def stored_spellings(keys) -> Callable[[int], layout.Spelling]:
+    """Which spelling (:class:`~k3course.layout.Spelling`) each decoder layer of a checkpoint with tensors ``keys``
+    uses: its FFN under ``block_sparse_moe.`` (Kimi Linear's released MoE layers, and every FFN transformers writes
+    for Kimi Linear) or ``mlp.``; per-expert w1|w3|w2, gate|up|down_proj or transformers' fused experts; split or
+    stacked KDA convolutions; KDA's forget gate at the attention's top or under ``forget_gate.``."""
+    keys = set(keys)
+    moe_layers = {match.group(1) for key in keys if (match := MOE_KEY.match(key))}
 
-    def __init__(self, source: _Source, prefix: str):
-        self.source, self.prefix = source, prefix
-
-    def has(self, name: str) -> bool:
-        return self.prefix + name in self.source.keys
-
-    def under(self, prefix: str) -> _Reader:
-        return _Reader(self.source, self.prefix + prefix)
-
-    def __call__(self, name: str) -> torch.Tensor:
-        return self.source.read(self.prefix + name)
-
-    def shaped(self, name: str, shape: tuple[int, ...], settings: str) -> torch.Tensor:
-        """Tensor ``name`` reshaped to ``shape``, which config.json's ``settings`` (named in the error) imply."""
-        tensor = self(name)
-        if tensor.numel() != math.prod(shape):
-            raise UnsupportedCheckpoint(f"checkpoint: tensor {self.prefix + name} has shape {tuple(tensor.shape)}, "
-                                        f"but config.json's {settings} make it {shape}")
-        return tensor.reshape(shape)
+    def spelling(i: int) -> layout.Spelling:
+        layer = f"model.layers.{i}."
+        ffn = "block_sparse_moe." if str(i) in moe_layers else "mlp."
+        experts = ("fused" if f"{layer}{ffn}experts.gate_up_proj" in keys
+                   else "w" if {f"{layer}{ffn}experts.0.w1.weight", f"{layer}{ffn}experts.0.w1.weight_packed"} & keys
+                   else "proj")
+        return layout.Spelling(dense=ffn, moe=ffn, experts=experts,
+                               conv="stacked" if f"{layer}self_attn.conv1d.weight" in keys else "split",
+                               gate="forget_gate." if f"{layer}self_attn.forget_gate.A_log" in keys else "")
+    return spelling
 
 
 def k3_tensors(get: Callable[[str], torch.Tensor], keys, cfg: K3Config, fp8_block: tuple[int, int] | None = None,
-               dtype: torch.dtype = torch.float32) -> Iterator[dict[str, torch.Tensor]]:
-    """{K3Model name: tensor} of a checkpoint's tensors ``get(key)`` (names ``keys``), one part at a time: the
-    embedding, each decoder layer, the final norm and head; FP8 weights (blocks ``fp8_block``) dequantized to
-    ``dtype`` as they are read. Raises UnsupportedCheckpoint naming a missing tensor or one of another dtype, or
-    at the end the tensors nothing read (MTP layers, index ≥ n_layers, are skipped)."""
+               dtype: torch.dtype = torch.float32, mxfp4: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """{K3Model name: tensor} of a checkpoint's tensors ``get(key)`` (names ``keys``, in the layout
+    :func:`k3course.layout.checkpoint_layout` gives ``cfg``, each layer in the spelling it uses), one part at a
+    time: the embedding, each decoder layer, the AttnRes reads, the final norm and head. FP8 weights (blocks
+    ``fp8_block``) and MXFP4 routed experts (``mxfp4``) are dequantized to ``dtype`` as they are read. Raises
+    UnsupportedCheckpoint naming a missing tensor, one of another shape or dtype, or at the end the tensors
+    nothing read (MTP layers, index ≥ n_layers, are skipped)."""
     keys, used = set(keys), set()
-    read = _Reader(_Source(get, keys, used, fp8_block, dtype), "")
-    yield {"embed.weight": read(EMBEDDING)}
-    for i, (mixer, ffn) in enumerate(zip(cfg.layer_types(), cfg.ffn_types())):
-        yield _layer_tensors(read.under(f"model.layers.{i}."), cfg, mixer, ffn, i)
-    head = {"final_norm.weight": read("model.norm.weight")}
+    source = _Source(get, keys, used, fp8_block, dtype, mxfp4)
+    try:
+        for part in layout.checkpoint_layout(cfg, stored_spellings(keys)):
+            yield {name: tensor for row in part for name, tensor in row.read(source.read, cfg).items()}
+    except layout.LayoutError as error:
+        raise UnsupportedCheckpoint(str(error)) from error
+    if not cfg.n_shared_experts:
+        _no_shared_experts(source, cfg)
     if cfg.tie_embeddings:
         used.add(HEAD)  # a tied head may be stored too; Checkpoint unties a config whose stored head differs
-    else:
-        head["lm_head.weight"] = read(HEAD)
-    yield head
     unread = sorted(k for k in keys - used if not _is_mtp(k, cfg.n_layers))
     if unread:
         raise UnsupportedCheckpoint(f"checkpoint: {len(unread)} tensors the course cannot place, e.g. {unread[:4]}")
@@ -329,84 +414,12 @@ def _is_mtp(key: str, n_layers: int) -> bool:
     return match is not None and int(match.group(1)) >= n_layers
 
 
-def _layer_tensors(read: _Reader, cfg: K3Config, mixer: str, ffn: str, i: int) -> dict[str, torch.Tensor]:
-    """Layer i's tensors; its FFN under ``block_sparse_moe.`` (Kimi Linear's released MoE layers, and every FFN
-    transformers writes for Kimi Linear) or ``mlp.``."""
-    attention = read.under("self_attn.")
-    mixer_tensors = _kda_tensors(attention, cfg) if mixer == "kda" else _mla_tensors(attention, cfg)
-    moe_prefix = read.prefix + "block_sparse_moe."
-    ffn_read = read.under("block_sparse_moe." if any(k.startswith(moe_prefix) for k in read.source.keys) else "mlp.")
-    ffn_tensors = _dense_tensors(ffn_read) if ffn == "dense" else _moe_tensors(ffn_read, cfg)
-    parts = {"mixer_norm.weight": read("input_layernorm.weight"),
-             "ffn_norm.weight": read("post_attention_layernorm.weight"),
-             **{f"mixer.{k}": t for k, t in mixer_tensors.items()}, **{f"ffn.{k}": t for k, t in ffn_tensors.items()}}
-    return {f"layers.{i}.{name}": tensor for name, tensor in parts.items()}
-
-
-def _kda_tensors(read: _Reader, cfg: K3Config) -> dict[str, torch.Tensor]:
-    heads, width = cfg.kda_n_heads, cfg.kda_head_dim
-    settings = f"linear num_heads {heads} and head_dim {width}"
-    out = {f"{name}.weight": read(f"{name}.weight") for name in ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj")}
-    if read.has("conv1d.weight"):  # transformers: q, k, v convolutions stacked
-        convs = read("conv1d.weight").squeeze(1).chunk(3)
-    else:
-        convs = [read(f"{x}_conv1d.weight").squeeze(1) for x in "qkv"]
-    gate = read.under("forget_gate." if read.has("forget_gate.A_log") else "")
-    out |= {"q_conv.weight": convs[0], "k_conv.weight": convs[1], "v_conv.weight": convs[2],
-            "f_proj.0.weight": gate("f_a_proj.weight"), "f_proj.1.weight": gate("f_b_proj.weight"),
-            "A_log": gate.shaped("A_log", (heads,), settings),
-            "dt_bias": gate.shaped("dt_bias", (heads, width), settings),
-            "gate_proj.0.weight": read("g_a_proj.weight"), "gate_proj.1.weight": read("g_b_proj.weight"),
-            "o_norm_weight": read("o_norm.weight")}
-    if cfg.kda_gate_bias:
-        out["gate_proj.1.bias"] = read("g_b_proj.bias")
-    return out
-
-
-def _mla_tensors(read: _Reader, cfg: K3Config) -> dict[str, torch.Tensor]:
-    if cfg.q_lora_rank is None:
-        out = {"q_up.weight": read("q_proj.weight")}
-    else:
-        out = {"q_down.weight": read("q_a_proj.weight"), "q_norm.weight": read("q_a_layernorm.weight"),
-               "q_up.weight": read("q_b_proj.weight")}
-    settings = (f"num_attention_heads {cfg.mla_n_heads}, qk_nope_head_dim {cfg.qk_nope_head_dim}, v_head_dim "
-                f"{cfg.v_head_dim} and kv_lora_rank {cfg.kv_lora_rank}")
-    kv_up = read.shaped("kv_b_proj.weight",
-                        (cfg.mla_n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank), settings)
-    return out | {"kv_down.weight": read("kv_a_proj_with_mqa.weight"), "kv_norm.weight": read("kv_a_layernorm.weight"),
-                  "k_up": kv_up[:, :cfg.qk_nope_head_dim], "v_up": kv_up[:, cfg.qk_nope_head_dim:],
-                  "out.weight": read("o_proj.weight")}
-
-
-def _dense_tensors(read: _Reader) -> dict[str, torch.Tensor]:
-    return {name: read(f"{name}_proj.weight").T for name in ("gate", "up", "down")}
-
-
-def _moe_tensors(read: _Reader, cfg: K3Config) -> dict[str, torch.Tensor]:
-    out = {"router": read("gate.weight").T, "bias": read("gate.e_score_correction_bias")}
-    if read.has("experts.gate_up_proj"):  # transformers: every expert in one tensor, gate rows before up rows
-        out |= {"experts.gate_up": read("experts.gate_up_proj").transpose(1, 2),
-                "experts.down": read("experts.down_proj").transpose(1, 2)}
-    else:
-        released_kimi = read.has("experts.0.w1.weight")
-        gate, up, down = ("w1", "w3", "w2") if released_kimi else ("gate_proj", "up_proj", "down_proj")
-        expert = lambda j, name: read(f"experts.{j}.{name}.weight").T
-        out |= {"experts.gate_up": torch.stack([torch.cat([expert(j, gate), expert(j, up)], dim=1)
-                                                for j in range(cfg.n_routed_experts)]),
-                "experts.down": torch.stack([expert(j, down) for j in range(cfg.n_routed_experts)])}
-    if cfg.n_shared_experts:
-        out |= {f"shared.{k}": t for k, t in _dense_tensors(read.under("shared_experts.")).items()}
-    else:
-        _no_shared_experts(read.under("shared_experts."))
-    return out
-
-
-def _no_shared_experts(read: _Reader) -> None:
+def _no_shared_experts(source: _Source, cfg: K3Config) -> None:
     """With ``n_shared_experts: 0`` transformers still writes the shared expert, with no rows: read it and check
     that it is empty (nothing to place)."""
-    for name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
-        if read.has(name) and read(name).numel():
-            raise UnsupportedCheckpoint(f"checkpoint: tensor {read.prefix + name} is not empty, but config.json has "
+    for key in sorted(source.keys):
+        if ".shared_experts." in key and source.read(key).numel():
+            raise UnsupportedCheckpoint(f"checkpoint: tensor {key} is not empty, but config.json has "
                                         "n_shared_experts 0")
 
 
@@ -420,10 +433,25 @@ class Checkpoint:
     def __init__(self, path: str | Path):
         self.path = _checkpoint_folder(Path(path))
         self.hf_config = read_json_object(self.path / CONFIG_FILE)
-        self.fp8_block = fp8_block_size(self.hf_config)
         config = config_from_hf(self.hf_config, name=f"{self.hf_config.get('model_type')} {self.path.name}")
-        self.files = self._weight_files()
+        self.k3_layout = self.hf_config["model_type"] == "kimi_k3"
+        self.fp8_block = None if self.k3_layout else fp8_block_size(self.hf_config)
+        self.mxfp4 = self.k3_layout and mxfp4_group(self.hf_config) is not None
+        self.files, self.stored_names = self._text_model(self._weight_files())
         self.config = self._untied_if_head_differs(config)
+
+    def _text_model(self, files: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]]:
+        """({tensor name: file}, {tensor name: the name stored}): a ``kimi_k3`` release's text model under
+        ``model.*`` and ``lm_head`` whether stored so (a text-only export) or nested under ``language_model.`` (the
+        multimodal release), its vision tower skipped with one printed line; other model types as stored."""
+        if not self.k3_layout:
+            return files, {name: name for name in files}
+        vision = [name for name in files if name.startswith(VISION_PREFIXES)]
+        if vision:
+            print(f"{self.path}: skipping the vision tower's {len(vision)} tensors ({', '.join(VISION_PREFIXES)}); "
+                  "the course runs the text model")
+        names = {name.removeprefix(MULTIMODAL_PREFIX): name for name in set(files) - set(vision)}
+        return {name: files[stored] for name, stored in names.items()}, names
 
     def _weight_files(self) -> dict[str, Path]:
         """{tensor name: the file that holds it}, from the index or the single file, each file's header read."""
@@ -450,20 +478,21 @@ class Checkpoint:
         """``cfg`` untied when it ties the head to the embedding but the folder stores a different lm_head."""
         if not cfg.tie_embeddings or HEAD not in self.files:
             return cfg
-        if _same_tensor(self.files[EMBEDDING], EMBEDDING, self.files[HEAD], HEAD):
+        if _same_tensor(self.files[EMBEDDING], self.stored_names[EMBEDDING], self.files[HEAD],
+                        self.stored_names[HEAD]):
             return cfg
         warnings.warn(f"{self.path}: config.json sets tie_word_embeddings, but the stored {HEAD} differs from the "
                       "embedding: it is used as the head", stacklevel=3)
         return cfg.replace(tie_embeddings=False)
 
     def k3_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[dict[str, torch.Tensor]]:
-        """:func:`k3_tensors` of this checkpoint (FP8 weights dequantized to ``dtype``), each file memory-mapped
-        once while the parts are read."""
+        """:func:`k3_tensors` of this checkpoint (FP8 and MXFP4 weights dequantized to ``dtype``), each file
+        memory-mapped once while the parts are read."""
         with ExitStack() as stack:
             handles = {file: stack.enter_context(safetensors.safe_open(file, framework="pt"))
                        for file in sorted(set(self.files.values()))}
-            yield from k3_tensors(lambda key: handles[self.files[key]].get_tensor(key), self.files, self.config,
-                                  self.fp8_block, dtype)
+            yield from k3_tensors(lambda key: handles[self.files[key]].get_tensor(self.stored_names[key]),
+                                  self.files, self.config, self.fp8_block, dtype, self.mxfp4)
 
 
 def _checkpoint_folder(path: Path) -> Path:

@@ -1,6 +1,11 @@
-"""K3 → Kimi Linear: a :class:`~k3course.config.K3Config` that Kimi Linear can express, written in the released
-layout that transformers reads (``K3Model.save_pretrained``). The names and shapes are the inverse of
-:mod:`k3course.pretrained`'s table; a tied head is written as ``lm_head`` too, so any reader gets the same logits.
+"""K3Model → a checkpoint folder (``K3Model.save_pretrained``), in one of two layouts:
+
+kimi_linear  a :class:`~k3course.config.K3Config` that Kimi Linear can express, in the released layout that
+             transformers reads; the names and shapes are the inverse of :mod:`k3course.pretrained`'s; a tied head
+             is written as ``lm_head`` too, so any reader gets the same logits.
+kimi_k3      the released K3 layout (``model_type`` ``kimi_k3``, nested ``text_config``, tensors under
+             ``language_model.model.``), written from the table :func:`k3course.layout.checkpoint_layout` that
+             :mod:`k3course.pretrained` reads with; routed experts in bf16, or MXFP4 on request.
 """
 
 from __future__ import annotations
@@ -11,16 +16,25 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from k3course import layout
 from k3course.config import K3Config
 from k3course.pretrained import (
     CONFIG_FILE,
-    EMBEDDING,
     HEAD,
     INDEX_FILE,
+    K3_FIXED,
+    K3_FIXED_KEYS,
+    K3_FIXED_LINEAR_KEYS,
+    K3_LINEAR_KEYS,
+    K3_TEXT_KEYS,
     KIMI_LINEAR_FIXED,
+    MULTIMODAL_PREFIX,
+    MXFP4_FORMAT,
     SINGLE_FILE,
     UnsupportedCheckpoint,
 )
+
+LAYOUTS = ("kimi_linear", "kimi_k3")
 
 
 def kimi_linear_config(cfg: K3Config, dtype: torch.dtype = torch.float32) -> dict:
@@ -54,73 +68,110 @@ def kimi_linear_config(cfg: K3Config, dtype: torch.dtype = torch.float32) -> dic
     }
 
 
-def hf_layer_tensors(state: dict[str, torch.Tensor], cfg: K3Config, i: int) -> dict[str, torch.Tensor]:
-    """Layer i of a K3Model state dict under Kimi Linear's released names (the inverse of :func:`k3_tensors`)."""
-    get = lambda name: state[f"layers.{i}.{name}"]
-    out = {"input_layernorm.weight": get("mixer_norm.weight"),
-           "post_attention_layernorm.weight": get("ffn_norm.weight")}
-    mixer = _kda_to_hf(get, cfg) if cfg.layer_types()[i] == "kda" else _mla_to_hf(get, cfg)
-    out |= {f"self_attn.{name}": t for name, t in mixer.items()}
-    if cfg.ffn_types()[i] == "dense":
-        out |= {f"mlp.{name}_proj.weight": get(f"ffn.{name}").T for name in ("gate", "up", "down")}
-    else:
-        out |= {f"block_sparse_moe.{name}": t for name, t in _moe_to_hf(get, cfg).items()}
-    return {f"model.layers.{i}.{name}": t.contiguous() for name, t in out.items()}
-
-
-def hf_outer_tensors(state: dict[str, torch.Tensor], cfg: K3Config) -> dict[str, torch.Tensor]:
-    """The embedding, final norm and head under transformers' names. A tied head is written too, as a copy of the
-    embedding (safetensors stores no shared tensors): transformers' Kimi Linear then has the right head whether
-    or not it ties it, and :class:`Checkpoint` reads the pair back as tied."""
-    head = state["embed.weight"].clone() if cfg.tie_embeddings else state["lm_head.weight"]
-    return {EMBEDDING: state["embed.weight"], "model.norm.weight": state["final_norm.weight"], HEAD: head}
-
-
-def _kda_to_hf(get, cfg: K3Config) -> dict[str, torch.Tensor]:
-    out = {f"{name}.weight": get(f"mixer.{name}.weight") for name in ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj")}
-    return out | {f"{x}_conv1d.weight": get(f"mixer.{x}_conv.weight").unsqueeze(1) for x in "qkv"} | {
-        "f_a_proj.weight": get("mixer.f_proj.0.weight"), "f_b_proj.weight": get("mixer.f_proj.1.weight"),
-        "A_log": get("mixer.A_log").view(1, 1, cfg.kda_n_heads, 1), "dt_bias": get("mixer.dt_bias").flatten(),
-        "g_a_proj.weight": get("mixer.gate_proj.0.weight"), "g_b_proj.weight": get("mixer.gate_proj.1.weight"),
-        "o_norm.weight": get("mixer.o_norm_weight")}
-
-
-def _mla_to_hf(get, cfg: K3Config) -> dict[str, torch.Tensor]:
-    if cfg.q_lora_rank is None:
-        out = {"q_proj.weight": get("mixer.q_up.weight")}
-    else:
-        out = {"q_a_proj.weight": get("mixer.q_down.weight"), "q_a_layernorm.weight": get("mixer.q_norm.weight"),
-               "q_b_proj.weight": get("mixer.q_up.weight")}
-    kv_up = torch.cat([get("mixer.k_up"), get("mixer.v_up")], dim=1).flatten(0, 1)  # [H·(n + v), r]
-    return out | {"kv_a_proj_with_mqa.weight": get("mixer.kv_down.weight"),
-                  "kv_a_layernorm.weight": get("mixer.kv_norm.weight"), "kv_b_proj.weight": kv_up,
-                  "o_proj.weight": get("mixer.out.weight")}
-
-
-def _moe_to_hf(get, cfg: K3Config) -> dict[str, torch.Tensor]:
-    gate_up, down, hidden = get("ffn.experts.gate_up"), get("ffn.experts.down"), cfg.expert_dim
-    out = {"gate.weight": get("ffn.router").T, "gate.e_score_correction_bias": get("ffn.bias").float()}
-    for j in range(cfg.n_routed_experts):
-        out |= {f"experts.{j}.w1.weight": gate_up[j, :, :hidden].T, f"experts.{j}.w3.weight": gate_up[j, :, hidden:].T,
-                f"experts.{j}.w2.weight": down[j].T}
-    return out | {f"shared_experts.{name}_proj.weight": get(f"ffn.shared.{name}").T for name in ("gate", "up", "down")}
-
-
 def save_kimi_linear(cfg: K3Config, state: dict[str, torch.Tensor], path: str | Path,
                      max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write ``state`` (a K3Model state dict) as a Kimi Linear checkpoint folder: config.json and safetensors,
-    sharded at layer boundaries (at most ``max_shard_bytes`` a shard unless one layer is larger) with an index
-    when there is more than one shard. Converts one layer at a time. Returns the folder."""
+    """Write ``state`` (a K3Model state dict) as a Kimi Linear checkpoint folder: config.json and safetensors in
+    the released names (:func:`k3course.layout.checkpoint_layout`), sharded at part boundaries (at most
+    ``max_shard_bytes`` a shard unless one part is larger) with an index when there is more than one shard. A tied
+    head is written as ``lm_head`` too, a copy of the embedding (safetensors stores no shared tensors):
+    transformers' Kimi Linear then has the right head whether or not it ties it, and
+    :class:`~k3course.pretrained.Checkpoint` reads the pair back as tied. Converts one part at a time. Returns the
+    folder."""
     config = kimi_linear_config(cfg, state["embed.weight"].dtype)
+    parts = layout.checkpoint_layout(cfg)
+
+    def stored(part: list[layout.Row]) -> dict[str, torch.Tensor]:
+        out = {name: t.contiguous() for row in part for name, t in row.write(state, cfg).items()}
+        if cfg.tie_embeddings and part is parts[-1]:
+            out[HEAD] = state["embed.weight"].clone()
+        return out
+    return _write_folder(config, [lambda part=part: stored(part) for part in parts], _sizes(parts, state), path,
+                         max_shard_bytes)
+
+
+def _sizes(parts: list[list[layout.Row]], state: dict[str, torch.Tensor],
+           dtype: torch.dtype | None = None) -> list[int]:
+    """The bytes of each part's tensors (in ``dtype``, or their own)."""
+    return [sum(state[name].numel() * (dtype or state[name].dtype).itemsize for row in part for name in row.ours)
+            for part in parts]
+
+
+def kimi_k3_config(cfg: K3Config, dtype: torch.dtype = torch.bfloat16, mxfp4: bool = False) -> dict:
+    """The config.json of the released K3 layout for ``cfg``: ``model_type`` ``kimi_k3`` with the text model's
+    settings nested in ``text_config`` (the tables of :mod:`k3course.pretrained`, read back by
+    :func:`~k3course.pretrained.k3_config_from_hf`) and, with ``mxfp4``, the release's compressed-tensors
+    ``quantization_config`` (routed experts only). UnsupportedCheckpoint names every field the layout cannot
+    express (K3's layers are fixed: :data:`~k3course.pretrained.K3_FIXED`)."""
+    differ = [f"{key}={getattr(cfg, key)!r} (the K3 layout: {value!r})" for key, value in K3_FIXED.items()
+              if getattr(cfg, key) != value]
+    for field, why in (("kda_norm_eps", cfg.kda_norm_eps != cfg.norm_eps), ("latent_dim", cfg.latent_dim is None),
+                       ("q_lora_rank", cfg.q_lora_rank is None), ("n_shared_experts", cfg.n_shared_experts < 1),
+                       ("attnres_block_size", cfg.attnres_block_size % 2)):
+        if why:
+            differ.append(f"{field}={getattr(cfg, field)!r} (the K3 layout: {_K3_NEEDS[field]})")
+    if differ:
+        raise UnsupportedCheckpoint(f"cfg: the K3 layout cannot express {'; '.join(differ)}")
+    mla = [i + 1 for i, kind in enumerate(cfg.layer_types()) if kind == "mla"]
+    text = {key: getattr(cfg, field) for key, field in K3_TEXT_KEYS.items()} | K3_FIXED_KEYS | {
+        "model_type": "kimi_linear", "num_key_value_heads": cfg.mla_n_heads,
+        "attn_res_block_size": cfg.attnres_block_size // 2, "rope_parameters": {"rope_type": "default",
+                                                                               "rope_theta": cfg.rope_theta},
+        "linear_attn_config": {key: getattr(cfg, field) for key, field in K3_LINEAR_KEYS.items()}
+        | K3_FIXED_LINEAR_KEYS | {"full_attn_layers": mla,
+                                 "kda_layers": [i for i in range(1, cfg.n_layers + 1) if i not in mla]}}
+    config = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+              "dtype": str(dtype).removeprefix("torch."), "text_config": text}
+    if mxfp4:
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": MXFP4_FORMAT,
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": layout.MXFP4_GROUP,
+                                                      "strategy": "group", "symmetric": True},
+                                          "input_activations": None, "targets": ["Linear"]}},
+            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp.*", "re:.*routed_expert_.*",
+                       "re:.*block_sparse_moe.gate$", "lm_head", "re:vision_tower.*"]}
+    return config
+
+
+_K3_NEEDS = {"kda_norm_eps": "equal to norm_eps, both rms_norm_eps", "latent_dim": "a latent MoE",
+             "q_lora_rank": "a query rank", "n_shared_experts": "at least 1",
+             "attnres_block_size": "even: whole decoder layers"}
+
+
+def save_kimi_k3(cfg: K3Config, state: dict[str, torch.Tensor], path: str | Path, max_shard_bytes: int = 5 * 2**30,
+                 mxfp4: bool = False, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``state`` (a K3Model state dict) in the released K3 layout: config.json (:func:`kimi_k3_config`) and
+    safetensors under ``language_model.``, weights in ``dtype`` (bf16, as released; the MoE selection biases in
+    fp32), routed experts packed to MXFP4 (:func:`k3course.layout.pack_mxfp4`) with ``mxfp4``; sharded at part
+    boundaries as :func:`save_kimi_linear`. Converts one part at a time. Returns the folder."""
+    config = kimi_k3_config(cfg, dtype, mxfp4)
+    parts = layout.checkpoint_layout(cfg)
+    return _write_folder(config, [lambda part=part: _k3_stored(part, state, cfg, mxfp4, dtype) for part in parts],
+                         _sizes(parts, state, dtype), path, max_shard_bytes)
+
+
+def _k3_stored(part: list[layout.Row], state: dict[str, torch.Tensor], cfg: K3Config, mxfp4: bool,
+               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One part of the K3 layout under its released names: each row written, in ``dtype`` (the MoE biases fp32),
+    routed experts as ``weight_packed`` + ``weight_scale`` with ``mxfp4``."""
+    out = {}
+    for row in part:
+        for name, tensor in row.write(state, cfg).items():
+            name = MULTIMODAL_PREFIX + name
+            if mxfp4 and layout.is_routed_expert(name):
+                out[name + "_packed"], out[name + "_scale"] = layout.pack_mxfp4(tensor.contiguous())
+            else:
+                out[name] = tensor.float() if name.endswith("e_score_correction_bias") else tensor.to(dtype)
+                out[name] = out[name].contiguous()
+    return out
+
+
+def _write_folder(config: dict, parts: list, sizes: list[int], path: str | Path, max_shard_bytes: int) -> Path:
+    """config.json and the tensors of ``parts`` (callables, each giving {name: tensor}; ``sizes`` their bytes)
+    in safetensors files, sharded greedily at part boundaries, with an index when there is more than one."""
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    parts = [lambda: hf_outer_tensors(state, cfg)] + [lambda i=i: hf_layer_tensors(state, cfg, i)
-                                                       for i in range(cfg.n_layers)]
-    sizes = [sum(t.numel() * t.element_size() for name, t in state.items() if not name.startswith("layers."))]
-    sizes += [sum(t.numel() * t.element_size() for name, t in state.items() if name.startswith(f"layers.{i}."))
-              for i in range(cfg.n_layers)]
     shards = _shard_plan(sizes, max_shard_bytes)
     weight_map = {}
     for number, members in enumerate(shards, 1):

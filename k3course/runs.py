@@ -11,7 +11,11 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from k3course import accounting, checkpoint, data, train
+from k3course import accounting, checkpoint, data
+from k3course.train import RunConfig
+from k3course.train.config import DTYPES, read_saved_run, resolve_config, run_corpus
+from k3course.train.generate import load_model
+from k3course.train.step import LN2, evaluate
 
 
 def evaluate_checkpoint(path: Path | str, paths=(), eval_bytes: int | None = None,
@@ -25,8 +29,8 @@ def evaluate_checkpoint(path: Path | str, paths=(), eval_bytes: int | None = Non
     "step", "source", "windows", "bytes", "bits_per_byte", "baselines"}.
     """
     folder = checkpoint.find_checkpoint(path)
-    config = train.saved_run_config(folder)
-    corpus = train.run_corpus(config.run)
+    saved = read_saved_run(folder)
+    config, corpus = saved.config, run_corpus(saved.config.run)
     if paths:
         tokens, n_files = data.text_bytes(paths)
         source = f"{n_files} file(s) of {', '.join(map(str, paths))}"
@@ -37,10 +41,10 @@ def evaluate_checkpoint(path: Path | str, paths=(), eval_bytes: int | None = Non
                          f"needs at least {config.train.seq_len + 1}")
     wanted = config.train.eval_bytes if eval_bytes is None else eval_bytes
     windows = data.eval_windows(tokens, config.train.seq_len, wanted)
-    model = train.load_model(folder, device)
-    loss = train.evaluate(model, windows, config.train.batch_size, train.DTYPES[config.run.dtype])
-    return {"checkpoint": str(folder), "step": checkpoint.read_config(folder)["step"], "source": source,
-            "windows": len(windows), "bytes": windows[:, 1:].numel(), "bits_per_byte": loss / train.LN2,
+    model = load_model(folder, device)
+    loss = evaluate(model, windows, config.train.batch_size, DTYPES[config.run.dtype])
+    return {"checkpoint": str(folder), "step": saved.step, "source": source,
+            "windows": len(windows), "bytes": windows[:, 1:].numel(), "bits_per_byte": loss / LN2,
             "baselines": data.window_baselines(corpus.train, windows.numpy())}
 
 
@@ -57,13 +61,13 @@ def eval_report(result: dict) -> str:
 
 # --- comparing runs --------------------------------------------------------------------------------------
 
-def run_config(out: Path | str) -> train.RunConfig:
+def run_config(out: Path | str) -> RunConfig:
     """A run folder's whole configuration: its config.toml, or (a run from before config.toml) its latest
     checkpoint's."""
     written = Path(out) / "config.toml"
     if written.exists():
-        return train.resolve_config(config_file=written)
-    return train.saved_run_config(checkpoint.find_checkpoint(out))
+        return resolve_config(config_file=written)
+    return read_saved_run(checkpoint.find_checkpoint(out)).config
 
 
 def run_summary(out: Path | str) -> dict:
@@ -78,7 +82,7 @@ def run_summary(out: Path | str) -> dict:
     return {"run": str(out), "model": config.model.name, "params": counts.total, "active": counts.active,
             "step": records[-1]["step"], "steps": config.train.steps, "dtype": config.run.dtype,
             "data": f"{len(config.run.data)} path(s)" if config.run.data else "stdlib",
-            "train_bpb": records[-1]["loss"] / train.LN2, "val_bpb": evals[-1] if evals else None,
+            "train_bpb": records[-1]["loss"] / LN2, "val_bpb": evals[-1] if evals else None,
             "best_val_bpb": min(evals) if evals else None,
             "tokens_per_s": statistics.median(speeds) if speeds else None}
 
@@ -111,7 +115,7 @@ def plot_runs(outs: list[Path | str], path: Path | str) -> Path:
     axes = figure.add_subplot()
     for index, out in enumerate(outs):
         records, color = checkpoint.read_metrics(out), f"C{index % 10}"
-        axes.plot([r["step"] for r in records], [r["loss"] / train.LN2 for r in records], color=color, lw=0.6,
+        axes.plot([r["step"] for r in records], [r["loss"] / LN2 for r in records], color=color, lw=0.6,
                   alpha=0.35)
         evals = [r for r in records if "val_bpb" in r]
         axes.plot([r["step"] for r in evals], [r["val_bpb"] for r in evals], "o-", color=color, ms=3,

@@ -19,17 +19,36 @@ def notebooks(folder: str) -> list[Path]:
     return sorted((ROOT / folder).glob("[0-9][0-9]_*.ipynb"))
 
 
-def wrong_answers() -> dict[str, list]:
-    """Plausible wrong implementations, by exercise id, gathered from ``tests/wrong/*.py`` (one module per
-    chapter, ``chNN_*.py``, and ``every_exercise.py`` for cheats that apply to every exercise)."""
-    merged: dict[str, list] = {}
+def _wrong_modules() -> list:
+    """The modules of ``tests/wrong/*.py``, loaded."""
+    modules = []
     for path in sorted((ROOT / "tests" / "wrong").glob("*.py")):
         spec = importlib.util.spec_from_file_location(f"wrong_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+        modules.append(module)
+    return modules
+
+
+def wrong_answers() -> dict[str, list]:
+    """Plausible wrong implementations, by exercise id, gathered from ``tests/wrong/*.py`` (one module per
+    chapter, ``chNN_*.py``, and ``every_exercise.py`` for cheats that apply to every exercise)."""
+    merged: dict[str, list] = {}
+    for module in _wrong_modules():
         for exercise_id, fns in module.WRONG.items():
             merged.setdefault(exercise_id, []).extend(fns)
     return merged
+
+
+def pointed_messages() -> dict[str, list[tuple]]:
+    """(wrong answer, what its check's message must say), by exercise id: the ``POINTED`` dicts of
+    ``tests/wrong/*.py``, for the wrong answers whose step the grader names."""
+    pointed: dict[str, list[tuple]] = {}
+    for module in _wrong_modules():
+        said = getattr(module, "POINTED", {})
+        for exercise_id, fns in module.WRONG.items():
+            pointed.setdefault(exercise_id, []).extend((fn, said[fn]) for fn in fns if fn in said)
+    return {exercise_id: pairs for exercise_id, pairs in pointed.items() if pairs}
 
 
 def profiler_event(name: str, start_us: int, end_us: int, *children, sequence_nr: int = -1):

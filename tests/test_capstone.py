@@ -16,6 +16,7 @@ from k3course import data, train
 from k3course.distributed import all_to_all
 from k3course.lessons import capstone
 from k3course.moe.routing import topk_route
+from k3course.train.step import evaluate, lr_factor, train_step
 
 # |Δ bits/byte| that storing the weights in bfloat16 may cause (measured on the shipped model: 7e-5)
 SHIPPED_BPB_TOL = 2e-3
@@ -70,7 +71,7 @@ def tiny_batches(steps: int, batch_size: int = 2, seq_len: int = 32) -> list[lis
 
 def test_training_with_a_wrong_part_departs_and_with_a_right_one_does_not():
     cfg, config = capstone.capstone_config(), train.TrainConfig(steps=2, warmup_steps=1, lr=1e-3)
-    run = lambda: capstone.finetune(train.build_model(cfg, seed=0), train.train_step, train.lr_factor,
+    run = lambda: capstone.finetune(train.build_model(cfg, seed=0), train_step, lr_factor,
                                     tiny_batches(2), config)
     package = run()
     with capstone.use_parts(topk_route=topk_route):
@@ -104,7 +105,7 @@ def test_the_shipped_model_reproduces_its_runs_validation_bits_per_byte():
     assert windows.shape == (config["train"]["eval_bytes"] // config["train"]["seq_len"],
                              config["train"]["seq_len"] + 1)
     model = capstone.shipped_model()
-    bpb = train.evaluate(model, windows, config["train"]["batch_size"]) / math.log(2)
+    bpb = evaluate(model, windows, config["train"]["batch_size"]) / math.log(2)
     assert abs(bpb - last["val_bpb"]) < SHIPPED_BPB_TOL, (bpb, last["val_bpb"])
     assert not model.training and all(p.dtype == torch.float32 for p in model.parameters())
 
@@ -112,20 +113,20 @@ def test_the_shipped_model_reproduces_its_runs_validation_bits_per_byte():
 def test_shipping_a_checkpoint_stores_bfloat16_weights_that_reload(tmp_path):
     cfg = capstone.capstone_config()
     config = train.TrainConfig(steps=1, batch_size=2, seq_len=32, warmup_steps=1, eval_bytes=512)
-    trained = train.run(cfg, config, tmp_path / "run", progress=False)
+    trained = train.train(train.RunConfig(cfg, config), tmp_path / "run", progress=False)
     folder = capstone.ship_checkpoint(tmp_path / "run", tmp_path / "shipped")
     loaded = capstone.shipped_model(folder)
     for (name, mine), theirs in zip(loaded.state_dict().items(), trained.state_dict().values()):
         rounded = theirs.to(capstone.SHIPPED_DTYPE).to(theirs.dtype) if theirs.is_floating_point() else theirs
         assert torch.equal(mine, rounded if name in dict(trained.named_parameters()) else theirs), name
-    bpb = train.evaluate(loaded, capstone.shipped_windows(folder), 2) / math.log(2)
+    bpb = evaluate(loaded, capstone.shipped_windows(folder), 2) / math.log(2)
     assert abs(bpb - capstone.shipped_metrics(folder)[-1]["val_bpb"]) < SHIPPED_BPB_TOL
 
 
 def test_the_shipped_model_on_two_ranks_with_your_all_to_all_is_the_one_process_model():
     config = train.TrainConfig(steps=2, warmup_steps=1, lr=3e-4)
     batches = tiny_batches(2, batch_size=4)
-    alone = capstone.finetune(capstone.shipped_model(), train.train_step, train.lr_factor, batches, config)
+    alone = capstone.finetune(capstone.shipped_model(), train_step, lr_factor, batches, config)
     ranks = capstone.train_on_ranks(2, batches, config, {"all_to_all": all_to_all})
     assert ranks[0] == ranks[1] and abs(ranks[0][0] - alone[0]) < 1e-6 * alone[0]
     # from step 2 on the ranks route with a bias read from pooled histograms (lesson 13), one process with the exact

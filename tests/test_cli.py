@@ -81,9 +81,9 @@ def test_progress_tabulates_done_not_done_and_failing(tmp_path, capsys):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_generate_prints_control_characters_escaped(monkeypatch, capsys, stream):
-    import k3course.train
+    import k3course.train.generate
 
     pieces = ["def f():\n\tred \x1b[31m", "bell \x07", "del \x7f c1 \x9b é"]  # what a model may write
-    monkeypatch.setattr(k3course.train, "generate_command", lambda *args: iter(pieces))
+    monkeypatch.setattr(k3course.train.generate, "generate_command", lambda *args: iter(pieces))
     assert main(["generate", "--checkpoint", "unused"] + ["--stream"] * stream) == 0
     assert capsys.readouterr().out == "def f():\n\tred \\x1b[31mbell \\x07del \\x7f c1 \\x9b é\n"

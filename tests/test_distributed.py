@@ -5,6 +5,8 @@ Each world size is one spawned group running many cases (spawning costs seconds)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from k3course.distributed import (
     split_sizes,
     traffic_bytes,
 )
-from k3course.lessons.ep_workers import build_layer, failing, global_batch, run_cases
+from k3course.lessons.ep_workers import build_layer, failing, global_batch, run_cases, threads_at_exit
 from k3course.moe import MoE, quantile_balance_bias, quantile_balance_bias_from_histograms, sign_rule_update
 from k3course.moe.balancing import quantile_margins
 
@@ -204,6 +206,24 @@ def test_a_failing_rank_ends_the_others_with_its_error():
         run_ranks(failing, 2, "raise", timeout_s=120)
 
 
+def test_a_rank_that_dies_in_native_code_reports_its_own_stacks():
+    """A rank killed by SIGABRT (as "terminate called without an active exception" kills one) leaves no Python
+    traceback; RankFailed names it, its signal and where its threads were (faulthandler, in the rank)."""
+    with pytest.raises(RankFailed, match="(?s)rank 1 died of SIGABRT.*Fatal Python error: Aborted.*in failing"):
+        run_ranks(failing, 2, "abort", timeout_s=120, start_method="fork")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads from Linux's /proc")
+def test_leaving_the_group_ends_its_threads_before_the_interpreter_shuts_down(tmp_path):
+    """The cause of a rank's random SIGABRT at exit: torch.distributed.nn.functional, imported by the first
+    optimizer after the group exists, kept the default group alive past destroy_process_group, so gloo's threads
+    were still running while the rank's interpreter shut down. Joined by join_group, no gloo thread is left."""
+    run_ranks(threads_at_exit, 2, str(tmp_path), timeout_s=120)
+    for rank in range(2):
+        threads = (tmp_path / f"threads_{rank}.txt").read_text().split()
+        assert threads and not [name for name in threads if "gloo" in name], threads
+
+
 def test_a_hanging_rank_ends_the_others_within_the_collective_timeout():
     with pytest.raises(RankFailed, match="(?is)rank 0 failed first.*timed? ?out"):
         run_ranks(failing, 2, "hang", timeout_s=120, collective_timeout_s=3)
@@ -225,7 +245,8 @@ def test_one_train_step_on_two_ranks_matches_one_process_on_the_concatenated_bat
 
     from k3course.config import K3Config
     from k3course.lessons.ep_workers import expert_parallel_steps
-    from k3course.train import TrainConfig, build_model, make_optimizer, train_step
+    from k3course.train import TrainConfig, build_model
+    from k3course.train.step import make_optimizer, train_step
 
     model_config = dataclasses.replace(K3Config.preset("tiny"), balancing="sign")  # the sign rule is exact
     # in float64: the ranks sum in another order, and in float32 that rounding grows step by step (a router score
@@ -265,7 +286,10 @@ def test_train_ep_writes_a_one_process_checkpoint_with_the_one_process_first_los
 
     from k3course import data
     from k3course.cli import main
-    from k3course.train import build_model, load_model, make_optimizer, train_preset, train_step
+    from k3course.train import build_model
+    from k3course.train.config import train_preset
+    from k3course.train.generate import load_model
+    from k3course.train.step import make_optimizer, train_step
 
     assert main(["train", "--preset", "tiny", "--steps", "1", "--ep", "2", "--out", str(tmp_path)]) == 0
     model_config, train_config = train_preset("tiny")

@@ -12,7 +12,9 @@ import torch
 from k3course import accounting, baselines, checkpoint, data, train
 from k3course.cli import main
 from k3course.config import K3Config
+from k3course.device import machine
 from k3course.lessons import claims, experiments, seed_statistics, tuning
+from k3course.train.config import train_preset
 
 CLAIM_EXPERIMENTS = [name for name, (function, _) in experiments.EXPERIMENTS.items()
                      if function is experiments.claim_variants]
@@ -31,7 +33,7 @@ def _same_except(configs: dict[str, K3Config], allowed: set[str]) -> None:
 def _replayed(losses: list[float], saved: list[float], saved_machine: str) -> None:
     """To float32 rounding (1e-5 relative): bit-exact equality held on the saving machine when each run was made,
     but later speed-ups of the KDA chunk and MoE code (same maths, other summation order) move the last bits."""
-    assert losses == pytest.approx(saved, rel=1e-5, abs=0), (saved_machine, experiments.machine())
+    assert losses == pytest.approx(saved, rel=1e-5, abs=0), (saved_machine, machine())
 
 
 # --- the command ------------------------------------------------------------------------------------------
@@ -152,7 +154,8 @@ def test_sweep_cells_have_more_pairs_than_head_channels_cheapest_first():
 def test_the_sweep_stops_at_the_first_cell_a_mixer_solves_in_most_seeds(monkeypatch):
     """A fake recall run: KDA solves every seed from 300 steps, and only seed 0 at 200 steps (1 of 3: the walk
     goes on)."""
-    def fake_run(mixer, seed, steps, batch_size, lr, warmup_steps, d_model, n_heads, stop_after=None, n_pairs=20):
+    def fake_run(mixer, settings, d_model, n_heads, n_pairs=20, stop_after=None):
+        steps, seed = settings.steps, settings.seed
         solved = mixer == "KDA" and (steps >= 300 or (steps == 200 and seed == 0))
         return {"losses": [0.0], "accuracy": 1.0 if solved else 0.05, "seconds": 0.0}
     monkeypatch.setattr(experiments, "recall_run", fake_run)
@@ -292,9 +295,11 @@ def test_the_saved_mqar_run_replays():
     assert result["task"]["n_pairs"] > settings["d_model"] // settings["n_heads"]  # more pairs than a head's dims
     assert {r["mixer"] for r in result["runs"]} == set(experiments.MIXERS)
     last = result["runs"][-1]
-    del settings["seeds"]
+    train = experiments.recall_settings(settings["steps"], settings["batch_size"], settings["warmup_steps"])
+    train = train.replace(lr=settings["lr"], seed=last["seed"])
     with experiments.torch_threads(result["torch_threads"]):
-        replay = experiments.recall_run(last["mixer"], last["seed"], stop_after=REPLAY_STEPS, **settings)
+        replay = experiments.recall_run(last["mixer"], train, settings["d_model"], settings["n_heads"],
+                                        stop_after=REPLAY_STEPS)
     _replayed(replay["losses"], last["losses"][:REPLAY_STEPS], saved["machine"])
 
 
@@ -305,10 +310,10 @@ def test_the_saved_default_run_replays(tmp_path):
     corpus = data.stdlib_corpus()
     if corpus.meta["key"] != saved["corpus"]["key"]:
         pytest.skip("this interpreter's stdlib is not the corpus the saved run read")
-    model_config, train_config = train.train_preset("tiny")
+    model_config, train_config = train_preset("tiny")
     replay = train_config.replace(steps=2, eval_bytes=0, checkpoint_every=0)  # warmup: rates independent of steps
     with experiments.torch_threads(saved["torch_threads"]):
-        train.run(model_config, replay, tmp_path / "replay", corpus=corpus, progress=False)
+        train.train(train.RunConfig(model_config, replay), tmp_path / "replay", corpus=corpus, progress=False)
     losses = [r["loss"] for r in checkpoint.read_metrics(tmp_path / "replay")]
     _replayed(losses, [r["loss"] for r in saved["metrics"][:2]], saved_file.get("machine", "unknown"))
 
@@ -325,9 +330,9 @@ def test_a_run_stopped_early_is_the_start_of_the_full_run():
 
 
 def test_recall_run_stopped_early_replays_the_first_steps_of_the_full_run():
-    settings = dict(steps=4, batch_size=2, lr=3e-3, warmup_steps=2, d_model=16, n_heads=2)
-    full = experiments.recall_run("decayed linear", seed=0, **settings)
-    replay = experiments.recall_run("decayed linear", seed=0, stop_after=2, **settings)
+    settings = experiments.recall_settings(steps=4, batch_size=2, warmup_steps=2).replace(lr=3e-3, seed=0)
+    full = experiments.recall_run("decayed linear", settings, d_model=16, n_heads=2)
+    replay = experiments.recall_run("decayed linear", settings, d_model=16, n_heads=2, stop_after=2)
     assert replay["losses"] == full["losses"][:2] and len(full["losses"]) == 4
     assert 0 <= full["accuracy"] <= 1
 

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "k3course"
 
 # floor -> the units on it (a unit is a top-level module or a sub-package of k3course)
 FLOORS = {
-    0: {"config", "data", "device", "debug", "params", "parts", "reference"},
+    0: {"config", "data", "device", "debug", "layout", "params", "parts", "reference"},
     1: {"ops", "pretrained"},
     2: {"kernels", "pretrained_save"},
     3: {"layers", "moe"},

@@ -15,9 +15,19 @@ import nbformat
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, notebooks, wrong_answers
+from helpers import ROOT, notebooks, pointed_messages, wrong_answers
 
-from k3course.grading import Case, Exercise, ExerciseFailed, ExerciseNotDone, all_exercises, check, get_exercise
+from k3course.grading import (
+    Backward,
+    Case,
+    Exercise,
+    ExerciseFailed,
+    ExerciseNotDone,
+    all_exercises,
+    check,
+    get_exercise,
+)
+from k3course.grading.check import grade
 from k3course.grading.compare import explain_difference
 from k3course.grading.fresh_stack import call_on_fresh_stack
 from k3course.grading.isolation import ChildCrashed, can_isolate, run_isolated
@@ -26,12 +36,103 @@ from k3course.grading.registry import _EXERCISES
 
 EXERCISES = sorted(all_exercises())
 WRONG = wrong_answers()
+POINTED = pointed_messages()
+
+# Every graded function that training differentiates (issue 51): each has a backward case.
+TRAINING_PATH = {
+    "01.topk_route", "01.unsort", "01.switch_aux_loss", "02.situ_glu", "02.latent_combine",
+    "04.decay_step", "04.decay_attention_parallel", "04.gla_recurrent",
+    "05.delta_step", "05.gdn_step", "05.gdn_recurrent", "06.kda_step", "06.kda_gate", "06.short_conv",
+    "07.decayed_scores", "07.ut_transform", "07.kda_chunk_step", "09.compress_kv", "09.attention_probs",
+    "09.absorb_query", "10.depth_attention", "10.block_sources", "10.block_attnres_read", "13.combine",
+}  # 13.all_to_all's harness runs its backward on the ranks
+# Chapter-local references with no package function to refuse: torch's softmax (the exercise forbids torch math).
+NO_PACKAGE_FUNCTION = {"08.softmax_rows", "08.softmax_online"}
 
 
 @pytest.mark.parametrize("exercise_id", EXERCISES)
-def test_reference_passes_its_own_check(exercise_id, capsys):
-    check(exercise_id, get_exercise(exercise_id).reference)
-    assert capsys.readouterr().out.strip().startswith(f"{exercise_id}: passed all")
+def test_reference_passes_its_own_check(exercise_id):
+    """The reference passes every case and every backward case (graded with the package's answer let through)."""
+    assert grade(get_exercise(exercise_id), get_exercise(exercise_id).reference, refuse_package=False).startswith(
+        f"{exercise_id}: passed all")
+
+
+@pytest.mark.parametrize("exercise_id", EXERCISES)
+def test_the_packages_own_answer_fails_the_check(exercise_id):
+    """An answer that calls the package's function for the exercise (here the reference, or what a chapter-local
+    reference wraps) is refused, with a message saying what is allowed."""
+    reference = get_exercise(exercise_id).reference
+
+    def calls_the_package(*args, **kwargs):
+        return reference(*args, **kwargs)
+
+    with pytest.raises(ExerciseFailed) as failure:
+        check(exercise_id, calls_the_package)
+    message = str(failure.value)
+    assert "called the package's own " in message, message
+    if "RankRaised" not in message:  # a rank's error comes back cut to one line
+        assert "write it yourself with torch (from k3course you may call " in message, message
+
+
+def test_the_packages_own_answer_fails_even_when_the_answer_catches_the_refusal():
+    from k3course.ops.recurrent import kda_step
+
+    def catches(state, q, k, v, g, beta):
+        try:
+            return kda_step(state, q, k, v, g, beta)
+        except Exception:  # noqa: BLE001  (the refusal, swallowed; the answer then runs it again unrefused)
+            return kda_step(state, q, k, v, g, beta)
+
+    with pytest.raises(ExerciseFailed, match="called the package's own k3course.ops.recurrent.kda_step"):
+        check("06.kda_step", catches)
+
+
+def test_a_chapter_local_reference_names_the_package_function_it_wraps():
+    """A reference written in the grader (a wrapper) declares the package function(s) it stands for, refused too."""
+    local = {exercise_id for exercise_id, exercise in all_exercises().items()
+             if exercise.reference.__module__.startswith("k3course.grading")}
+    undeclared = sorted(exercise_id for exercise_id in local - NO_PACKAGE_FUNCTION
+                        if not get_exercise(exercise_id).package)
+    assert not undeclared, f"chapter-local references that declare no package function: {undeclared}"
+    for exercise_id in local - NO_PACKAGE_FUNCTION:
+        assert all(not f.__module__.startswith("k3course.grading") for f in get_exercise(exercise_id).package)
+
+
+def test_every_exercise_in_the_training_path_has_a_backward_case():
+    with_backward = {exercise_id for exercise_id, exercise in all_exercises().items()
+                     if exercise.backward is not None}
+    assert with_backward == TRAINING_PATH, (
+        f"in the training path without a backward case: {sorted(TRAINING_PATH - with_backward)}; "
+        f"with one but not listed here: {sorted(with_backward - TRAINING_PATH)}")
+    from k3course.grading.check import _backward_cases
+
+    for exercise_id in TRAINING_PATH:
+        assert _backward_cases(get_exercise(exercise_id)), f"{exercise_id} declares a backward check with no case"
+
+
+@pytest.mark.parametrize("exercise_id", ["04.decay_attention_parallel", "06.kda_step", "07.decayed_scores",
+                                         "07.kda_chunk_step"])
+def test_a_backward_case_sits_at_the_gates_lower_bound(exercise_id):
+    """Gradients are checked where the forward is hardest: a log-decay step of -5 (K3's bound)."""
+    from k3course.grading.check import _backward_cases, _named_inputs
+
+    exercise = get_exercise(exercise_id)
+    steps = []
+    for case in _backward_cases(exercise):
+        named = _named_inputs(exercise, case.args, case.kwargs)
+        gate = named["g"] if "g" in named else named["G"].diff(dim=-2)  # G: the cumulative decay
+        steps.append(float(gate.min()))
+    assert min(steps) <= -5.0 + 1e-6, steps
+
+
+@pytest.mark.parametrize("exercise_id", sorted(POINTED))
+def test_wrong_answers_get_the_message_that_names_their_step(exercise_id):
+    for wrong, said in POINTED[exercise_id]:
+        with pytest.raises(ExerciseFailed) as failure:
+            check(exercise_id, wrong)
+        message = str(failure.value)
+        assert said in message, f"{wrong.__name__}: {message}"
+        assert len(message.splitlines()) <= 3, message
 
 
 @pytest.mark.parametrize("exercise_id", EXERCISES)
@@ -155,6 +256,54 @@ def test_reading_the_expected_value_from_the_graders_frames_fails(exercise_id):
         check(exercise_id, peek_at_the_graders_frames)
 
 
+def _decays(x):
+    """e^x where x ≤ 0, zero above: the clamp keeps the masked entries finite, forward and backward."""
+    return torch.exp(x.clamp(max=0)) * (x <= 0)
+
+
+@pytest.fixture
+def toy_backward():
+    """A differentiated toy: its backward case holds an entry (100) whose unclamped e^x overflows float32."""
+    cases = lambda: [Case("one entry past e^88", (torch.tensor([-1.0, 0.5, 100.0]),))]  # noqa: E731
+    exercises = [Exercise("99.toy_decay", _decays, cases, backward=Backward(("x",))),
+                 Exercise("99.toy_square", torch.square, cases, backward=Backward(finite_differences=True))]
+    _EXERCISES.update({exercise.id: exercise for exercise in exercises})
+    yield
+    for exercise in exercises:
+        del _EXERCISES[exercise.id]
+
+
+def test_a_nan_gradient_is_named_with_the_input_and_the_index(toy_backward):
+    def masked_by_where(x):
+        return torch.where(x <= 0, torch.exp(x), torch.zeros(()))
+
+    with pytest.raises(ExerciseFailed) as failure:
+        check("99.toy_decay", masked_by_where)
+    message = str(failure.value)
+    assert "backward case 'one entry past e^88'" in message
+    assert "your gradient with respect to x is NaN at index (2,)" in message and "clamp the exponent" in message
+
+
+def test_an_output_without_a_gradient_fails_its_backward_case(toy_backward):
+    def detached(x):
+        return torch.exp(x.detach().clamp(max=0)) * (x <= 0)
+
+    def gradient_through_the_mask_too(x):  # the right values; d/dx of x·[0 < x ≤ 1] is 1 at 0.5
+        return torch.exp(x.clamp(max=0)) * (x <= 0) + (x - x.detach()) * ((0 < x) & (x <= 1))
+
+    with pytest.raises(ExerciseFailed, match="your output carries no gradient"):
+        check("99.toy_decay", detached)
+    with pytest.raises(ExerciseFailed, match="your gradient with respect to x: 1 of 3 entries are off"):
+        check("99.toy_decay", gradient_through_the_mask_too)
+
+
+def test_finite_differences_stand_in_for_a_reference_without_autograd(toy_backward, capsys):
+    check("99.toy_square", lambda x: x * x)
+    assert "passed all 1 cases and 1 backward cases" in capsys.readouterr().out
+    with pytest.raises(ExerciseFailed, match="your gradient with respect to x: 3 of 3 entries are off"):
+        check("99.toy_square", lambda x: x * x.detach())  # the right square, half its gradient
+
+
 def test_an_input_changed_in_place_fails_unless_the_exercise_allows_it(toy_exercise):
     def doubles_in_place(x):
         return x.mul_(2).cumsum(0) * 7.25 / 2
@@ -180,14 +329,16 @@ def test_a_learners_long_error_is_cut_to_its_first_line(toy_exercise):
 
 
 def test_a_forbidden_solver_is_refused_but_forward_substitution_passes():
-    from k3course.ops.chunk import ut_transform
+    from helpers import wrong_answers
 
     def by_solver(A_kk, beta):
         return torch.linalg.inv(torch.eye(A_kk.shape[-1], dtype=A_kk.dtype) + A_kk) * beta.unsqueeze(-2)
 
     with pytest.raises(ExerciseFailed, match="your code called inv: this exercise asks for forward substitution"):
         check("07.ut_transform", by_solver)
-    check("07.ut_transform", ut_transform)  # forward substitution, no solver
+    right = next(fn for fn in wrong_answers()["07.ut_transform"] if fn.__name__ == "ut_without_beta")
+    with pytest.raises(ExerciseFailed, match="wrong already with A = 0"):  # forward substitution, no solver: not
+        check("07.ut_transform", right)                                    # refused, graded (it forgets β)
 
 
 

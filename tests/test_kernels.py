@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3course.kernels import TRITON_MODE, use_triton
+from k3course.kernels import TRITON_MODE, kernel_backend, use_triton
 from k3course.kernels.grouped_gemm import moe_grouped_gemm
 from k3course.kernels.kda_chunk import chunk_local_cumsum, kda_chunk_triton
 from k3course.kernels.kda_decode import kda_decode_triton
@@ -183,20 +183,37 @@ def test_grouped_gemm_rejects_bad_input():
 
 def test_use_triton_auto_follows_the_device(monkeypatch):
     monkeypatch.delenv("K3COURSE_KERNELS", raising=False)
-    assert use_triton("cpu") is False
-    assert use_triton("cuda") is (TRITON_MODE == "native")
+    assert kernel_backend() == "auto"
+    assert use_triton("cpu", "auto") is False
+    assert use_triton("cuda", "auto") is (TRITON_MODE == "native")
 
 
-def test_use_triton_switch_forces_either_path(monkeypatch):
+def test_the_kernel_backend_is_the_argument_else_the_environment_and_forces_either_path(monkeypatch):
     monkeypatch.setenv("K3COURSE_KERNELS", "triton")
-    assert use_triton("cpu") is True
-    assert use_triton("cpu", backend="torch") is False  # the argument overrides the environment
-    monkeypatch.setenv("K3COURSE_KERNELS", "torch")
-    assert use_triton("cuda") is False
-    assert use_triton("cpu", backend="triton") is True
+    assert kernel_backend() == "triton" and kernel_backend("torch") == "torch"  # the argument wins
+    assert use_triton("cpu", "triton") is True
+    assert use_triton("cuda", "torch") is False and use_triton("cuda", "loop") is False
     monkeypatch.setenv("K3COURSE_KERNELS", "fast")
-    with pytest.raises(ValueError, match="K3COURSE_KERNELS"):
-        use_triton("cpu")
+    with pytest.raises(ValueError, match="K3COURSE_KERNELS must be one of"):
+        kernel_backend()
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        kernel_backend("fast")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        use_triton("cpu", "fast")
+
+
+def test_a_model_reads_the_environment_once_when_it_is_built(monkeypatch):
+    from k3course.config import K3Config
+    from k3course.model import K3Model
+
+    monkeypatch.setenv("K3COURSE_KERNELS", "torch")
+    model = K3Model.from_config(K3Config.preset("tiny"), device="meta")
+    monkeypatch.setenv("K3COURSE_KERNELS", "triton")  # too late for that model
+    chosen = {layer.mixer.kernels for layer in model.layers if layer.mixer_kind == "kda"}
+    assert model.kernels == "torch" and chosen == {"torch"}
+    assert {moe.experts.kernels for moe in model.moe_layers()} == {"torch"}
+    assert K3Model.from_config(K3Config.preset("tiny"), device="meta", kernels="loop").moe_layers()[0].experts.kernels \
+        == "loop"
 
 
 def test_kda_chunk_triton_matches_the_fla_oracle():

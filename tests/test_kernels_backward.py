@@ -157,8 +157,8 @@ def test_triton_backward_replays_nothing_of_the_torch_op(monkeypatch):
 
 
 def _layer_gradients(layer, x, backend, monkeypatch):
-    """The KDA layer's output, final state and gradients (x and every parameter) with K3COURSE_KERNELS=backend."""
-    monkeypatch.setenv("K3COURSE_KERNELS", backend)
+    """The KDA layer's output, final state and gradients (x and every parameter) with the kernel backend."""
+    layer.kernels = backend
     layer.zero_grad()
     x = x.clone().requires_grad_()
     y, cache = layer(x)

@@ -10,7 +10,7 @@ from helpers import devices_computed_on
 from k3course import accounting
 from k3course.config import K3Config
 from k3course.model import IGNORE, K3Cache, K3Model
-from k3course.params import is_decayed, is_residual_output, no_weight_decay, residual_output
+from k3course.params import is_decayed, is_forget_gate, is_residual_output, no_weight_decay, residual_output
 
 SCHEDULES = {"hybrid": {}, "all-kda": dict(mla_layers=()), "all-mla": dict(kda_per_mla=0)}
 PROMPTS = (1, 63, 64, 65, 130)
@@ -136,6 +136,16 @@ def test_weight_decay_and_init_follow_the_marks_the_layers_set():
     assert sorted(name for name, p in model.named_parameters() if is_residual_output(p)) == \
         sorted(TINY_RESIDUAL_OUTPUTS)
     assert [names[id(p)] for p in model.double().param_groups(0.1)[1]["params"]] == no_decay  # .to() keeps marks
+
+
+def test_the_forget_gates_train_at_their_scale_of_the_given_rate_and_a_scale_without_a_rate_is_refused():
+    model = tiny_model()
+    groups = model.param_groups(0.1, gate_lr_scale=10.0, lr=1e-3)
+    gates = {id(p) for group in groups if group["lr"] == pytest.approx(1e-2) for p in group["params"]}
+    assert gates == {id(p) for p in model.parameters() if is_forget_gate(p)} and gates
+    assert all(set(group) == {"params", "weight_decay", "lr"} for group in groups)  # no key that nothing reads
+    with pytest.raises(ValueError, match="lr: gate_lr_scale = 10.0 scales the learning rate"):
+        model.param_groups(0.1, gate_lr_scale=10.0)
 
 
 @pytest.mark.parametrize("changes", [{}, dict(kda_output_gate="low_rank", kda_lower_bound=None, q_lora_rank=None,

@@ -130,20 +130,20 @@ def test_a_compiled_graph_never_launches_the_triton_grouped_gemm(monkeypatch):
     """Where the Triton kernel would run eagerly, a graph being traced by torch.compile takes torch's grouped GEMM
     or the loop operator: the kernel's grid depends on the block sizes (dynamo failed on it on an H200)."""
     import k3course.kernels
-    from k3course.moe.dispatch import resolve_grouped_mm_impl
+    from k3course.moe.dispatch import grouped_mm_path
 
-    monkeypatch.setattr(k3course.kernels, "use_triton", lambda device: True)
+    monkeypatch.setattr(k3course.kernels, "use_triton", lambda device, backend: True)
     x, weight = torch.randn(4, 8), torch.randn(2, 8, 4)
-    assert resolve_grouped_mm_impl(x, weight) == "triton"
+    assert grouped_mm_path(x, weight) == "triton"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert resolve_grouped_mm_impl(x, weight) == "loop"  # fp32 on a CPU: no fast path for torch._grouped_mm
+    assert grouped_mm_path(x, weight) == "loop"  # fp32 on a CPU: no fast path for torch._grouped_mm
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
 def test_layer_with_torch_grouped_mm_matches_the_loop_forward_and_backward():
     grads = {}
     for impl in ("loop", "torch"):
-        layer = LatentMoE(32, 8, 2, expert_dim=16, generator=torch.Generator().manual_seed(17), grouped_mm_impl=impl)
+        layer = LatentMoE(32, 8, 2, expert_dim=16, generator=torch.Generator().manual_seed(17), kernels=impl)
         y = layer(torch.randn(37, 32, generator=torch.Generator().manual_seed(18)))
         y.square().sum().backward()
         grads[impl] = (y.detach(), layer.experts.gate_up.grad, layer.experts.down.grad, layer.router.grad)
@@ -237,7 +237,7 @@ def test_sort_based_gradients_match_the_per_token_loop(name):
 
     case = GRADIENT_CASES[name]
     generator = torch.Generator().manual_seed(32)
-    layer = LatentMoE(24, 8, case["k"], expert_dim=12, latent_dim=10, activation="situ_glu", grouped_mm_impl="loop",
+    layer = LatentMoE(24, 8, case["k"], expert_dim=12, latent_dim=10, activation="situ_glu", kernels="loop",
                       generator=generator)
     if "hot_expert" in case:
         with torch.no_grad():
@@ -447,8 +447,10 @@ def test_bad_input_names_the_argument():
         grouped_mm(torch.zeros(4, 3), torch.zeros(2, 5, 6), torch.tensor([2, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"group_offsets must have shape \[E\] = \(2,\)"):
         grouped_mm(torch.zeros(4, 5), torch.zeros(2, 5, 6), torch.tensor([4], dtype=torch.int32))
-    with pytest.raises(ValueError, match="grouped_mm_impl must be one of"):
-        grouped_mm(torch.zeros(4, 5), torch.zeros(2, 5, 6), torch.tensor([2, 4], dtype=torch.int32), "triton")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        grouped_mm(torch.zeros(4, 5), torch.zeros(2, 5, 6), torch.tensor([2, 4], dtype=torch.int32), "fast")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        MoE(8, 4, 2, kernels="fast")
     with pytest.raises(ValueError, match="rows_sorted has 3 rows but order has 4 entries"):
         unsort(torch.zeros(3, 2), torch.arange(4))
 
@@ -488,7 +490,7 @@ def test_bench_runs_small(capsys, dtype):
                "--return-freed-memory"]  # in-process: leave the test process's allocator alone
     assert main(options) == 0
     out = capsys.readouterr().out
-    assert f"situ_glu, {dtype}, grouped_mm_impl=auto, 1 CPU thread(s)" in out
+    assert f"situ_glu, {dtype}, kernels=auto, 1 CPU thread(s)" in out
     assert "faster than the per-token loop" in out and "CPU: " in out and "bf16 " in out and "GFLOP/s" in out
     for row in ("forward", "training step"):
         assert f"{row}: sort-based MoE takes " in out

@@ -190,7 +190,7 @@ def test_histogram_routine_builds_every_tensor_on_the_scores_device():
 @pytest.mark.parametrize("balancing", ["quantile", "sign"])
 def test_moe_forward_backward_and_update_bias_run_on_the_meta_device(latent, balancing):
     cls = LatentMoE if latent else MoE
-    layer = cls(16, 8, 2, n_shared_experts=1, expert_dim=8, balancing=balancing, grouped_mm_impl="torch",
+    layer = cls(16, 8, 2, n_shared_experts=1, expert_dim=8, balancing=balancing, kernels="torch",
                 device="meta").bfloat16().train()  # torch's grouped GEMM: no host read of the block sizes
     y = layer(torch.empty(5, 16, device="meta", dtype=torch.bfloat16))
     y.sum().backward()

@@ -29,8 +29,8 @@ def host_reads(layer: MoE, x: torch.Tensor) -> tuple[int, int]:
     return reads.count, len(tolist_calls)
 
 
-def build(kind: type[MoE], grouped_mm_impl: str, training: bool) -> MoE:
-    layer = kind(32, 8, 2, n_shared_experts=1, expert_dim=16, balancing="quantile", grouped_mm_impl=grouped_mm_impl,
+def build(kind: type[MoE], kernels: str, training: bool) -> MoE:
+    layer = kind(32, 8, 2, n_shared_experts=1, expert_dim=16, balancing="quantile", kernels=kernels,
                  generator=torch.Generator().manual_seed(0))
     return layer.train(training)
 

@@ -171,9 +171,10 @@ def test_recall_by_pair_scores_each_pair_by_its_write_order():
 
 
 def test_the_gate_learning_rate_scale_moves_only_the_gate_parameters_steps():
-    options = dict(steps=4, batch_size=2, lr=3e-3, warmup_steps=1, d_model=16, n_heads=2, n_pairs=4)
-    same = experiments.recall_run("KDA", 0, stop_after=3, **options)
-    scaled = experiments.recall_run("KDA", 0, stop_after=3, gate_lr_scale=10.0, **options)
+    settings = experiments.recall_settings(steps=4, batch_size=2, warmup_steps=1).replace(lr=3e-3, seed=0)
+    options = dict(d_model=16, n_heads=2, n_pairs=4, stop_after=3)
+    same = experiments.recall_run("KDA", settings, **options)
+    scaled = experiments.recall_run("KDA", settings.replace(gate_lr_scale=10.0), **options)
     assert scaled["losses"][0] == same["losses"][0] and scaled["losses"][2] != same["losses"][2]
     assert sum(same["starting_decays"], []) == pytest.approx([0.01, 0.0621, 0.0806, 0.5], rel=2e-3)
 

@@ -9,7 +9,7 @@ import torch
 from k3course import parts as registry
 from k3course.config import K3Config
 from k3course.layers.residual import depth_attention
-from k3course.lessons.parts import PARTS, compare, use_parts
+from k3course.lessons.parts import PART_NAMES, compare, use_parts
 from k3course.model import K3Model
 from k3course.moe import routing
 from k3course.ops import chunk, recurrent
@@ -40,7 +40,7 @@ def test_every_part_is_called_by_the_model_and_restored_after(model):
                  "ut_transform": chunk.ut_transform, "kda_step": recurrent.kda_step,
                  "depth_attention": depth_attention, "kda_chunk": chunk.kda_chunk}
     # all_to_all runs only on P ranks, in the expert-parallel dispatch: tests/test_capstone.py swaps it there
-    assert set(originals) == set(PARTS) - {"all_to_all"}
+    assert set(originals) == set(PART_NAMES) - {"all_to_all"}
     with use_parts(**{name: counting(fn, calls, name) for name, fn in originals.items()}):
         model(tokens(70))  # chunked path: kda_chunk, and inside it ut_transform
         model(tokens(5))  # recurrent path: kda_step

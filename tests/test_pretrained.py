@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import safetensors.torch
 import torch
 
 from k3course import pretrained, pretrained_save
@@ -123,7 +124,8 @@ def test_missing_files_and_tensors_are_named(tmp_path):
         K3Model.from_pretrained(tmp_path)
     model = K3Model.from_config(tiny_kimi_linear())
     model.save_pretrained(tmp_path)
-    state = pretrained_save.hf_outer_tensors(model.state_dict(), model.cfg)
-    missing = "tensor model.layers.0.self_attn.q_proj.weight is missing"
+    state = {name: t for name, t in safetensors.torch.load_file(tmp_path / "model.safetensors").items()
+             if not name.startswith("model.layers.")}
+    missing = "tensor model.layers.0.input_layernorm.weight is missing"
     with pytest.raises(pretrained.UnsupportedCheckpoint, match=missing):
         pretrained.convert_state(state, model.cfg)

@@ -104,7 +104,7 @@ def _pytorch_bin_only(path):
 def _missing_shard(path):
     torch.manual_seed(0)
     K3Model.from_config(tiny_kimi_linear()).save_pretrained(path, max_shard_bytes=30_000)
-    (path / "model-00002-of-00005.safetensors").unlink()
+    (path / "model-00002-of-00006.safetensors").unlink()
 
 
 def _truncated(path):
@@ -131,7 +131,7 @@ def _config_without(key: str):
     (lambda path: path.mkdir() or (path / "x").touch(), "nope has no config.json"),
     (lambda path: path.mkdir() or _pytorch_bin_only(path), "holds pytorch_model.bin (pickled weights) only; convert it "
                                                            "to safetensors"),
-    (lambda path: path.mkdir() or _missing_shard(path), "model-00002-of-00005.safetensors: missing"),
+    (lambda path: path.mkdir() or _missing_shard(path), "model-00002-of-00006.safetensors: missing"),
     (lambda path: path.mkdir() or _truncated(path), "model.safetensors: not a readable safetensors file"),
     (lambda path: path.mkdir() or _json_text("config.json", "{'model_type': 1}")(path), "config.json: not JSON"),
     (lambda path: path.mkdir() or _json_text("config.json", "[1, 2]")(path), "config.json: expected a JSON object"),

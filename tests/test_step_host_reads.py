@@ -3,7 +3,7 @@
 The counted region is :meth:`k3course.train.Stepper.step_on_device`: the forward and backward of every
 micro-batch, ``clip_grad_norm_``, the AdamW step, the scheduler and every MoE layer's bias update (quantile
 balancing). Its record (loss, gradient norm, max-violations) stays in device tensors; ``Stepper()`` and
-``train_step`` then read it back in ONE ``Tensor.tolist`` (:func:`k3course.train.read_record`), after the step and
+``train_step`` then read it back in ONE ``Tensor.tolist`` (:func:`k3course.train.step.read_record`), after the step and
 outside the counted region: the one host read per step, which the training loop logs. The experts run the grouped
 GEMM an accelerator runs (``torch._grouped_mm``, the group offsets on the device), not the CPU's eager per-expert
 loop, which needs each expert's rows as Python ints (one ``tolist`` per MoE forward, tests/test_moe_host_reads.py).
@@ -27,18 +27,24 @@ from helpers import HostReads
 
 from k3course import train
 from k3course.config import K3Config
+from k3course.train.step import (
+    balance_experts,
+    balance_experts_on_device,
+    compile_for_training,
+    read_record,
+    step_on_device,
+    training_compile_options,
+)
 
 TINY = K3Config.preset("tiny")
 STEP = train.TrainConfig(steps=3, batch_size=2, seq_len=32, grad_accum=2, warmup_steps=1, grad_clip=0.5)
 TOKENS = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).numpy().astype("uint8")
 
 
-def tiny_stepper(device: str = "cpu", experts: str = "auto") -> train.Stepper:
-    """The tiny K3's :class:`~k3course.train.Stepper` on ``device``, its experts' grouped GEMM ``experts``."""
-    stepper = train.Stepper(TINY, STEP, train.text_batches(TOKENS, STEP, device), device)
-    for moe in stepper.model.moe_layers():
-        moe.experts.grouped_mm_impl = experts
-    return stepper
+def tiny_stepper(device: str = "cpu", kernels: str = "auto") -> train.Stepper:
+    """The tiny K3's :class:`~k3course.train.Stepper` on ``device``, built with the kernel backend ``kernels``."""
+    return train.Stepper(TINY, STEP, train.text_batches(TOKENS, STEP, device), device,
+                         model_factory=functools.partial(train.build_model, kernels=kernels))
 
 
 def is_adamw_step_counter(optimizer: torch.optim.Optimizer):
@@ -67,7 +73,7 @@ def test_the_tiny_preset_balances_by_quantiles():
 def test_a_whole_training_step_reads_nothing_back():
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
-    stepper = tiny_stepper(experts="torch")
+    stepper = tiny_stepper(kernels="torch")
     ignored = is_adamw_step_counter(stepper.optimizer)
     for step in range(2):  # the first step (AdamW's state made) and a later one
         reads, tolists, record = host_reads(stepper.step_on_device, ignored)
@@ -88,7 +94,7 @@ def test_the_record_is_read_back_in_one_transfer_with_the_numbers_of_train_step(
     on_device, read_at_once = tiny_stepper(), tiny_stepper()
     for _ in range(2):
         record = on_device.step_on_device()
-        reads, tolists, numbers = host_reads(functools.partial(train.read_record, record), lambda tensor: False)
+        reads, tolists, numbers = host_reads(functools.partial(read_record, record), lambda tensor: False)
         assert (reads, tolists) == (0, 1)
         assert numbers == read_at_once()  # Stepper() = read_record(step_on_device()): the same floats, bit for bit
     assert numbers["max_violation"] == max(numbers["max_violation_per_layer"]) > 0
@@ -100,8 +106,8 @@ def test_balance_experts_returns_the_device_violations_as_floats():
     for stepper in (reference, floats):
         inputs, targets = stepper.batches(0)[0]
         stepper.model.train()(inputs, targets=targets)
-    on_device = train.balance_experts_on_device(reference.model)
-    numbers = train.balance_experts(floats.model)
+    on_device = balance_experts_on_device(reference.model)
+    numbers = balance_experts(floats.model)
     assert numbers["max_violation_per_layer"] == on_device.tolist()
     assert numbers["max_violation"] == on_device.max().item()
     assert all(torch.equal(a.bias, b.bias) for a, b in zip(reference.model.moe_layers(), floats.model.moe_layers()))
@@ -115,33 +121,33 @@ def test_on_cuda_the_step_runs_under_sync_debug_mode_error():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        record = train.step_on_device(stepper.model, stepper.optimizer, stepper.scheduler, batches, STEP.grad_clip)
+        record = step_on_device(stepper.model, stepper.optimizer, stepper.scheduler, batches, STEP.grad_clip)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    numbers = train.read_record(record)
+    numbers = read_record(record)
     assert numbers["loss"] > 0 and numbers["grad_norm"] > 0
 
 
 @pytest.mark.parametrize(("device", "options"), [("cuda", {"mode": "reduce-overhead"}), ("cuda:1", {
     "mode": "reduce-overhead"}), ("cpu", {}), ("meta", {})])
 def test_a_compiled_training_step_uses_cuda_graphs_on_cuda(device, options):
-    assert train.training_compile_options(device) == options
+    assert training_compile_options(device) == options
 
 
 def test_compile_for_training_passes_reduce_overhead_for_a_model_on_cuda():
     model = train.build_model(TINY.replace(n_layers=2), seed=0, device="meta")  # its parameters: no memory
     seen = []
     with mock.patch.object(type(model), "compile", lambda self, **options: seen.append(options)), \
-            mock.patch.object(train.step, "training_compile_options", wraps=train.training_compile_options) as chosen:
-        train.compile_for_training(model, STEP, backend="aot_eager")
+            mock.patch.object(train.step, "training_compile_options", wraps=training_compile_options) as chosen:
+        compile_for_training(model, STEP, backend="aot_eager")
         chosen.assert_called_once_with(torch.device("meta"))
         assert seen == [{"backend": "aot_eager"}]
         with mock.patch.object(type(next(model.parameters())), "device", torch.device("cuda")):
-            train.compile_for_training(model, STEP, backend="aot_eager")
+            compile_for_training(model, STEP, backend="aot_eager")
     assert seen[-1] == {"mode": "reduce-overhead", "backend": "aot_eager"}
 
 
 def test_a_step_without_micro_batches_is_refused_by_name():
     stepper = tiny_stepper()
     with pytest.raises(ValueError, match="micro_batches must hold at least one"):
-        train.step_on_device(stepper.model, stepper.optimizer, stepper.scheduler, [], STEP.grad_clip)
+        step_on_device(stepper.model, stepper.optimizer, stepper.scheduler, [], STEP.grad_clip)

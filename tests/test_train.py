@@ -23,6 +23,9 @@ from k3course import checkpoint, data, train
 from k3course.cli import main, parser
 from k3course.config import K3Config
 from k3course.layers.kda import KDACache
+from k3course.train.config import TRAIN_PRESETS, read_saved_run, resolve_config, train_preset
+from k3course.train.generate import generate_text, load_model
+from k3course.train.step import compile_for_training, forward_precision, lr_factor, make_optimizer, train_step
 
 # Two layers: KDA + dense FFN, then MLA + latent MoE (the tiny preset's kinds, at a quarter of its width).
 SMALL = K3Config.preset("tiny").replace(
@@ -43,14 +46,14 @@ def corpus(tmp_path_factory):
 
 
 def _run(out, corpus, resume=False, config=FAST):
-    return train.run(SMALL, config, out, resume=resume, corpus=corpus, progress=False)
+    return train.train(train.RunConfig(SMALL, config), out, resume, corpus=corpus, progress=False)
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
-    factors = [train.lr_factor(s, warmup_steps=4, total_steps=20, min_lr_ratio=0.1) for s in range(20)]
+    factors = [lr_factor(s, warmup_steps=4, total_steps=20, min_lr_ratio=0.1) for s in range(20)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0] and factors[4] == 1.0
     assert all(a > b for a, b in zip(factors[4:], factors[5:]))
-    assert train.lr_factor(20, 4, 20, 0.1) == pytest.approx(0.1)
+    assert lr_factor(20, 4, 20, 0.1) == pytest.approx(0.1)
     middle = 4 + 8  # halfway through the cosine: f = r + (1 − r)/2
     assert factors[middle] == pytest.approx(0.1 + 0.9 * 0.5)
 
@@ -61,7 +64,7 @@ def test_bad_train_settings_name_the_argument():
     with pytest.raises(ValueError, match="grad_accum"):
         train.TrainConfig(grad_accum=0)
     with pytest.raises(ValueError, match="unknown training preset 'huge'"):
-        train.train_preset("huge")
+        train_preset("huge")
 
 
 def test_accumulated_micro_batches_give_the_gradient_of_the_whole_batch(corpus):
@@ -85,20 +88,20 @@ def test_unequal_micro_batches_with_ignored_targets_step_as_one_batch(corpus):
     reports = []
     for micro_batches in ([(inputs, targets)], [(inputs[:1], targets[:1]), (inputs[1:], targets[1:])]):
         model = train.build_model(SMALL, seed=0)
-        optimizer, scheduler = train.make_optimizer(model, FAST)
-        reports.append(train.train_step(model, optimizer, scheduler, micro_batches, 1.0))
+        optimizer, scheduler = make_optimizer(model, FAST)
+        reports.append(train_step(model, optimizer, scheduler, micro_batches, 1.0))
     assert reports[1]["loss"] == pytest.approx(reports[0]["loss"], rel=1e-5)
     assert reports[1]["grad_norm"] == pytest.approx(reports[0]["grad_norm"], rel=1e-4)
     with pytest.raises(ValueError, match="micro_batches: every target is ignored"):
-        train.train_step(model, optimizer, scheduler, [(inputs, torch.full_like(targets, data.IGNORE))], 1.0)
+        train_step(model, optimizer, scheduler, [(inputs, torch.full_like(targets, data.IGNORE))], 1.0)
 
 
 def test_a_step_updates_weights_and_the_balancing_bias(corpus):
     model = train.build_model(SMALL, seed=0)
-    optimizer, scheduler = train.make_optimizer(model, FAST)
+    optimizer, scheduler = make_optimizer(model, FAST)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     moe = model.moe_layers()[0]
-    record = train.train_step(model, optimizer, scheduler, train.text_batches(corpus.train, FAST, "cpu")(0), 1.0)
+    record = train_step(model, optimizer, scheduler, train.text_batches(corpus.train, FAST, "cpu")(0), 1.0)
     assert record["lr"] == pytest.approx(FAST.lr / FAST.warmup_steps)
     assert math.isfinite(record["loss"]) and record["max_violation"] >= 0
     assert len(record["max_violation_per_layer"]) == SMALL.n_moe_layers
@@ -138,12 +141,30 @@ def test_a_run_writes_metrics_plot_and_checkpoints(tmp_path, corpus):
     assert [step for step, _ in checkpoint.checkpoints(out)] == [2, 4]
     config = json.loads((checkpoint.step_dir(out, 4) / "config.json").read_text())
     assert config["step"] == 4 and config["train"]["steps"] == 4 and config["model"]["name"] == "test"
+    assert "step" not in torch.load(checkpoint.step_dir(out, 4) / "state.pt", weights_only=True)  # stored once
+    saved = read_saved_run(checkpoint.step_dir(out, 4))  # the typed record a resume reads
+    assert saved.step == 4 and saved.config == train.RunConfig(SMALL, FAST) and saved.extensions == ()
+
+
+def test_the_door_refuses_what_it_cannot_do_before_training(tmp_path, corpus):
+    config = train.RunConfig(SMALL, FAST)
+    with pytest.raises(ValueError, match="resume must be False, True or \"extend\", got 'yes'"):
+        train.train(config, tmp_path / "a", resume="yes", corpus=corpus)
+    with pytest.raises(ValueError, match="ranks must be a number of expert-parallel ranks ≥ 1, got 0"):
+        train.train(config, tmp_path / "a", ranks=0, corpus=corpus)
+    with pytest.raises(ValueError, match="compile: compiles a one-process run"):
+        train.train(config, tmp_path / "a", ranks=2, compile=True)
+    with pytest.raises(ValueError, match="corpus: spawned ranks read config.run's data"):
+        train.train(config, tmp_path / "a", ranks=2, corpus=corpus)
+    with pytest.raises(FileNotFoundError, match="no checkpoint to resume"):
+        train.train(config, tmp_path / "a", resume=True, corpus=corpus)
+    assert not (tmp_path / "a").exists()
 
 
 def test_checkpoint_round_trip_and_clear_errors(tmp_path, corpus):
     model = _run(tmp_path / "run", corpus, config=FAST.replace(steps=1, checkpoint_every=0, eval_every=0))
     folder = checkpoint.step_dir(tmp_path / "run", 1)
-    loaded = train.load_model(tmp_path / "run")  # a run folder: its latest checkpoint
+    loaded = load_model(tmp_path / "run")  # a run folder: its latest checkpoint
     for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     other = train.build_model(SMALL.replace(d_model=48), seed=0)
@@ -151,21 +172,21 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path, corpus):
         checkpoint.load_weights(folder, other)
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(checkpoint.CheckpointError, match="model.safetensors"):
-        train.load_model(folder)
+        load_model(folder)
     with pytest.raises(checkpoint.CheckpointError, match="holds no checkpoint"):
-        train.load_model(tmp_path)
+        load_model(tmp_path)
     (folder / "state.pt").unlink()
     with pytest.raises(checkpoint.CheckpointError, match="missing state.pt"):
-        train.load_model(folder)
+        load_model(folder)
     with pytest.raises(checkpoint.CheckpointError, match="no folder"):
-        train.load_model(tmp_path / "nowhere")
+        load_model(tmp_path / "nowhere")
 
 
 def test_a_failed_save_leaves_the_good_checkpoint(tmp_path, corpus, monkeypatch):
     model = _run(tmp_path / "run", corpus, config=FAST.replace(steps=1, checkpoint_every=0, eval_every=0))
     folder = checkpoint.step_dir(tmp_path / "run", 1)
     good = (folder / "model.safetensors").read_bytes()
-    optimizer, scheduler = train.make_optimizer(model, FAST)
+    optimizer, scheduler = make_optimizer(model, FAST)
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
         checkpoint.save_checkpoint(tmp_path / "run", 1, model, optimizer, scheduler, {})
@@ -191,13 +212,13 @@ def test_out_and_resume_errors(tmp_path, corpus):
 
 def test_generate_continues_the_prompt(tmp_path, corpus):
     _run(tmp_path / "run", corpus, config=FAST.replace(steps=1, checkpoint_every=0, eval_every=0))
-    model = train.load_model(tmp_path / "run")
-    text = train.generate_text(model, "def ", max_new_tokens=8, temperature=0.0)
+    model = load_model(tmp_path / "run")
+    text = generate_text(model, "def ", max_new_tokens=8, temperature=0.0)
     assert text.startswith("def ") and len(text.encode("utf-8", errors="surrogateescape")) >= 4
-    assert train.generate_text(model, "def ", 8, temperature=1.0, top_k=5, seed=3) == \
-        train.generate_text(model, "def ", 8, temperature=1.0, top_k=5, seed=3)
+    assert generate_text(model, "def ", 8, temperature=1.0, top_k=5, seed=3) == \
+        generate_text(model, "def ", 8, temperature=1.0, top_k=5, seed=3)
     with pytest.raises(ValueError, match="prompt"):
-        train.generate_text(model, "def \udcff", 4)
+        generate_text(model, "def \udcff", 4)
 
 
 def test_cli_bad_input_gives_clear_errors(tmp_path, capsys):
@@ -212,7 +233,7 @@ def test_cli_bad_input_gives_clear_errors(tmp_path, capsys):
 
 def test_cli_train_then_generate(tmp_path, corpus, monkeypatch, capsys):
     monkeypatch.setattr(data, "stdlib_corpus", lambda: corpus)
-    monkeypatch.setitem(train.TRAIN_PRESETS, "test", ("tiny", FAST.replace(steps=1, eval_every=0, checkpoint_every=0)))
+    monkeypatch.setitem(TRAIN_PRESETS, "test", ("tiny", FAST.replace(steps=1, eval_every=0, checkpoint_every=0)))
     monkeypatch.setattr(K3Config, "preset", classmethod(lambda cls, name: SMALL))
     assert main(["train", "--preset", "test", "--out", str(tmp_path / "run")]) == 0
     assert "bits/byte" in capsys.readouterr().out
@@ -242,14 +263,14 @@ def test_settings_resolve_preset_then_file_then_flags_then_sets(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('preset = "small"\n[model]\nd_model = 64\n[train]\nsteps = 7\nlr = 1e-3\n'
                     '[run]\ndtype = "bfloat16"\n')
-    resolved = train.resolve_config(config_file=toml, flags=[("--steps", "train.steps", 9)],
+    resolved = resolve_config(config_file=toml, flags=[("--steps", "train.steps", 9)],
                                     sets=["train.lr=2e-3", "d_model=96", "model.mla_layers=[7]"])
     assert (resolved.model.name, resolved.model.d_model, resolved.model.mla_layers) == ("small", 96, (7,))
     assert (resolved.train.steps, resolved.train.lr, resolved.train.batch_size) == (9, 2e-3, 32)
     assert resolved.run.dtype == "bfloat16"
-    assert train.resolve_config("tiny", toml).model.name == "tiny"  # a named preset wins over the file's
+    assert resolve_config("tiny", toml).model.name == "tiny"  # a named preset wins over the file's
     (tmp_path / "printed.toml").write_text(resolved.toml())
-    assert train.resolve_config(config_file=tmp_path / "printed.toml") == resolved
+    assert resolve_config(config_file=tmp_path / "printed.toml") == resolved
 
 
 @pytest.mark.parametrize("sets, message", [
@@ -264,7 +285,7 @@ def test_settings_resolve_preset_then_file_then_flags_then_sets(tmp_path):
 ])
 def test_bad_keys_and_values_are_named(sets, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        train.resolve_config(sets=sets)
+        resolve_config(sets=sets)
 
 
 def test_bad_config_files_and_flags_are_named(tmp_path):
@@ -274,11 +295,11 @@ def test_bad_config_files_and_flags_are_named(tmp_path):
                           ("[train\n", "not valid TOML")):
         bad.write_text(text)
         with pytest.raises(ValueError, match=re.escape(message)):
-            train.resolve_config(config_file=bad)
+            resolve_config(config_file=bad)
     with pytest.raises(FileNotFoundError, match="config: no file at"):
-        train.resolve_config(config_file=tmp_path / "none.toml")
+        resolve_config(config_file=tmp_path / "none.toml")
     with pytest.raises(ValueError, match=re.escape("--steps: train.steps must be an int ≥ 1, got 0")):
-        train.resolve_config(flags=[("--steps", "train.steps", 0)])
+        resolve_config(flags=[("--steps", "train.steps", 0)])
 
 
 def test_a_run_on_a_folder_of_text_trains_evaluates_and_generates(tmp_path, monkeypatch, capsys, same_threads):
@@ -290,7 +311,7 @@ def test_a_run_on_a_folder_of_text_trains_evaluates_and_generates(tmp_path, monk
     assert "bits/byte" in capsys.readouterr().out
     saved = json.loads((checkpoint.step_dir(run, 4) / "config.json").read_text())
     assert saved["run"]["data"] == [str(texts)] and saved["model"]["d_model"] == SMALL.d_model
-    assert train.resolve_config(config_file=f"{run}/config.toml") == train.saved_run_config(checkpoint.step_dir(run, 4))
+    assert resolve_config(config_file=f"{run}/config.toml") == read_saved_run(checkpoint.step_dir(run, 4)).config
     assert main(["eval", "--checkpoint", run]) == 0
     report = capsys.readouterr().out
     final = checkpoint.read_metrics(run)[-1]["val_bpb"]
@@ -366,7 +387,8 @@ def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path, corpus):
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(train.TrainingInterrupted, match="SIGTERM at step 1: checkpoint .* --resume") as stopped:
-        train.run(SMALL, FAST, tmp_path / "run", corpus=corpus, progress=False, model_factory=terminated_once)
+        train.train(train.RunConfig(SMALL, FAST), tmp_path / "run", corpus=corpus, progress=False,
+                    model_factory=terminated_once)
     assert stopped.value.signum == signal.SIGTERM and stopped.value.step == 1
     assert [step for step, _ in checkpoint.checkpoints(tmp_path / "run")] == [1]
     assert signal.getsignal(signal.SIGTERM) == before
@@ -375,18 +397,18 @@ def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path, corpus):
 def test_extend_to_continues_on_a_new_schedule_tail(tmp_path, corpus, capsys):
     _run(tmp_path / "run", corpus)
     longer = FAST.replace(steps=8)
-    train.run(SMALL, longer, tmp_path / "run", corpus=corpus, progress=False, extend=True)
+    train.train(train.RunConfig(SMALL, longer), tmp_path / "run", "extend", corpus=corpus, progress=False)
     records = checkpoint.read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == list(range(1, 9))
-    assert records[4]["lr"] == pytest.approx(FAST.lr * train.lr_factor(4, FAST.warmup_steps, 8, FAST.min_lr_ratio))
+    assert records[4]["lr"] == pytest.approx(FAST.lr * lr_factor(4, FAST.warmup_steps, 8, FAST.min_lr_ratio))
     saved = checkpoint.read_config(checkpoint.step_dir(tmp_path / "run", 8))
     assert saved["extensions"] == [{"at_step": 4, "steps_before": 4, "steps_after": 8}]
     assert saved["train"]["steps"] == 8
     straight = _run(tmp_path / "straight", corpus, config=longer)
-    extended = train.load_model(tmp_path / "run")
+    extended = load_model(tmp_path / "run")
     assert not all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), extended.state_dict().values()))
     with pytest.raises(ValueError, match="extend_to: must be more than the run's step 8, got 8"):
-        train.run(SMALL, longer, tmp_path / "run", corpus=corpus, progress=False, extend=True)
+        train.train(train.RunConfig(SMALL, longer), tmp_path / "run", "extend", corpus=corpus, progress=False)
 
 
 def test_cli_extend_to_says_it_is_a_new_schedule_and_resume_of_a_finished_run_does_nothing(
@@ -411,21 +433,21 @@ def test_resume_refuses_changed_files(tmp_path, monkeypatch):
     monkeypatch.setenv("K3COURSE_CACHE", str(tmp_path / "cache"))
     options = train.RunOptions(data=(str(_texts(tmp_path / "texts")),))
     settings = FAST.replace(steps=2, eval_every=0, checkpoint_every=1)
-    train.run(SMALL, settings, tmp_path / "run", progress=False, options=options)
+    train.train(train.RunConfig(SMALL, settings, options), tmp_path / "run", progress=False)
     shutil.rmtree(checkpoint.step_dir(tmp_path / "run", 2))  # as if stopped after step 1
     (tmp_path / "texts" / "n0.txt").write_text("rewritten\n" * 50)
     with pytest.raises(ValueError, match="data: the files changed since .* --extend-to N trains on the new bytes"):
-        train.run(SMALL, settings, tmp_path / "run", resume=True, progress=False, options=options)
+        train.train(train.RunConfig(SMALL, settings, options), tmp_path / "run", resume=True, progress=False)
 
 
 def test_bfloat16_runs_the_forward_in_bf16_and_keeps_weights_and_kda_states_fp32(corpus):
     model = train.build_model(SMALL, seed=0)
-    optimizer, scheduler = train.make_optimizer(model, FAST)
+    optimizer, scheduler = make_optimizer(model, FAST)
     batches = train.text_batches(corpus.train, FAST, "cpu")(0)
-    record = train.train_step(model, optimizer, scheduler, batches, FAST.grad_clip, torch.bfloat16)
+    record = train_step(model, optimizer, scheduler, batches, FAST.grad_clip, torch.bfloat16)
     assert math.isfinite(record["loss"]) and all(p.dtype == torch.float32 for p in model.parameters())
     assert all(s["exp_avg"].dtype == torch.float32 for s in optimizer.state.values())
-    with train.forward_precision("cpu", torch.bfloat16):
+    with forward_precision("cpu", torch.bfloat16):
         logits, _, cache = model(batches[0][0])
     states = [layer.state for layer in cache.layers if isinstance(layer, KDACache)]
     assert logits.dtype == torch.bfloat16 and states and all(s.dtype == torch.float32 for s in states)
@@ -453,12 +475,12 @@ def _compiled_steps(corpus, steps: int, **compile_options):
     torch._dynamo.reset()
     counters.clear()
     model = train.build_model(SMALL, seed=0)
-    optimizer, scheduler = train.make_optimizer(model, FAST)
-    train.compile_for_training(model, FAST, **compile_options)
+    optimizer, scheduler = make_optimizer(model, FAST)
+    compile_for_training(model, FAST, **compile_options)
     losses, graphs = [], []
     for step in range(steps):
         batches = train.text_batches(corpus.train, FAST, "cpu")(step)
-        losses.append(train.train_step(model, optimizer, scheduler, batches, FAST.grad_clip)["loss"])
+        losses.append(train_step(model, optimizer, scheduler, batches, FAST.grad_clip)["loss"])
         graphs.append(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
     return losses, graphs, sum(counters["graph_break"].values())
@@ -471,8 +493,8 @@ def test_the_compiled_step_has_no_graph_break_and_no_recompile_after_step_one(co
     assert breaks == 0
     assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 4, graphs
     model = train.build_model(SMALL, seed=0)
-    optimizer, scheduler = train.make_optimizer(model, FAST)
-    eager = [train.train_step(model, optimizer, scheduler, train.text_batches(corpus.train, FAST, "cpu")(step),
+    optimizer, scheduler = make_optimizer(model, FAST)
+    eager = [train_step(model, optimizer, scheduler, train.text_batches(corpus.train, FAST, "cpu")(step),
                               FAST.grad_clip)["loss"] for step in range(5)]
     assert losses == pytest.approx(eager, rel=1e-5)
 
@@ -499,13 +521,14 @@ def test_a_compiled_run_trains_as_the_eager_run_and_the_cli_refuses_it_with_expe
     fp32 rounding, and its checkpoint loads into an uncompiled model (same state_dict keys)."""
     short = FAST.replace(steps=2, eval_every=0, checkpoint_every=0, eval_bytes=256)
     torch._dynamo.reset()
-    compiled = train.run(SMALL, short, tmp_path / "compiled", corpus=corpus, progress=False, compile=True)
+    compiled = train.train(train.RunConfig(SMALL, short), tmp_path / "compiled", corpus=corpus, progress=False,
+                           compile=True)
     torch._dynamo.reset()
-    train.run(SMALL, short, tmp_path / "eager", corpus=corpus, progress=False)
+    train.train(train.RunConfig(SMALL, short), tmp_path / "eager", corpus=corpus, progress=False)
     losses = lambda out: [r["loss"] for r in checkpoint.read_metrics(out)]
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
     assert "_orig_mod" not in "".join(compiled.state_dict())
-    train.load_model(tmp_path / "compiled")
+    load_model(tmp_path / "compiled")
     args = ["train", "--preset", "tiny", "--out", str(tmp_path / "ep"), "--ep", "2", "--compile"]
     assert main(args) == 2 and "--compile" in capsys.readouterr().err
     assert parser().parse_args(["train", "--compile"]).compile

@@ -20,6 +20,8 @@ from helpers import ROOT
 from k3course import checkpoint, train
 from k3course.cli import main
 from k3course.config import K3Config
+from k3course.train.config import resolve_config
+from k3course.train.generate import load_model
 
 SMALL = K3Config.preset("tiny").replace(
     name="test", d_model=32, n_layers=2, kda_n_heads=2, kda_head_dim=16, mla_n_heads=2, q_lora_rank=16,
@@ -79,7 +81,7 @@ def test_an_ep_run_evaluates_and_checkpoints_on_schedule(tmp_path, run_toml, cap
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG" and (out / "config.toml").exists()
     saved = json.loads((checkpoint.step_dir(out, 6) / "config.json").read_text())
     assert saved["step"] == 6 and saved["train"]["eval_every"] == 2 and saved["model"]["n_routed_experts"] == 4
-    model = train.load_model(out)  # a one-process checkpoint: every expert, loadable by the plain model
+    model = load_model(out)  # a one-process checkpoint: every expert, loadable by the plain model
     assert model.moe_layers()[0].experts.gate_up.shape[0] == SMALL.n_routed_experts
 
 
@@ -88,10 +90,10 @@ def test_an_ep_run_stopped_by_sigint_on_one_rank_resumes_to_the_straight_runs_we
     two ranks, the run ends with the weights, losses and validation numbers of a straight two-rank run."""
     sets = ["--set", "eval_every=2", "checkpoint_every=2", "steps=6"]
     assert _ep_train("--config", str(run_toml), *sets, "--out", str(tmp_path / "straight")) == 0
-    config = train.resolve_config(config_file=run_toml, sets=sets[1:])
+    config = resolve_config(config_file=run_toml, sets=sets[1:])
     stopped = tmp_path / "stopped"
     with pytest.raises(train.TrainingInterrupted, match="SIGINT at step 3: checkpoint .* --resume") as interrupted:
-        train.train_expert_parallel(config, stopped, train.Start(), 2, model_factory=_interrupted_on_rank_1)
+        train.train(config, stopped, ranks=2, progress=False, model_factory=_interrupted_on_rank_1)
     assert interrupted.value.step == 3 and interrupted.value.signum == signal.SIGINT
     assert [step for step, _ in checkpoint.checkpoints(stopped)] == [2, 3]
     assert [r["step"] for r in checkpoint.read_metrics(stopped)] == [1, 2, 3]

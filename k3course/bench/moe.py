@@ -91,8 +91,8 @@ def _options(options: list[str]) -> argparse.Namespace:
     parser.add_argument("--loop-tokens", type=int, default=256,
                         help="tokens the per-token loop runs on (its time is scaled to m)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and tokens")
-    parser.add_argument("--grouped-mm-impl", default="auto", choices=["auto", "loop", "torch"],
-                        help="how the grouped GEMM runs")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch", "loop"],
+                        help="the kernel backend: how the experts' grouped GEMM runs (k3course.kernels.BACKENDS)")
     add_options(parser, threads=1, repeats=3, rounds=5)
     args = parser.parse_args(options)
     for name in ("m", "n", "k", "d", "latent", "expert_dim", "loop_tokens"):
@@ -178,7 +178,7 @@ def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     generator = torch.Generator().manual_seed(0)
     layer = LatentMoE(args.d, args.n, args.k, expert_dim=args.expert_dim, latent_dim=args.latent,
                       activation=args.activation, balancing="quantile", generator=generator,
-                      grouped_mm_impl=args.grouped_mm_impl).to(device, dtype)
+                      kernels=args.kernels).to(device, dtype)
     flops = moe_flops_per_token(args.d, args.n, args.k, args.expert_dim, args.latent)
     hidden = dense_hidden_size(flops, args.d)
     dense = GLUFFN(args.d, hidden, args.activation, generator=generator).to(device, dtype)
@@ -238,7 +238,7 @@ def main(options: list[str]) -> int:
     flops = moe_flops_per_token(args.d, args.n, args.k, args.expert_dim, args.latent)
 
     print(f"latent MoE on {device.type}: m={args.m} n={args.n} k={args.k} d={args.d} latent={args.latent} "
-          f"expert_dim={args.expert_dim} {args.activation}, {args.dtype}, grouped_mm_impl={args.grouped_mm_impl}, "
+          f"expert_dim={args.expert_dim} {args.activation}, {args.dtype}, kernels={args.kernels}, "
           f"{torch.get_num_threads()} CPU thread(s)")
     print(f"settings: {settings}")
     _print_machine(args, device, hidden)

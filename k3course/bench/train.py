@@ -1,10 +1,10 @@
 """bench train: training throughput of a K3 preset beside the dense Transformer of equal active parameters, eager
 and compiled, in one run.
 
-Each variant runs :func:`k3course.train.train_step` itself — forward with targets, backward, clipping, AdamW, the
+Each variant runs :func:`k3course.train.step.train_step` itself — forward with targets, backward, clipping, AdamW, the
 MoE bias update — on the stdlib bytes that ``k3course train`` reads (its batches, so the router sees text),
 ``--grad-accum`` micro-batches of ``--batch × --seq`` bytes per step. A compiled variant is
-:func:`k3course.train.compile_for_training`'s model; its first step compiles, and that time is reported apart.
+:func:`k3course.train.step.compile_for_training`'s model; its first step compiles, and that time is reported apart.
 Then the variants take turns over ``--rounds`` rounds (a busy spell of a shared machine slows all of them alike),
 each timed by the best of ``--repeats`` steps per round. Printed: ms per step, tokens/s, K3 / dense in each mode
 and compiled / eager for each model. ``--save`` writes them to ``k3course/results/train_bench.json``, which
@@ -20,11 +20,10 @@ the KDA state carried along it), while attention's grows with T (O(T²) per sequ
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,9 +31,10 @@ import torch
 from k3course.baselines import dense_transformer
 from k3course.bench import add_options, apply_options
 from k3course.config import K3Config
-from k3course.device import interleaved_best_seconds
-from k3course.lessons.experiments import machine
-from k3course.train import RunOptions, Stepper, TrainConfig, compile_for_training, run_corpus, text_batches
+from k3course.device import interleaved_best_seconds, machine
+from k3course.train import RunOptions, Stepper, TrainConfig, build_model, text_batches
+from k3course.train.config import run_corpus
+from k3course.train.step import compile_for_training
 
 RESULTS_FILE = Path(__file__).resolve().parents[1] / "results" / "train_bench.json"
 SWEEP_FILE = RESULTS_FILE.with_name("train_sweep.json")
@@ -78,37 +78,20 @@ def variants(cfg: K3Config) -> dict[str, K3Config]:
     return {cfg.name: cfg, f"dense ({cfg.name})": dense_transformer(cfg)}
 
 
-@contextmanager
-def kernels_switched_off(off: bool):
-    """While open (and ``off``), the layers take the torch path instead of the Triton kernels
-    (``K3COURSE_KERNELS=torch``, :func:`k3course.kernels.use_triton`); the setting is restored after."""
-    before = os.environ.get("K3COURSE_KERNELS")
-    if off:
-        os.environ["K3COURSE_KERNELS"] = "torch"
-    try:
-        yield
-    finally:
-        if off and before is None:
-            del os.environ["K3COURSE_KERNELS"]
-        elif off:
-            os.environ["K3COURSE_KERNELS"] = before
-
-
 def step_function(cfg: K3Config, train: TrainConfig, mode: str, device: str) -> tuple[Callable[[], dict], float]:
     """(one training step of a seeded model of ``cfg``, seconds its first step took: the compile time when
-    ``mode`` is "compiled"). Each call trains on the next batches of the stdlib bytes."""
-    stepper = Stepper(cfg, train, text_batches(run_corpus(RunOptions()).train, train, device), device)
+    ``mode`` is "compiled"; "torch ops": the model built with the kernel backend "torch", no Triton kernel).
+    Each call trains on the next batches of the stdlib bytes."""
+    kernels = "torch" if mode == "torch ops" else None
+    stepper = Stepper(cfg, train, text_batches(run_corpus(RunOptions()).train, train, device), device,
+                      model_factory=functools.partial(build_model, kernels=kernels))
     if mode == "compiled":
         compile_for_training(stepper.model, train)
-    def step() -> dict:
-        with kernels_switched_off(mode == "torch ops"):
-            return stepper()
-
     began = time.perf_counter()
-    step()
+    stepper()
     first = time.perf_counter() - began
-    step()  # warm
-    return step, first
+    stepper()  # warm
+    return stepper, first
 
 
 def measure(presets: list[str], train: TrainConfig, modes: list[str], device: str = "cpu", repeats: int = 3,

@@ -1,5 +1,6 @@
 """Expert parallelism over torch.distributed (chapter 13): dispatch and combine by all-to-all around each MoE's
-own expert bank, balancing statistics pooled over ranks, and the data-parallel rest of a training step."""
+own expert bank, balancing statistics pooled over ranks, and the data-parallel rest of a training step; FSDP2 ×
+EP on a 2-D mesh (:func:`parallelize`) with sharded checkpoints (:mod:`.sharded_checkpoint`, DCP)."""
 
 from k3course.distributed.data_parallel import (
     average_gradients,
@@ -8,11 +9,13 @@ from k3course.distributed.data_parallel import (
     expert_group,
     gather_optimizer_state,
     gather_state_dict,
+    pool_group,
     shard_optimizer_state,
 )
 from k3course.distributed.ep import AllToAllDispatch, expert_parallel_layers, keep_experts, parallelize_experts
 from k3course.distributed.exchange import all_to_all, exchange, exchange_counts
-from k3course.distributed.launch import RankFailed, run_ranks
+from k3course.distributed.fsdp import is_sharded, make_mesh, parallelize
+from k3course.distributed.launch import RankFailed, join_group, leave_group, run_ranks
 from k3course.distributed.plan import (
     combine,
     dedup_pairs,
@@ -27,5 +30,6 @@ from k3course.distributed.plan import (
 __all__ = ["AllToAllDispatch", "RankFailed", "all_to_all", "average_gradients", "average_over_ranks",
            "clip_global_grad_norm", "combine", "dedup_pairs", "dispatch_permutation", "exchange", "exchange_counts",
            "expert_group", "expert_parallel_layers", "expert_ranges", "gather_optimizer_state", "gather_state_dict",
-           "inverse_permutation", "keep_experts", "parallelize_experts", "rank_of_expert", "run_ranks",
-           "shard_optimizer_state", "split_sizes", "traffic_bytes"]
+           "inverse_permutation", "is_sharded", "join_group", "keep_experts", "leave_group", "make_mesh",
+           "parallelize", "parallelize_experts", "pool_group", "rank_of_expert", "run_ranks", "shard_optimizer_state",
+           "split_sizes", "traffic_bytes"]

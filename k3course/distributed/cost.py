@@ -108,3 +108,26 @@ def capacity_drop_fraction(load: torch.Tensor, capacity_factor: float) -> float:
     load = load.double()
     capacity = math.floor(capacity_factor * float(load.sum()) / load.numel())
     return float((load - capacity).clamp(min=0).sum() / load.sum())
+
+
+def training_bytes_per_rank(cfg: K3Config, dp_shard: int, ep: int, weight_bytes: int = 2, grad_bytes: int = 2,
+                            state_bytes: int = 8) -> dict[str, float]:
+    """What one rank of FSDP2 × EP (:func:`k3course.distributed.parallelize`, N = dp_shard · ep ranks) holds for
+    training, in bytes: {"weights", "gradients", "optimizer"}, each P_rank times the bytes per value, with
+
+        P_rank = (P_total − P_routed) / N  +  P_routed · (⌈n/ep⌉ / n) / dp_shard
+
+    (every non-expert weight 1/N; the largest block of ⌈n/ep⌉ routed experts, 1/dp_shard of it).
+    ``state_bytes``: the optimizer's per value (AdamW's two fp32 moments: 8). FSDP's padding of a dimension
+    that N does not divide is left out (< one row a tensor)."""
+    for name, value in (("dp_shard", dp_shard), ("ep", ep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if ep > cfg.n_routed_experts:
+        raise ValueError(f"ep must be at most the {cfg.n_routed_experts} routed experts, got {ep}")
+    count = accounting.param_count(cfg)
+    routed = count.components["routed_experts"][0]
+    block = -(-cfg.n_routed_experts // ep)
+    per_rank = (count.total - routed) / (dp_shard * ep) + routed * block / cfg.n_routed_experts / dp_shard
+    return {"weights": per_rank * weight_bytes, "gradients": per_rank * grad_bytes,
+            "optimizer": per_rank * state_bytes}

@@ -42,7 +42,7 @@ from k3course.parts import part
 
 
 def parallelize_experts(module: nn.Module, group=None, dedup: bool = False,
-                        histogram_bins: int = HISTOGRAM_BINS) -> nn.Module:
+                        histogram_bins: int = HISTOGRAM_BINS, pool_group=None) -> nn.Module:
     """Spread the routed experts of every MoE / LatentMoE in ``module`` (itself included) over the ranks of
     ``group``, in place; returns ``module``.
 
@@ -51,8 +51,10 @@ def parallelize_experts(module: nn.Module, group=None, dedup: bool = False,
     routed experts (``experts.gate_up`` [E_r, w, 2h], ``experts.down`` [E_r, h, w]); router, bias, shared
     experts, W↓, W↑ and the norm stay whole on every rank (replicated). The layer's dispatcher becomes an
     :class:`AllToAllDispatch` (``dedup``: send each token once per destination rank; ``histogram_bins``: the
-    bins of the pooled quantile step). Forward, backward, ``load_statistics`` and ``update_bias`` are then
-    collectives: every rank calls them together, with its own tokens (zero included).
+    bins of the pooled quantile step; ``pool_group``: the ranks whose routing statistics the bias update pools,
+    default ``group``: every rank that routes, a superset of ``group``, e.g. all ranks of a 2-D mesh,
+    :func:`k3course.distributed.parallelize`). Forward, backward, ``load_statistics`` and ``update_bias`` are
+    then collectives: every rank calls them together, with its own tokens (zero included).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -62,7 +64,7 @@ def parallelize_experts(module: nn.Module, group=None, dedup: bool = False,
     if expert_parallel_layers(module):
         raise ValueError("module: its experts are already expert-parallel")
     for layer in layers:
-        dispatcher = AllToAllDispatch(layer.n_routed_experts, group, dedup, histogram_bins)
+        dispatcher = AllToAllDispatch(layer.n_routed_experts, group, dedup, histogram_bins, pool_group)
         keep_experts(layer.experts, *dispatcher.local_expert_range)
         layer.dispatcher = dispatcher
         layer.balancer.pooled = None  # counts pooled by the old dispatcher: this process's only
@@ -103,8 +105,9 @@ class AllToAllDispatch:
 
     n_routed_experts experts in contiguous blocks, ``expert_ranges`` [(start_r, end_r)] for every rank;
     ``local_expert_range`` is this rank's (the experts its bank holds). ``expert_outputs`` equals the
-    single-process layer on this rank's tokens; ``pool_counts`` all-reduces M and the load;
-    ``quantile_bias`` reads the quantile off all-reduced margin histograms (``histogram_bins`` bins).
+    single-process layer on this rank's tokens; ``pool_counts`` all-reduces M and the load over
+    ``pool_group`` (default ``group``: the ranks that route, which may be more than those sharing the experts);
+    ``quantile_bias`` reads the quantile off margin histograms all-reduced there (``histogram_bins`` bins).
     ``dedup=True`` sends each token once per destination rank (not once per expert) plus a 4-byte index per
     slot; results are identical. After each forward ``last_traffic`` holds the bytes that this rank's tokens
     moved between ranks: dispatch (sent), combine (received back) and metadata (split sizes and dedup
@@ -112,12 +115,14 @@ class AllToAllDispatch:
     ``time_exchanges = True``, which synchronises).
     """
 
-    def __init__(self, n_routed_experts: int, group=None, dedup: bool = False, histogram_bins: int = HISTOGRAM_BINS):
+    def __init__(self, n_routed_experts: int, group=None, dedup: bool = False, histogram_bins: int = HISTOGRAM_BINS,
+                 pool_group=None):
         if not dist.is_initialized():
             raise RuntimeError("expert parallelism needs torch.distributed.init_process_group(...) first")
         if isinstance(histogram_bins, bool) or not isinstance(histogram_bins, int) or histogram_bins < 1:
             raise ValueError(f"histogram_bins must be a positive int, got {histogram_bins!r}")
         self.n_routed_experts, self.group, self.dedup = n_routed_experts, group, dedup
+        self.pool_group = group if pool_group is None else pool_group
         self.histogram_bins = histogram_bins
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.expert_ranges = expert_ranges(n_routed_experts, self.world_size)
@@ -148,14 +153,15 @@ class AllToAllDispatch:
         """(M, load [n]) summed over the ranks: one all-reduce of [load, tokens] (integers: exact and equal on
         every rank)."""
         packed = torch.cat([load, load.new_tensor([tokens])])  # [n + 1] int64
-        dist.all_reduce(packed, group=self.group)
+        dist.all_reduce(packed, group=self.pool_group)
         return int(packed[-1]), packed[:-1]
 
     def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int, tokens: int) -> torch.Tensor:
         """The quantile step on the M = ``tokens`` tokens of all ranks (M from :meth:`pool_counts`) from this
         rank's scores [m_r, n]: :func:`~k3course.moe.balancing.histogram_quantile_bias` with all-reduces, within
         one bin width of the exact step on the concatenated scores and equal on every rank."""
-        return histogram_quantile_bias(scores, bias, k, self.histogram_bins, all_reduce_over(self.group), tokens)
+        pooled = all_reduce_over(self.pool_group)
+        return histogram_quantile_bias(scores, bias, k, self.histogram_bins, pooled, tokens)
 
     def _dispatch(self, z: torch.Tensor, expert_idx: torch.Tensor, order: torch.Tensor):
         """Exchange split sizes, then send every slot's row to the rank owning its expert.

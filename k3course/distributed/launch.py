@@ -4,12 +4,22 @@ The processes are spawned (each imports the package afresh) or, with ``start_met
 of the caller, so ``fn`` may be any function, a notebook's included; CPU and gloo only), rendezvous through a file
 in a fresh temporary folder (no port to collide with parallel runs) and return their results through files. A rank
 that raises ends the run at once with its traceback; a rank that hangs makes the others' collectives fail after
-``collective_timeout_s``, and the whole run is stopped after ``timeout_s``: never a silent hang.
+``collective_timeout_s``, and the whole run is stopped after ``timeout_s``: never a silent hang. A rank that dies
+in native code (a signal, an abort) is reported with the stacks ``faulthandler`` wrote for it.
+
+A rank joins its group with :func:`join_group` and leaves it with :func:`leave_group`. Leaving must end the
+group's threads (gloo runs a network loop and two worker threads per group) while the interpreter is whole: a
+group whose last reference outlives ``destroy_process_group`` is torn down during interpreter shutdown, its
+threads still running, and the rank may die there with "terminate called without an active exception"
+(SIGABRT). torch itself keeps such references: ``torch.distributed.nn.functional`` binds the default group as
+the default argument of ten functions when it is imported, and it is imported lazily (by ``torch._dynamo``,
+which the first optimizer imports). So :func:`join_group` imports it before the group exists.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import tempfile
 import time
 import traceback
@@ -24,26 +34,42 @@ class RankFailed(RuntimeError):
     """A rank of :func:`run_ranks` raised; the message holds the traceback of the rank that failed first."""
 
 
+def join_group(backend: str, **options) -> None:
+    """``dist.init_process_group(backend, **options)``, after importing every torch module that binds the default
+    group at import time (see the module docstring), so that :func:`leave_group` ends the group's threads."""
+    import torch.distributed.nn.functional  # noqa: F401  (binds group.WORLD, still None here, as defaults)
+
+    dist.init_process_group(backend, **options)
+
+
+def leave_group() -> None:
+    """Wait for every rank of the default group (one that left early would take the group away from one still
+    in a collective), then destroy the group: its threads end here, not at interpreter shutdown."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _worker(rank: int, fn, world_size: int, folder: str, args: tuple, collective_timeout_s: float,
             backend: str) -> None:
     """One spawned rank: join the group, run fn(rank, world_size, *args), save its result (or the time and
-    traceback of its error), wait for every rank to be done (a rank that leaves early would take the group's
-    rendezvous away from one still joining), leave the group."""
+    traceback of its error), leave the group (:func:`leave_group`; a failed rank just destroys it). A native
+    crash writes every thread's Python stack to fault_{rank}.txt (faulthandler)."""
+    fault_file = open(Path(folder) / f"fault_{rank}.txt", "w")  # noqa: SIM115  (open until the process ends)
+    faulthandler.enable(file=fault_file)
     torch.set_num_threads(1)  # P processes share the cores: one thread each avoids OpenMP oversubscription
     if backend == "nccl":
         torch.cuda.set_device(rank)  # rank r drives GPU r
     try:
-        dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s))
+        join_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size,
+                   timeout=datetime.timedelta(seconds=collective_timeout_s))
         result = fn(rank, world_size, *args)
         torch.save(result, Path(folder) / f"result_{rank}.pt")
-        dist.barrier()
+        leave_group()
     except BaseException:
         (Path(folder) / f"error_{rank}.txt").write_text(f"{time.time()}\n{traceback.format_exc()}")
-        raise
-    finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, collective_timeout_s: float = 60.0,
@@ -73,6 +99,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, collective_t
             _join(context, world_size, timeout_s)
         except mp.ProcessRaisedException as error:
             raise RankFailed(_first_error(Path(folder), world_size)) from error
+        except mp.ProcessExitedException as error:
+            raise RankFailed(_native_death(Path(folder), error)) from error
         return [torch.load(Path(folder) / f"result_{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
@@ -85,6 +113,17 @@ def _join(context, world_size: int, timeout_s: float) -> None:
             for process in context.processes:
                 process.terminate()
             raise TimeoutError(f"ranks {running} of {world_size} still running after timeout_s = {timeout_s} s")
+
+
+def _native_death(folder: Path, error: mp.ProcessExitedException) -> str:
+    """'rank r died of SIGNAL (or exit code c)' with the Python stacks of its threads that faulthandler wrote,
+    or, when the rank raised before it reached its worker (spawn's import of fn), that it wrote none."""
+    cause = f"died of {error.signal_name}" if error.signal_name else f"exited with code {error.exit_code}"
+    fault = folder / f"fault_{error.error_index}.txt"
+    stacks = fault.read_text() if fault.exists() else ""
+    return (f"rank {error.error_index} {cause} without a Python exception; its threads' stacks:\n{stacks}"
+            if stacks.strip() else f"rank {error.error_index} {cause} without a Python exception (its output "
+                                   "above says why: e.g. spawn could not import fn)")
 
 
 def _first_error(folder: Path, world_size: int) -> str:

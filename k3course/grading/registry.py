@@ -37,6 +37,41 @@ class Forbidden:
 
 
 @dataclass(frozen=True)
+class Backward:
+    """The gradient check of an exercise whose function training differentiates.
+
+    wrt:       the inputs (parameter names) the gradients are taken with respect to; None: every input that is a
+               floating tensor or a list of them.
+    outputs:   the positions, among the output's floating tensors (nested in order), of those training
+               differentiates (the loss is Σ_i ⟨w_i, output_i⟩ over them, w_i seeded); None: all of them.
+    cases:     builds the backward cases; None: the exercise's own cases in which every named input is a float32
+               or float64 tensor (so a case at the gate's lower bound is a backward case too).
+    finite_differences: compare with float64 central differences of the reference (for a reference that has no
+               autograd, e.g. a kernel without a backward) instead of autograd through it.
+    tolerance: {dtype name: (rtol, atol)} for the gradients; the default table is looser than the forward's.
+    """
+
+    wrt: tuple[str, ...] | None = None
+    outputs: tuple[int, ...] | None = None
+    cases: Callable[[], list[Case]] | None = None
+    finite_differences: bool = False
+    tolerance: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A diagnostic variant of a multi-step exercise: a case that switches parts of the computation off.
+
+    label: what the variant is, as it reads after "correct" / "wrong" ("with no incoming state (S = 0)").
+    hint:  where to look when this variant is the first one that fails ("check how the state enters W").
+    """
+
+    case: Case
+    label: str
+    hint: str
+
+
+@dataclass(frozen=True)
 class Exercise:
     """An exercise the learner solves and :func:`k3course.grading.check` grades.
 
@@ -52,6 +87,12 @@ class Exercise:
     harness:   how an answer runs on a case, for answers that can't simply be called (a collective runs on
                ranks the harness starts): ``harness(answer, *case.args, **case.kwargs)`` -> what is compared;
                the answer and the reference go through it alike. None: ``answer(*case.args, **case.kwargs)``.
+    backward:  the gradient check, for a function that training differentiates (see :class:`Backward`).
+    probes:    builds the diagnostic variants of a multi-step exercise, simplest first (see :class:`Probe`): when
+               a case fails, the first variant that fails too names the step to look at.
+    package:   package functions that answer this exercise, refused in an answer like the reference itself is
+               (a chapter-local reference's wrapped function, a public function that does the same).
+    may_use:   the package functions the exercise lets an answer call (named in the refusal's message).
     """
 
     id: str
@@ -62,6 +103,10 @@ class Exercise:
     forbidden: Forbidden | None = None
     isolate: bool = False
     harness: Callable[..., Any] | None = None
+    backward: Backward | None = None
+    probes: Callable[[], list[Probe]] | None = None
+    package: tuple[Callable[..., Any], ...] = ()
+    may_use: tuple[str, ...] = ()
 
     def run(self, answer: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """``answer`` on one case's inputs: through the harness when the exercise has one."""

@@ -89,20 +89,32 @@ def _warn_if_triton_came_first(mode: str) -> None:
                       "(or fla), or set TRITON_INTERPRET=1 in the environment", RuntimeWarning, stacklevel=3)
 
 
-BACKENDS = ("auto", "triton", "torch")
+# The one kernel switch, chosen once when a model (or a layer) is built and read by every dispatch in it:
+#   auto    Triton on CUDA (native Triton), torch elsewhere; the experts' grouped GEMM: Triton on CUDA, else
+#           torch._grouped_mm where it has its fast path (CUDA sm90+, bf16), else one matmul per expert
+#   triton  always Triton (on a CPU under the interpreter, slowly, fp32)
+#   torch   torch's ops: the KDA ops of chapters 03-07, torch._grouped_mm for the experts
+#   loop    torch's ops, the experts one matmul each (chapter 01)
+BACKENDS = ("auto", "triton", "torch", "loop")
 
 
-def use_triton(device: torch.device | str, backend: str | None = None) -> bool:
-    """Whether a layer on ``device`` should run the Triton kernels (True) or the torch path (False).
-
-    ``backend`` is ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` (always; on CPU the kernels run
-    under the interpreter, slowly, in fp32) or ``"torch"`` (never). When ``backend`` is None it is read from the
-    environment variable ``K3COURSE_KERNELS`` (default ``"auto"``): the one switch that forces either path.
-    """
+def kernel_backend(backend: str | None = None) -> str:
+    """The kernel backend a model is built with: ``backend``, or when None the environment variable
+    ``K3COURSE_KERNELS`` (default ``"auto"``), checked against :data:`BACKENDS`. Read once, at the build."""
     chosen = backend if backend is not None else os.environ.get("K3COURSE_KERNELS", "auto")
     if chosen not in BACKENDS:
-        raise ValueError(f"backend (or K3COURSE_KERNELS) must be one of {BACKENDS}, got {chosen!r}")
-    if chosen == "torch" or (chosen == "auto" and torch.device(device).type != "cuda"):
+        source = "kernels" if backend is not None else "K3COURSE_KERNELS"
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {chosen!r}")
+    return chosen
+
+
+def use_triton(device: torch.device | str, backend: str) -> bool:
+    """Whether a layer on ``device`` built with the kernel ``backend`` (:func:`kernel_backend`) runs the Triton
+    kernels (True) or torch (False): "auto" on CUDA with native Triton, "triton" always, "torch" / "loop" never."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    chosen = backend
+    if chosen in ("torch", "loop") or (chosen == "auto" and torch.device(device).type != "cuda"):
         return False  # decided without Triton: its mode is chosen only when a kernel could run
     mode = select_triton_mode()
     if mode == "unavailable":

@@ -1,6 +1,7 @@
-"""Floor 3, the layers: token mixers (decayed linear attention, Gated DeltaNet, Kimi Delta Attention, gated MLA)
+"""The layers: token mixers (decayed linear attention, Gated DeltaNet, Kimi Delta Attention, gated MLA)
 and the residual schemes (PreNorm, Full and Block Attention Residuals). Each mixer is
-``forward(x [B, T, D], cache=None) -> (y, cache)`` and calls the ops (floor 1) or the Triton kernels (floor 2).
+``forward(x [B, T, D], cache=None) -> (y, cache)`` and calls the ops or the Triton kernels, on floors below
+(tests/test_floors.py).
 """
 
 from k3course.layers.kda import DecayedLinearAttention, GatedDeltaNet, KDACache, KimiDeltaAttention

@@ -284,17 +284,22 @@ class KimiDeltaAttention(_GatedMixer):
     ``lower_bound=-5.0`` is K3's bounded gate g = −5·σ(e^{A_log}(z + dt_bias)); ``lower_bound=None`` is
     Kimi Linear's g = −e^{A_log}·softplus(z + dt_bias). The defaults are K3's (bounded gate, full-rank output
     gate); Kimi Linear is ``lower_bound=None, output_gate="low_rank"``. ``decay_init``: how the starting decays
-    are laid out over the channels (:data:`DECAY_INITS`; default "across_heads", K3's layer). Other options: see
-    the shared body.
-    On CUDA (or with ``K3COURSE_KERNELS=triton``) the op is chapter 08's Triton kernels, on the same path (``mode``)
+    are laid out over the channels (:data:`DECAY_INITS`; default "across_heads", K3's layer, the one K3Model
+    builds; the others are the research knob of chapter 12's controlled recall runs, which build this layer with
+    them: :data:`k3course.lessons.experiments.CONTROLLED_VARIANTS`). Other options: see the shared body.
+    ``kernels``: the backend (:func:`k3course.kernels.kernel_backend`; None: ``K3COURSE_KERNELS``, default "auto"),
+    chosen here once. On CUDA (or with "triton") the op is chapter 08's Triton kernels, on the same path (``mode``)
     with the same ``chunk_size`` and ``lower_bound``: the chunk kernels, or the fused recurrent kernel (decoding).
     chunk_size must be 16, 32 or 64 on every device (the kernels' tiles).
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, lower_bound: float | None = KDA_LOWER_BOUND,
-                 decay_init: str = "across_heads", **kwargs):
+                 decay_init: str = "across_heads", kernels: str | None = None, **kwargs):
         super().__init__(d_model, n_heads, head_dim, **kwargs)
         check_kda_chunk_size(self.chunk_size)
+        from k3course.kernels import kernel_backend  # imported here: the attention ops do not depend on the kernels
+
+        self.kernels = kernel_backend(kernels)
         if lower_bound is not None and not lower_bound < 0:
             raise ValueError(f"lower_bound must be None or a negative number, got {lower_bound!r}")
         self.lower_bound = lower_bound
@@ -324,7 +329,7 @@ class KimiDeltaAttention(_GatedMixer):
             return part("kda_chunk", kda_chunk)(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                                                 chunk_size=self.chunk_size, lower_bound=self.lower_bound,
                                                 allow_neg_eigval=self.allow_neg_eigval)
-        if use_triton(q.device) and not self.allow_neg_eigval:  # the chapter 08 kernels
+        if use_triton(q.device, self.kernels) and not self.allow_neg_eigval:  # the chapter 08 kernels
             from k3course.kernels.kda import kda_triton
 
             return kda_triton(q, k, v, g, beta, initial_state, chunked=chunked, chunk_size=self.chunk_size,

@@ -306,7 +306,8 @@ class GatedMLA(nn.Module):
     ``DECODE_TOKENS`` new tokens (decoding) and the naive form otherwise; True / False force one (the same
     numbers). ``max_cache_len`` (optional) bounds the cache length. ``use_rope`` rotates the rope dims by
     ``rope_theta`` (:func:`rope_rotate`: ``rope_interleaved`` pairs, ``yarn`` scaling, whose score gain also
-    multiplies the softmax scale); ``eps``: ε of the q and latent RMSNorms (1e-6 in K3, DeepSeek-V3 and Kimi Linear).
+    multiplies the softmax scale); ``eps``: ε of the q and latent RMSNorms
+    (the config's ``norm_eps``: 1e-5 in K3 and Kimi Linear, 1e-6 in DeepSeek-V3).
     ``sdpa`` (default) runs the naive path's attention through torch's fused ``scaled_dot_product_attention``
     (:func:`attend_sdpa`); False runs the written-out softmax (:func:`attend_softmax`), the lesson's rung. The
     absorbed path always uses the written-out softmax: it serves decoding, a few queries per step against the
@@ -366,12 +367,13 @@ class GatedMLA(nn.Module):
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> GatedMLA:
-        """The MLA layer of a :class:`k3course.config.K3Config` (its mla_*, *_rank and rope_* fields)."""
+        """The MLA layer of a :class:`k3course.config.K3Config` (its mla_*, *_rank and rope_* fields; its q and
+        latent RMSNorms take ``norm_eps``)."""
         sizes = dict(d_model=cfg.d_model, n_heads=cfg.mla_n_heads, q_lora_rank=cfg.q_lora_rank,
                      kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
                      qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, gated=cfg.mla_gated,
                      use_rope=cfg.mla_rope, rope_theta=cfg.rope_theta, rope_interleaved=cfg.rope_interleaved,
-                     yarn=YaRN.from_config(cfg) if cfg.mla_rope else None)
+                     yarn=YaRN.from_config(cfg) if cfg.mla_rope else None, eps=cfg.norm_eps)
         return cls(**{**sizes, **overrides})
 
     # --- the pieces ---------------------------------------------------------------------------------------

@@ -15,8 +15,11 @@ BlockAttnRes  outputs are grouped into blocks of ``block_size`` sub-layers, each
               block_size 1 is FullAttnRes; one block covering the stack mixes just v_0 and Σ v_i.
 
 Pseudo-queries w (one per sub-layer plus one final aggregation: K3 has two per decoder layer and one before
-the output norm) start at zero, so every read starts as a uniform average over its sources. Keys are a
-parameter-free RMSNorm of the sources (a learned norm weight would only rescale w); no 1/√d.
+the output norm) start at zero, so every read starts as a uniform average over its sources. Keys are an RMSNorm of
+the sources, no 1/√d. With ``key_weight`` each read also has a learned key-norm weight g (K3's release: the
+``*_res_norm`` tensors), starting at ones and not decayed, like every norm weight: the logit w·(g ⊙ RMSNorm(v)) equals
+(w ⊙ g)·RMSNorm(v), so it changes the parameters and their training, not what a read can compute. Without it the
+keys are parameter-free (the course's presets as trained).
 With ``record=True`` a stream keeps the depth-attention weights of each read, for plotting.
 """
 
@@ -170,17 +173,26 @@ class _StandardStream(_Stream):
         return self.hidden
 
 
+def _add_queries(scheme: nn.Module, key_weight: bool) -> None:
+    """The depth-attention parameters of ``scheme``: ``queries`` [n_sublayers + 1, d_model] at zero and, with
+    ``key_weight``, ``key_norms`` of the same shape at one (both without weight decay); else ``key_norms`` None."""
+    shape = (scheme.n_sublayers + 1, scheme.d_model)
+    scheme.queries = no_weight_decay(nn.Parameter(torch.zeros(shape)))
+    scheme.key_norms = no_weight_decay(nn.Parameter(torch.ones(shape))) if key_weight else None
+
+
 class FullAttnRes(nn.Module):
     """Full Attention Residuals: each read attends over the embedding and every earlier sub-layer output.
 
-    queries: [n_sublayers + 1, d_model], zero at init (row n_sublayers is the final aggregation).
+    queries: [n_sublayers + 1, d_model], zero at init (row n_sublayers is the final aggregation); key_norms (with
+    ``key_weight``): the key-norm weight of each read, same shape, one at init.
     """
 
-    def __init__(self, n_sublayers: int, d_model: int, eps: float = NORM_EPS):
+    def __init__(self, n_sublayers: int, d_model: int, eps: float = NORM_EPS, key_weight: bool = False):
         super().__init__()
         _check_sizes(n_sublayers, d_model)
         self.n_sublayers, self.d_model, self.eps = n_sublayers, d_model, eps
-        self.queries = no_weight_decay(nn.Parameter(torch.zeros(n_sublayers + 1, d_model)))
+        _add_queries(self, key_weight)
 
     def begin(self, embedding: torch.Tensor, record: bool = False) -> _FullStream:
         _check_embedding(embedding, self.d_model)
@@ -199,7 +211,10 @@ class _DepthStream(_Stream):
 
     def _attend(self, index: int) -> torch.Tensor:
         attend = part("depth_attention", depth_attention)  # a learner's, while k3course.parts holds one
-        h, weights = attend(self.scheme.queries[index], self.sources(), self.scheme.eps)
+        query = self.scheme.queries[index]
+        if self.scheme.key_norms is not None:  # w·(g ⊙ RMSNorm(v)) = (w ⊙ g)·RMSNorm(v)
+            query = query * self.scheme.key_norms[index]
+        h, weights = attend(query, self.sources(), self.scheme.eps)
         if self.record:
             self.weights.append(weights.detach())
         return h
@@ -231,16 +246,17 @@ class BlockAttnRes(nn.Module):
 
     block_size counts sub-layers (K3: 12 decoder layers = 24 sub-layers). The partial sum joins the sources
     only once its block has an output, so block_size 1 equals :class:`FullAttnRes`.
-    queries: [n_sublayers + 1, d_model], zero at init.
+    queries: [n_sublayers + 1, d_model], zero at init; key_norms (with ``key_weight``) as in :class:`FullAttnRes`.
     """
 
-    def __init__(self, n_sublayers: int, d_model: int, block_size: int, eps: float = NORM_EPS):
+    def __init__(self, n_sublayers: int, d_model: int, block_size: int, eps: float = NORM_EPS,
+                 key_weight: bool = False):
         super().__init__()
         _check_sizes(n_sublayers, d_model)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int (sub-layers per block), got {block_size!r}")
         self.n_sublayers, self.d_model, self.block_size, self.eps = n_sublayers, d_model, block_size, eps
-        self.queries = no_weight_decay(nn.Parameter(torch.zeros(n_sublayers + 1, d_model)))
+        _add_queries(self, key_weight)
 
     def begin(self, embedding: torch.Tensor, record: bool = False) -> _BlockStream:
         _check_embedding(embedding, self.d_model)
@@ -271,18 +287,20 @@ class _BlockStream(_DepthStream):
 RESIDUAL_KINDS = ("prenorm", "full_attnres", "block_attnres")
 
 
-def make_residual(kind: str, n_sublayers: int, d_model: int, block_size: int | None = None) -> nn.Module:
+def make_residual(kind: str, n_sublayers: int, d_model: int, block_size: int | None = None, eps: float = NORM_EPS,
+                  key_weight: bool = False) -> nn.Module:
     """The residual scheme module of ``kind``, named as ``K3Config.residual`` names it: 'prenorm' (standard
     PreNorm), 'block_attnres' (needs block_size), or 'full_attnres' (the config's 'block_attnres' with block size
-    1, written as its own scheme)."""
+    1, written as its own scheme). The attention schemes' key RMSNorm takes ``eps`` and, with ``key_weight``, a
+    learned weight per read."""
     if kind == "prenorm":
         return StandardResidual(n_sublayers, d_model)
     if kind == "full_attnres":
-        return FullAttnRes(n_sublayers, d_model)
+        return FullAttnRes(n_sublayers, d_model, eps, key_weight)
     if kind == "block_attnres":
         if block_size is None:
             raise ValueError("block_size is needed for kind='block_attnres'")
-        return BlockAttnRes(n_sublayers, d_model, block_size)
+        return BlockAttnRes(n_sublayers, d_model, block_size, eps, key_weight)
     raise ValueError(f"kind must be one of {RESIDUAL_KINDS}, got {kind!r}")
 
 

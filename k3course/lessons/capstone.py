@@ -20,7 +20,7 @@ expert-parallel experts.
     all_to_all        13         the expert-parallel dispatch and combine (on P ranks)
     predicted_tpot    14         the roofline time per output token
 
-The parts the model looks up by name (:data:`k3course.lessons.parts.PARTS`) enter it through
+The parts the model looks up by name (:data:`k3course.lessons.parts.PART_NAMES`) enter it through
 :func:`~k3course.lessons.parts.use_parts`; the others the lesson calls itself.
 """
 
@@ -42,7 +42,11 @@ import torch
 from k3course import checkpoint, data, distributed, train
 from k3course.config import K3Config
 from k3course.device import best_seconds
-from k3course.lessons.parts import PARTS, use_parts
+from k3course.lessons.fit import schedule
+from k3course.lessons.parts import PART_NAMES, use_parts
+from k3course.train.config import read_saved_run, run_corpus
+from k3course.train.generate import load_model
+from k3course.train.step import make_optimizer, rank_shards, train_step
 
 # part -> the exercise notebook (in exercises/ and solutions/) whose function it is
 PART_NOTEBOOKS: dict[str, str] = {
@@ -160,9 +164,9 @@ def your_parts(root: Path | str = "..", folder: str = "exercises") -> list[Part]
 
 
 def model_parts(parts: list[Part]) -> dict[str, Callable]:
-    """{name: function} of the ``parts`` the model looks up by name (:data:`~k3course.lessons.parts.PARTS`), the
+    """{name: function} of the ``parts`` the model looks up by name (:data:`~k3course.lessons.parts.PART_NAMES`), the
     keyword arguments of :func:`~k3course.lessons.parts.use_parts`."""
-    return {part.name: part.function for part in parts if part.name in PARTS}
+    return {part.name: part.function for part in parts if part.name in PART_NAMES}
 
 
 def capstone_config() -> K3Config:
@@ -173,11 +177,14 @@ def capstone_config() -> K3Config:
 def finetune(model: torch.nn.Module, train_step: Callable, lr_factor: Callable, batches: list[list],
              config: train.TrainConfig) -> list[float]:
     """Continue ``model`` for len(``batches``) steps of ``train_step`` (chapter 12's signature), step i on the
-    micro-batches ``batches[i]``: AdamW with ``config``'s rate, betas and weight decay, the rate of step i
-    lr · lr_factor(i, warmup_steps, steps, min_lr_ratio). Returns the loss of each step."""
-    optimizer = torch.optim.AdamW(model.param_groups(config.weight_decay), lr=config.lr, betas=config.betas)
-    factor = lambda step: lr_factor(step, config.warmup_steps, config.steps, config.min_lr_ratio)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    micro-batches ``batches[i]``: AdamW with ``config``'s rate, betas, weight decay and gate_lr_scale, the rate of
+    step i lr · lr_factor(i, warmup_steps, steps, min_lr_ratio) (:func:`k3course.lessons.fit.schedule` with your
+    ``lr_factor``). Your ``train_step`` takes the whole step itself, so this is the one lesson loop that is not
+    :func:`~k3course.lessons.fit.fit`'s. Returns the loss of each step."""
+    groups = model.param_groups(config.weight_decay, config.gate_lr_scale, lr=config.lr)
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
+    scheduler = schedule(optimizer, config.steps, warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio,
+                         lr_factor=lr_factor)
     return [train_step(model, optimizer, scheduler, micro_batches, config.grad_clip)["loss"]
             for micro_batches in batches]
 
@@ -195,11 +202,11 @@ def ship_checkpoint(run: Path | str, out: Path | str = SHIPPED) -> Path:
     uint8 of the run's validation split that its evaluations scored (the split must be the one this machine reads)."""
     folder, out = checkpoint.find_checkpoint(run), Path(out)
     saved = json.loads((folder / "config.json").read_text())
-    corpus = train.run_corpus(train.saved_run_config(folder).run)
+    corpus = run_corpus(read_saved_run(folder).config.run)
     if corpus.meta["key"] != saved["corpus"]["key"]:
         raise ValueError(f"run: {run} was trained on corpus {saved['corpus']['key']}, this machine reads "
                          f"{corpus.meta['key']}")
-    model = train.load_model(folder)
+    model = load_model(folder)
     parameters = {name for name, _ in model.named_parameters()}
     state = {name: tensor.to(SHIPPED_DTYPE) if name in parameters else tensor
              for name, tensor in model.state_dict().items()}
@@ -258,9 +265,9 @@ def _steps_on_rank(rank: int, world_size: int, batches: list[list], config: trai
     """On one rank: the shipped model with expert-parallel experts, trained by the package's step on this rank's
     1/P of every micro-batch of ``batches`` (AdamW and schedule of ``config``), ``parts`` in place."""
     model = distributed.parallelize_experts(shipped_model())
-    optimizer, scheduler = train.make_optimizer(model, config)
+    optimizer, scheduler = make_optimizer(model, config)
     with use_parts(**parts):
-        return [train.train_step(model, optimizer, scheduler, train.rank_shards(micro_batches, rank, world_size),
+        return [train_step(model, optimizer, scheduler, rank_shards(micro_batches, rank, world_size),
                                  config.grad_clip)["loss"] for micro_batches in batches]
 
 

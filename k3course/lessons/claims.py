@@ -14,7 +14,7 @@ latent MoE                    :data:`SMALL`                full-width experts vs
                                                            experts); expert widths solved for equal active FLOPs
 more experts                  :data:`SMALL`                8, 32, 112 routed experts at top-2 (activation 25% → 1.8%)
 
-:func:`run_variant` trains one of them with the package's own training step (:func:`k3course.train.train_step`:
+:func:`run_variant` trains one of them with the package's own training step (:func:`k3course.train.step.train_step`:
 AdamW, warmup + cosine, clipping, the MoE bias update) on the stdlib bytes or on MQAR, and returns its per-step
 losses and max-violations and its final validation number. A run is a function of (config, training settings,
 seed): model initialisation and batches are seeded, so its first steps can be replayed (``stop_after``).
@@ -32,6 +32,8 @@ from k3course.baselines import dense_transformer, solve_width
 from k3course.config import K3Config
 from k3course.data import IGNORE
 from k3course.moe.latent import all_to_all_bytes_per_token, moe_flops_per_token
+from k3course.train.generate import generate_text
+from k3course.train.step import LN2, evaluate
 
 # A K3 with every feature of the tiny preset at half its width: the base of the balancing and MoE claims.
 SMALL = K3Config.preset("tiny").replace(
@@ -210,11 +212,11 @@ def run_variant(cfg: K3Config, settings: train.TrainConfig, seed: int, task: str
         return result
     if task == "text":
         windows = data.eval_windows(corpus.val, settings.seq_len, settings.eval_bytes)
-        result["val_bpb"] = train.evaluate(model, windows, settings.batch_size) / train.LN2
+        result["val_bpb"] = evaluate(model, windows, settings.batch_size) / LN2
     else:
         held_out = data.mqar(MQAR_HELD_OUT, seed=10**9 + seed, **MQAR_TASK)
         result["accuracy"] = recall_accuracy(model, *held_out)
     result["seconds"] = time.perf_counter() - began
     if sample_prompt is not None:
-        result["sample"] = train.generate_text(model, sample_prompt, 200, temperature=0.8, top_k=20, seed=0)
+        result["sample"] = generate_text(model, sample_prompt, 200, temperature=0.8, top_k=20, seed=0)
     return result

@@ -27,7 +27,8 @@ from torch import nn
 from k3course.data import IGNORE
 from k3course.debug import progress_bar
 from k3course.layers.kda import GatedDeltaNet, initial_dt_bias
-from k3course.lessons.recall import RecallModel, fit_cross_entropy, train_recall
+from k3course.lessons.fit import cross_entropy_at, fit
+from k3course.lessons.recall import RecallModel, train_recall
 from k3course.ops.parallel import decay_attention_parallel
 
 
@@ -126,17 +127,13 @@ def train_two_timescales(gate: str, steps: int = 200, batch_size: int = 32, seq_
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = DecayMemory(gate, **model_kwargs)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    losses, start = [], time.perf_counter()
-    for step in range(steps):
+    def loss_at(step: int) -> torch.Tensor:
         inputs, targets = two_timescales(batch_size, seq_len, seed * 10**6 + step, fast_decay)
-        loss = F.mse_loss(model(inputs), targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
+        return F.mse_loss(model(inputs), targets)
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    start = time.perf_counter()
+    losses = fit(optimizer, steps, loss_at, schedule_kind="one_cycle")
     inputs, targets = two_timescales(256, seq_len, 10**9 + seed, fast_decay)
     with torch.no_grad():
         errors = (model(inputs) - targets)[:, seq_len // 4:].square().mean((0, 1))
@@ -269,10 +266,9 @@ def train_segment_recall(mixer: str, steps: int = 250, batch_size: int = 32, n_s
         torch.manual_seed(seed)
         model = forget_model(mixer, vocab_size, **model_kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
     start = time.perf_counter()
-    losses = fit_cross_entropy(model, range(steps), optimizer, schedule,
-                               lambda step: segment_recall(batch_size, seed=seed * 10**6 + step, **task)[:2])
+    batch_at = lambda step: segment_recall(batch_size, seed=seed * 10**6 + step, **task)[:2]
+    losses = fit(optimizer, steps, cross_entropy_at(model, batch_at), schedule_kind="one_cycle")
     accuracy = segment_accuracy(model, *segment_recall(256, seed=10**9 + seed, **task))
     return {"mixer": mixer, "losses": losses, "accuracy": accuracy, "model": model,
             "seconds": time.perf_counter() - start}

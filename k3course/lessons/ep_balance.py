@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from k3course.lessons.fit import fit
 from k3course.moe import MoE
 
 
@@ -23,14 +24,15 @@ def expert_loads(balancing: str, steps: int = 40, d: int = 32, n: int = 32, k: i
     generator = torch.Generator().manual_seed(seed)
     layer = MoE(d, n, k, expert_dim=d // 2, balancing=balancing, generator=generator).train()
     target = torch.randn(d, d, generator=generator) / d**0.5
-    optimizer = torch.optim.Adam(layer.parameters(), lr=3e-3)
     loads = []
-    for _ in range(steps):
+
+    def loss_at(step: int) -> torch.Tensor:
         x = torch.randn(tokens, d, generator=generator) + offset  # a shared offset: some experts are favoured
-        loss = (layer(x) - x @ target).square().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        return (layer(x) - x @ target).square().mean()
+
+    def balance(step: int) -> None:
         loads.append(layer.balancing_statistics()["load"].clone())
         layer.update_bias()
+
+    fit(torch.optim.Adam(layer.parameters(), lr=3e-3), steps, loss_at, schedule_kind="constant", after_step=balance)
     return torch.stack(loads)

@@ -9,15 +9,21 @@ Every rank builds the same layer and the same global batch from the seed and kee
 
 from __future__ import annotations
 
+import atexit
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from k3course import train
-from k3course.distributed import all_to_all, gather_state_dict, parallelize_experts
+from k3course.distributed import all_to_all, gather_state_dict, make_mesh, parallelize, parallelize_experts
+from k3course.distributed.sharded_checkpoint import load_sharded, save_sharded
 from k3course.moe import LatentMoE, MoE
 from k3course.moe.balancing import HISTOGRAM_BINS
+from k3course.train.step import make_optimizer, rank_shards
 
 
 def build_layer(case: dict) -> MoE:
@@ -89,12 +95,25 @@ def run_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
 
 
 def failing(rank: int, world_size: int, how: str) -> None:
-    """A rank that fails: rank 1 raises (how='raise') or never joins the all-reduce the others wait in ('hang')."""
+    """A rank that fails: rank 1 raises (how='raise'), dies in native code ('abort': SIGABRT, as a C++
+    std::terminate does) or never joins the all-reduce the others wait in ('hang')."""
     if rank == 1:
         if how == "raise":
             raise RuntimeError("rank 1 failed on purpose")
+        if how == "abort":
+            os.abort()
         time.sleep(3600)
     dist.all_reduce(torch.ones(1))
+
+
+def threads_at_exit(rank: int, world_size: int, folder: str) -> None:
+    """Make an optimizer (its first use imports torch._dynamo, and with it the torch module that binds the default
+    group as default arguments), then, when this rank's interpreter shuts down (atexit), write the names of the
+    process's native threads to folder/threads_{rank}.txt (Linux: /proc/self/task)."""
+    torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    tasks = Path("/proc/self/task")
+    names = lambda: [(tasks / task / "comm").read_text().strip() for task in sorted(os.listdir(tasks))]
+    atexit.register(lambda: (Path(folder) / f"threads_{rank}.txt").write_text("\n".join(names())))
 
 
 def expert_parallel_steps(rank: int, world_size: int, case: dict) -> dict:
@@ -108,6 +127,66 @@ def expert_parallel_steps(rank: int, world_size: int, case: dict) -> dict:
                             model_factory=in_dtype)
     records = [stepper() for _ in range(train_config.steps)]
     return {"records": records, "state": gather_state_dict(stepper.model)}
+
+
+def sharded_steps(rank: int, world_size: int, case: dict) -> dict:
+    """:func:`expert_parallel_steps` on a 2-D mesh: the model sharded by :func:`k3course.distributed.parallelize`
+    over ``case["mesh"]`` = (dp_shard, ep), each rank reading its 1/N of every micro-batch. Returns the per-step
+    records, the gathered single-process state dict and "idle_expert": per step, whether some expert received
+    no token-slot from this rank in it (read before the bias update)."""
+    model_config, train_config = case["model"], case["train"]
+    mesh = make_mesh(*case["mesh"])
+    sharded = lambda config, seed, device: parallelize(
+        train.build_model(config, seed, device).to(case.get("dtype", torch.float32)), mesh)
+    stepper = train.Stepper(model_config, train_config,
+                            lambda step: rank_shards(case["batches"][step], rank, world_size),
+                            model_factory=sharded)
+    idle = []
+    stepper.optimizer.register_step_pre_hook(lambda *_: idle.append(any(
+        bool((moe.balancing_statistics()["load"] == 0).any()) for moe in stepper.model.moe_layers())))
+    records = [stepper() for _ in range(train_config.steps)]
+    return {"records": records, "state": gather_state_dict(stepper.model), "idle_expert": idle}
+
+
+def bytes_held(rank: int, world_size: int, case: dict) -> dict[str, int]:
+    """One step of :func:`sharded_steps` on ``case["mesh"]``, then what this rank holds, measured: {"weights",
+    "gradients" (the step's, kept: not zeroed), "optimizer" (AdamW's moments)} in bytes of its local shards."""
+    model_config, train_config = case["model"], case["train"]
+    mesh = make_mesh(*case["mesh"])
+    model = parallelize(train.build_model(model_config, train_config.seed), mesh)
+    optimizer, scheduler = make_optimizer(model, train_config)
+    inputs, targets = rank_shards(case["batches"][0], rank, world_size)[0]
+    model(inputs, targets=targets)[1].backward()
+    local = lambda tensor: tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    nbytes = lambda tensors: sum(local(t).numel() * t.element_size() for t in tensors)
+    held = {"weights": nbytes(model.parameters()), "gradients": nbytes(p.grad for p in model.parameters())}
+    optimizer.step()
+    held["optimizer"] = nbytes(optimizer.state[p][key] for p in model.parameters() for key in ("exp_avg", "exp_avg_sq"))
+    return held
+
+
+def checkpointed_steps(rank: int, world_size: int, case: dict) -> dict:
+    """:func:`sharded_steps` that may start from a sharded checkpoint (``case["load"]``: its folder, written on
+    any mesh) and write one after step ``case["save_at"]`` into ``case["out"]``; trains to ``case["train"].steps``.
+    Returns the gathered single-process state dict at the end."""
+    model_config, train_config = case["model"], case["train"]
+    mesh = make_mesh(*case["mesh"])
+    sharded = lambda config, seed, device: parallelize(
+        train.build_model(config, seed, device).to(case.get("dtype", torch.float32)), mesh)
+    stepper = train.Stepper(model_config, train_config,
+                            lambda step: rank_shards(case["batches"][step], rank, world_size),
+                            model_factory=sharded)
+    if case.get("load"):
+        saved = load_sharded(case["load"], stepper.model, stepper.optimizer, mesh,
+                             {"scheduler": stepper.scheduler.state_dict(), "step": 0})
+        stepper.scheduler.load_state_dict(saved["scheduler"])
+        stepper.steps_taken = saved["step"]
+    while stepper.steps_taken < train_config.steps:
+        stepper()
+        if stepper.steps_taken == case.get("save_at"):
+            save_sharded(case["out"], stepper.steps_taken, stepper.model, stepper.optimizer, mesh,
+                         {"scheduler": stepper.scheduler.state_dict(), "step": stepper.steps_taken})
+    return gather_state_dict(stepper.model)
 
 
 def exchange_labels(rank: int, world_size: int, counts: list[list[int]]) -> list[tuple[int, int]]:

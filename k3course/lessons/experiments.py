@@ -54,7 +54,6 @@ import dataclasses
 import functools
 import json
 import multiprocessing
-import platform
 import sys
 import time
 from pathlib import Path
@@ -62,20 +61,20 @@ from pathlib import Path
 import torch
 
 from k3course import accounting
-from k3course.config import K3Config
+from k3course.config import K3Config, from_saved_fields
 from k3course.data import mqar
-from k3course.device import interleaved_best_seconds, keep_freed_memory, on_cuda
+from k3course.device import interleaved_best_seconds, keep_freed_memory, machine, on_cuda
 from k3course.lessons import claims, tuning
+from k3course.lessons.fit import cross_entropy_at, fit
 from k3course.lessons.recall import (
     MIXERS,
     RecallModel,
     decay_ranges,
-    fit_cross_entropy,
     recall_accuracy,
     recall_by_pair,
 )
 from k3course.params import param_groups
-from k3course.train import TrainConfig, lr_factor
+from k3course.train import TrainConfig
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 MQAR_SETTINGS = dict(steps=300, batch_size=16, lr=5e-3, warmup_steps=30, d_model=32, n_heads=2, seeds=(0, 1, 2))
@@ -96,31 +95,31 @@ def torch_threads(count: int):
         torch.set_num_threads(before)
 
 
-def recall_run(mixer: str, seed: int, steps: int, batch_size: int, lr: float, warmup_steps: int, d_model: int,
-               n_heads: int, stop_after: int | None = None, n_pairs: int = claims.MQAR_TASK["n_pairs"],
-               gate_lr_scale: float = 1.0, **kda_options) -> dict:
-    """Train a :class:`RecallModel` with ``mixer`` (KDA: with ``kda_options``, decay_init and lower_bound) on
-    :data:`k3course.lessons.claims.MQAR_TASK` with ``n_pairs`` pairs; {"losses", "accuracy", "accuracy_by_pair"
-    (:func:`~k3course.lessons.recall.recall_by_pair`), "starting_decays" (:meth:`RecallModel.starting_decays`),
-    "seconds"}.
+def recall_run(mixer: str, settings: TrainConfig, d_model: int, n_heads: int, *,
+               n_pairs: int = claims.MQAR_TASK["n_pairs"], stop_after: int | None = None, **kda_options) -> dict:
+    """Train a :class:`RecallModel` with ``mixer`` (KDA: with ``kda_options``, decay_init and lower_bound) of
+    ``n_heads`` heads and width ``d_model`` on :data:`k3course.lessons.claims.MQAR_TASK` with ``n_pairs`` pairs;
+    {"losses", "accuracy", "accuracy_by_pair" (:func:`~k3course.lessons.recall.recall_by_pair`), "starting_decays"
+    (:meth:`RecallModel.starting_decays`), "seconds"}.
 
-    AdamW (no weight decay) at lr · f(step), f = :func:`k3course.train.lr_factor` (warmup, cosine to 0.1), the
-    forget gates' parameters at ``gate_lr_scale`` × that (:func:`k3course.params.param_groups`);
-    batch ``step`` is ``mqar(..., seed=seed·10⁶ + step)``; accuracy on 256 held-out sequences (seed 10⁹ + seed).
-    ``stop_after`` ends the run early without changing any earlier step (for replaying a saved run).
+    From ``settings`` (:func:`recall_settings`) it reads the seed, steps, batch_size, lr, warmup_steps,
+    min_lr_ratio and gate_lr_scale: :func:`k3course.lessons.fit.fit` with AdamW (torch's betas, no weight decay,
+    no clipping) at lr · f(step), f the package's warmup + cosine, the forget gates' parameters at
+    ``gate_lr_scale`` × that (:func:`k3course.params.param_groups`); batch ``step`` is ``mqar(..., seed=seed·10⁶ +
+    step)``; accuracy on 256 held-out sequences (seed 10⁹ + seed). ``stop_after`` ends the run early without
+    changing any earlier step (for replaying a saved run).
     """
-    task = {**claims.MQAR_TASK, "n_pairs": n_pairs}
+    task, seed = {**claims.MQAR_TASK, "n_pairs": n_pairs}, settings.seed
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = RecallModel(task["vocab_size"], mixer, d_model=d_model, n_heads=n_heads, **kda_options)
     starting_decays = model.starting_decays()
-    groups = param_groups(model.parameters(), weight_decay=0.0, gate_lr_scale=gate_lr_scale, lr=lr)
-    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
-    factor = functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=steps, min_lr_ratio=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    groups = param_groups(model.parameters(), weight_decay=0.0, gate_lr_scale=settings.gate_lr_scale, lr=settings.lr)
+    optimizer = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=0.0)
     began = time.perf_counter()
-    losses = fit_cross_entropy(model, range(steps if stop_after is None else stop_after), optimizer, scheduler,
-                               lambda step: mqar(batch_size, seed=seed * 10**6 + step, **task))
+    batch_at = lambda step: mqar(settings.batch_size, seed=seed * 10**6 + step, **task)
+    losses = fit(optimizer, settings.steps, cross_entropy_at(model, batch_at), warmup_steps=settings.warmup_steps,
+                 min_lr_ratio=settings.min_lr_ratio, stop_after=stop_after)
     held_out = mqar(claims.MQAR_HELD_OUT, seed=10**9 + seed, **task)
     return {"losses": losses, "accuracy": recall_accuracy(model, *held_out),
             "accuracy_by_pair": recall_by_pair(model, *held_out, n_pairs), "starting_decays": starting_decays,
@@ -135,8 +134,8 @@ def mqar_mixers(steps: int, batch_size: int, lr: float, warmup_steps: int, d_mod
     with torch_threads(1):
         for mixer in MIXERS:
             for seed in seeds:
-                runs.append({"mixer": mixer, "seed": seed,
-                             **recall_run(mixer, seed, steps, batch_size, lr, warmup_steps, d_model, n_heads)})
+                settings = recall_settings(steps, batch_size, warmup_steps).replace(lr=lr, seed=seed)
+                runs.append({"mixer": mixer, "seed": seed, **recall_run(mixer, settings, d_model, n_heads)})
                 print(f"mqar-mixers: {mixer}, seed {seed}: {runs[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
     return {"task": claims.MQAR_TASK, "torch_threads": 1, "runs": runs}
 
@@ -157,8 +156,9 @@ def solved_seeds(runs: list[dict], mixer: str, solved: float) -> int:
 def cell_run(cell: dict, mixer: str, seed: int, batch_size: int, lr: float, warmup_steps: int, n_heads: int,
              stop_after: int | None = None) -> dict:
     """One :func:`recall_run` of a sweep cell {"steps", "n_pairs", "head_dim"}: {"mixer", "seed", ...run}."""
-    run = recall_run(mixer, seed, cell["steps"], batch_size, lr, warmup_steps, n_heads * cell["head_dim"], n_heads,
-                     stop_after, cell["n_pairs"])
+    settings = recall_settings(cell["steps"], batch_size, warmup_steps).replace(lr=lr, seed=seed)
+    run = recall_run(mixer, settings, n_heads * cell["head_dim"], n_heads, n_pairs=cell["n_pairs"],
+                     stop_after=stop_after)
     return {"mixer": mixer, "seed": seed, **run}
 
 
@@ -229,7 +229,7 @@ MQAR_CONTROLLED = dict(steps=1500, n_pairs=20, head_dim=16, n_heads=2, batch_siz
 MQAR_CONTROLLED_8 = {**MQAR_CONTROLLED, "head_dim": 8}
 
 
-def recall_settings(steps: int, batch_size: int, warmup_steps: int, gate_lr_scale: float) -> TrainConfig:
+def recall_settings(steps: int, batch_size: int, warmup_steps: int, gate_lr_scale: float = 1.0) -> TrainConfig:
     """The training settings of a recall run as a TrainConfig (lr left at its default: the tuning sets it), for
     :func:`k3course.lessons.tuning.tuning_settings`."""
     return TrainConfig(steps=steps, batch_size=batch_size, seq_len=claims.MQAR_TASK["seq_len"], weight_decay=0.0,
@@ -250,8 +250,8 @@ def controlled_run(variant: str, settings: TrainConfig, n_pairs: int, head_dim: 
     gate_lr_scale, seed) in heads of ``head_dim`` channels."""
     options = dict(CONTROLLED_VARIANTS[variant])
     mixer = options.pop("mixer")
-    return recall_run(mixer, settings.seed, settings.steps, settings.batch_size, settings.lr, settings.warmup_steps,
-                      n_heads * head_dim, n_heads, stop_after, n_pairs, settings.gate_lr_scale, **options)
+    return recall_run(mixer, settings, n_heads * head_dim, n_heads, n_pairs=n_pairs, stop_after=stop_after,
+                      **options)
 
 
 def mqar_controlled(steps: int, n_pairs: int, head_dim: int, n_heads: int, batch_size: int, warmup_steps: int,
@@ -488,17 +488,18 @@ def equal_time_steps(step_seconds: dict[str, float], slower: str, faster: str, s
 
 def train_config(train: dict) -> TrainConfig:
     """The TrainConfig of a settings dict (as saved in JSON: lists back to tuples)."""
-    return TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in train.items()})
+    return from_saved_fields(TrainConfig, train)
 
 
 def summarise_run(out: Path, prompt: str = "def ", max_new_tokens: int = 300) -> dict:
     """What a finished ``k3course train`` run in ``out`` shows: its metrics, the corpus it read, the baselines of
     that corpus, and a sample from its last checkpoint (temperature 0.8, top-k 20, seed 0)."""
-    from k3course import checkpoint, data, train
+    from k3course import checkpoint, data
+    from k3course.train.generate import generate_text, load_model
 
     corpus = data.stdlib_corpus()
-    model = train.load_model(out)
-    sample = train.generate_text(model, prompt, max_new_tokens, temperature=0.8, top_k=20, seed=0)
+    model = load_model(out)
+    sample = generate_text(model, prompt, max_new_tokens, temperature=0.8, top_k=20, seed=0)
     return {"metrics": checkpoint.read_metrics(out),
             "corpus": {"key": corpus.meta["key"], "python": corpus.meta["python"], "splits": corpus.meta["splits"]},
             "baselines": data.baselines(corpus), "prompt": prompt, "sample": sample,
@@ -510,10 +511,11 @@ def tiny_default() -> dict:
     import tempfile
 
     from k3course import train
+    from k3course.train.config import train_preset
 
     with tempfile.TemporaryDirectory() as folder:
         began = time.perf_counter()
-        train.train_command("tiny", out=Path(folder) / "run", progress=False)
+        train.train(train.RunConfig(*train_preset("tiny")), Path(folder) / "run", progress=False)
         return {**summarise_run(Path(folder) / "run"), "train_seconds": time.perf_counter() - began}
 
 
@@ -572,15 +574,6 @@ def budget_settings(name: str, budget: str = "default") -> dict:
     if name not in GPU_CLAIMS:
         raise ValueError(f"budget: {name} has no GPU budget; the claims with one are {', '.join(GPU_CLAIMS)}")
     return {**settings, "train": dataclasses.asdict(GPU_TEXT_TRAIN), "device": "cuda", "lr_grid": tuning.LR_GRID}
-
-
-def machine() -> str:
-    """The CPU and the kernel set ATen dispatches to, e.g. "AMD EPYC / AVX2": float sums depend on both."""
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-             if line.startswith("model name")] if cpuinfo.exists() else []
-    return f"{names[0] if names else platform.processor() or platform.machine()} / " \
-           f"{torch.backends.cpu.get_cpu_capability()}"
 
 
 def load(name: str) -> dict:

@@ -4,6 +4,9 @@ The one lesson that uses transformers (the ``oracle`` extra, imported inside the
 
     tiny_kimi_linear, tiny_deepseek_v3   a tiny random model built and saved by transformers (with a character
                                          tokenizer saved beside it), returned with its folder
+    tiny_k3, with_mxfp4_experts          a tiny random K3Model saved in the released K3 layout (bf16, or MXFP4
+                                         routed experts), and the model those MXFP4 experts dequantize to
+    beside_the_release                   a K3 folder's text_config next to the released K3's, key by key
     relative_error                       max |ours − theirs| / max |theirs|
     cached_decode_logits                 transformers' logits from a prefill, then one token at a time through its cache
     decode_needs                         what a preset needs to decode: bf16 weights, FLOPs and weight bytes per token
@@ -22,9 +25,12 @@ from pathlib import Path
 
 import torch
 
-from k3course import accounting
+from k3course import accounting, layout
 from k3course.config import K3Config
+from k3course.model import K3Model
+from k3course.pretrained import read_json_object
 from k3course.pretrained_generation import import_transformers
+from k3course.pretrained_save import kimi_k3_config
 
 # A tiny model's sizes, in transformers' config keys (shared by both model types)
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=2,
@@ -146,6 +152,65 @@ def tiny_deepseek_v3(path: Path | str, seed: int = 0) -> tuple[torch.nn.Module, 
         first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=64, rope_parameters=yarn))
     torch.manual_seed(seed)
     return _saved(hf.DeepseekV3ForCausalLM(config), path, seed + 1)
+
+
+# The tiny preset as the released K3 layout stores it: ε 1e-5 in every norm, learned AttnRes key-norm weights
+TINY_K3 = K3Config.preset("tiny").replace(name="tiny-k3", norm_eps=1e-5, kda_norm_eps=1e-5, attnres_key_weight=True)
+
+
+@torch.no_grad()
+def tiny_k3(path: Path | str, seed: int = 0, mxfp4: bool = False, cfg: K3Config = TINY_K3) -> tuple[K3Model, Path]:
+    """A tiny K3Model (``cfg``) with seeded random weights far from their start (:func:`randomize`; MoE selection
+    biases N(0, 0.05²)) rounded to bf16, saved in ``path`` in the released K3 layout (``save_pretrained(layout=
+    "kimi_k3")``: bf16, or routed experts in MXFP4 with ``mxfp4``). Returns (the model in eval mode, path): the
+    bf16 folder holds exactly its weights."""
+    torch.manual_seed(seed)
+    model = K3Model.from_config(cfg)
+    randomize(model, seed + 1)
+    generator = torch.Generator().manual_seed(seed + 2)
+    for moe in model.moe_layers():
+        moe.bias.copy_(0.05 * torch.randn(moe.bias.shape, generator=generator))
+    for param in model.parameters():
+        param.copy_(param.bfloat16())
+    model.save_pretrained(path, layout="kimi_k3", mxfp4=mxfp4)
+    return model.eval(), Path(path)
+
+
+@torch.no_grad()
+def with_mxfp4_experts(model: K3Model) -> K3Model:
+    """``model`` with every routed expert's weights replaced by what their MXFP4 form dequantizes to
+    (:func:`~k3course.layout.pack_mxfp4` then :func:`~k3course.layout.unpack_mxfp4`, each stored matrix
+    [out, in] grouped along ``in``, as the release stores them); the model is changed in place and returned."""
+    for moe in model.moe_layers():
+        for weight in (moe.experts.gate_up, moe.experts.down):  # [E, in, out]: stored transposed, [E, out, in]
+            stored = weight.transpose(1, 2)
+            if weight is moe.experts.gate_up:  # w1 and w3 are two stored matrices of f rows each
+                halves = stored.chunk(2, dim=1)
+                stored = torch.cat([layout.unpack_mxfp4(*layout.pack_mxfp4(half)) for half in halves], dim=1)
+            else:
+                stored = layout.unpack_mxfp4(*layout.pack_mxfp4(stored))
+            weight.copy_(stored.transpose(1, 2))
+    return model
+
+
+def beside_the_release(path: Path | str) -> list[tuple[str, object, object]]:
+    """(key, the folder's value, the released K3's value) for every key of the text_config of a ``kimi_k3``
+    folder, nested linear_attn_config keys as ``linear_attn_config.KEY``; the released values are the
+    ``kimi-k3`` preset's, written by the same table (:func:`~k3course.pretrained_save.kimi_k3_config`)."""
+    ours = _flat(read_json_object(Path(path) / "config.json")["text_config"])
+    released = _flat(kimi_k3_config(K3Config.preset("kimi-k3"))["text_config"])
+    return [(key, ours.get(key), released.get(key)) for key in {**ours, **released}]
+
+
+def _flat(settings: dict, prefix: str = "") -> dict:
+    """A nested dict's leaves as {"outer.inner": value}."""
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[prefix + key] = value
+    return flat
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,7 @@ import torch
 
 from k3course.parts import PART_NAMES, use_parts
 
-PARTS = PART_NAMES  # the swappable parts, by name
-
-__all__ = ["PARTS", "Comparison", "Departure", "compare", "use_parts"]
+__all__ = ["PART_NAMES", "Comparison", "Departure", "compare", "use_parts"]
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3course.data import IGNORE, mqar
 from k3course.layers.kda import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
+from k3course.lessons.fit import cross_entropy_at, fit
 
 MIXERS = {"decayed linear": DecayedLinearAttention, "GDN": GatedDeltaNet, "KDA": KimiDeltaAttention}
 
@@ -82,21 +82,6 @@ def recall_by_pair(model: nn.Module, tokens, targets, n_pairs: int) -> list[floa
     return (hits / counts.clamp(min=1)).tolist()
 
 
-def fit_cross_entropy(model: nn.Module, steps: range, optimizer, scheduler, batch_at) -> list[float]:
-    """One optimizer and scheduler step per step of ``steps`` on the token cross-entropy of
-    ``batch_at(step) -> (tokens [B, T], targets [B, T])`` (targets = IGNORE are skipped); the per-step losses."""
-    losses = []
-    for step in steps:
-        tokens, targets = batch_at(step)
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-    return losses
-
-
 def train_recall(mixer: str, steps: int = 300, batch_size: int = 32, seq_len: int = 64, n_pairs: int = 8,
                  vocab_size: int = 64, lr: float = 3e-3, seed: int = 0, eval_every: int = 0, **model_kwargs) -> dict:
     """Train a :class:`RecallModel` on fresh MQAR batches.
@@ -112,16 +97,11 @@ def train_recall(mixer: str, steps: int = 300, batch_size: int = 32, seq_len: in
         torch.manual_seed(seed)
         model = RecallModel(vocab_size, mixer, **model_kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
     held_out = mqar(256, seq_len, n_pairs, vocab_size, seed=10**9 + seed)
-    losses, history, start = [], [], time.perf_counter()
-    every = eval_every or steps
-    for first in range(0, steps, every):
-        if eval_every:
-            history.append((first, recall_accuracy(model, *held_out)))
-        losses += fit_cross_entropy(model, range(first, min(first + every, steps)), optimizer, schedule,
-                                    lambda step: mqar(batch_size, seq_len, n_pairs, vocab_size,
-                                                      seed=seed * 10**6 + step))
+    history, start = [], time.perf_counter()
+    batch_at = lambda step: mqar(batch_size, seq_len, n_pairs, vocab_size, seed=seed * 10**6 + step)
+    losses = fit(optimizer, steps, cross_entropy_at(model, batch_at), schedule_kind="one_cycle", every=eval_every,
+                 at_every=lambda step: history.append((step, recall_accuracy(model, *held_out))))
     accuracy = recall_accuracy(model, *held_out)
     history.append((steps, accuracy))
     return {"mixer": mixer, "losses": losses, "accuracy": accuracy, "history": history,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3course.layers.residual import make_residual
+from k3course.lessons.fit import fit
 
 
 def markov_table(vocab: int, seed: int, concentration: float = 0.2) -> torch.Tensor:
@@ -130,17 +131,14 @@ def train_toy(residual: str, seed: int, steps: int = 200, vocab: int = 16, d_mod
     table = markov_table(vocab, data_seed)
     torch.manual_seed(seed)
     model = ToyDecoder(vocab, d_model, n_layers, residual, block_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     data = torch.Generator().manual_seed(data_seed + 1)
-    losses = []
-    for _ in range(steps):
+
+    def loss_at(step: int) -> torch.Tensor:  # the batches are drawn in order from ``data``
         inputs, targets, _ = markov_batch(table, batch, length, data)
-        logits, _ = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+        return F.cross_entropy(model(inputs)[0].flatten(0, 1), targets.flatten())
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = fit(optimizer, steps, loss_at, schedule_kind="constant")
     inputs, targets, floor = markov_batch(table, 64, length, torch.Generator().manual_seed(data_seed + 2))
     with torch.no_grad():
         eval_loss = F.cross_entropy(model(inputs)[0][:, 1:].flatten(0, 1), targets[:, 1:].flatten()).item()

@@ -13,8 +13,8 @@ from k3course.moe.balancing import (
                                     switch_aux_loss,
                                     token_cutoffs,
 )
-from k3course.moe.dispatch import grouped_mm, sort_by_expert, unsort
-from k3course.moe.experts import GLUFFN, LocalDispatch, RoutedExperts, situ_glu, swiglu
+from k3course.moe.dispatch import LocalDispatch, grouped_mm, sort_by_expert, unsort
+from k3course.moe.experts import GLUFFN, RoutedExperts, situ_glu, swiglu
 from k3course.moe.latent import all_to_all_bytes_per_token, latent_combine, moe_flops_per_token, rms_norm
 from k3course.moe.layers import LatentMoE, MoE
 from k3course.moe.router import Router

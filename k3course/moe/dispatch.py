@@ -3,8 +3,9 @@
 For m tokens with k experts each there are m·k token-slots; slot s = t·k + i holds token t's i-th expert.
 ``sort_by_expert`` gives the permutation that sorts slots by expert (stable, so tokens stay in order within
 an expert) and each expert's block end; ``grouped_mm`` multiplies every block by its expert's weight;
-``unsort`` applies the inverse permutation. Behind ``grouped_mm``'s ``impl`` switch (the MoE's
-``grouped_mm_impl``) sit a per-expert loop, ``torch._grouped_mm`` and chapter 08's Triton kernel.
+``unsort`` applies the inverse permutation. Behind ``grouped_mm``'s ``impl`` (the model's kernel backend,
+:func:`k3course.kernels.kernel_backend`, resolved by :func:`grouped_mm_path`) sit a per-expert loop,
+``torch._grouped_mm`` and chapter 08's Triton kernel.
 :class:`LocalDispatch` puts the three together: how an MoE reaches its experts when one process holds them all.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from k3course import debug
+from k3course.moe.balancing import quantile_balance_bias
 
 
 def sort_by_expert(expert_idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,28 +118,24 @@ def _loop_backward(ctx, grad_out):
 _grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup_context)
 
 
-GROUPED_MM_IMPLS = ("auto", "loop", "torch")  # what a caller may ask for; "auto" may also resolve to "triton"
+def grouped_mm_path(x_sorted: torch.Tensor, weight: torch.Tensor, kernels: str = "auto") -> str:
+    """Which implementation :func:`grouped_mm` runs for the kernel backend ``kernels``
+    (:data:`k3course.kernels.BACKENDS`): 'triton', 'torch' (``torch._grouped_mm``) or 'loop'.
 
-
-def resolve_grouped_mm_impl(x_sorted: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> str:
-    """Which implementation :func:`grouped_mm` runs: 'triton', 'torch' (``torch._grouped_mm``) or 'loop'.
-
-    impl "loop" or "torch" is taken as asked; "auto" is chapter 08's one-launch Triton kernel where
-    ``k3course.kernels.use_triton`` says so (on CUDA; the environment variable K3COURSE_KERNELS=triton|torch
-    forces either way) and the call is not being traced by ``torch.compile`` (the kernel's grid depends on the
-    block sizes, which dynamo cannot hold as a constant: seen on an H200 with torch 2.11), else torch's grouped
-    GEMM where it has its fast path (CUDA sm90+, bf16), else the loop (an operator of its own, so
-    ``torch.compile`` traces it without a graph break). On CPU (torch 2.13)
-    ``torch._grouped_mm`` runs in fp32 (not bf16), but no faster than the loop, its backward rejects a
-    non-contiguous output gradient, and the compiler's shape rule for it accepts bf16 only: the loop is the CPU path.
+    "loop" and "torch" are taken as asked; "triton" and "auto" are chapter 08's one-launch Triton kernel where
+    :func:`k3course.kernels.use_triton` says so (always for "triton"; on CUDA for "auto") and the call is not
+    being traced by ``torch.compile`` (the kernel's grid depends on the block sizes, which dynamo cannot hold as
+    a constant: seen on an H200 with torch 2.11), else torch's grouped GEMM where it has its fast path (CUDA
+    sm90+, bf16), else the loop (an operator of its own, so ``torch.compile`` traces it without a graph break).
+    On CPU (torch 2.13) ``torch._grouped_mm`` runs in fp32 (not bf16), but no faster than the loop, its backward
+    rejects a non-contiguous output gradient, and the compiler's shape rule for it accepts bf16 only: the loop
+    is the CPU path.
     """
-    if impl not in GROUPED_MM_IMPLS:
-        raise ValueError(f"grouped_mm_impl must be one of {GROUPED_MM_IMPLS}, got {impl!r}")
-    if impl != "auto":
-        return impl
-    from k3course.kernels import use_triton  # imported here: importing it picks native vs interpreter
+    from k3course.kernels import use_triton  # imported here: the dispatch does not depend on the kernels
 
-    if use_triton(x_sorted.device) and not torch.compiler.is_compiling():
+    if kernels in ("loop", "torch"):
+        return kernels
+    if use_triton(x_sorted.device, kernels) and not torch.compiler.is_compiling():
         return "triton"
     return "torch" if _grouped_mm_available(x_sorted, weight) else "loop"
 
@@ -148,15 +146,15 @@ def grouped_mm(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torc
 
     x_sorted [M, d_in] (rows grouped by expert), weight [E, d_in, d_out], group_offsets [E] int32 cumulative
     block ends (the last equals M) -> [M, d_out].
-    impl: "loop" (one matmul per expert), "torch" (``torch._grouped_mm``), or "auto" (see
-    :func:`resolve_grouped_mm_impl`).
+    impl: a kernel backend (:data:`k3course.kernels.BACKENDS`): "loop" (one matmul per expert), "torch"
+    (``torch._grouped_mm``), "triton" or "auto" (see :func:`grouped_mm_path`).
     """
     if x_sorted.dim() != 2 or weight.dim() != 3 or x_sorted.shape[1] != weight.shape[1]:
         raise ValueError(f"x_sorted [M, d_in] and weight [E, d_in, d_out] must agree on d_in, got "
                          f"{tuple(x_sorted.shape)} and {tuple(weight.shape)}")
     if group_offsets.shape != (weight.shape[0],):
         raise ValueError(f"group_offsets must have shape [E] = ({weight.shape[0]},), got {tuple(group_offsets.shape)}")
-    chosen = resolve_grouped_mm_impl(x_sorted, weight, impl)
+    chosen = grouped_mm_path(x_sorted, weight, impl)
     if chosen == "triton":
         from k3course.kernels.grouped_gemm import moe_grouped_gemm
 
@@ -164,3 +162,34 @@ def grouped_mm(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torc
     if chosen == "torch":
         return torch._grouped_mm(x_sorted, weight, offs=group_offsets.to(torch.int32))
     return _grouped_mm_loop(x_sorted, weight, group_offsets)
+
+
+class LocalDispatch:
+    """How an :class:`~k3course.moe.MoE` reaches its routed experts when this process holds all of them (the
+    default).
+
+    Three methods, the contract every dispatcher keeps (:class:`k3course.distributed.AllToAllDispatch` keeps it
+    with the experts spread over ranks):
+
+        expert_outputs(experts, z, expert_idx)   E_{idx_ti}(z_t) for every token-slot: sort, bank, unsort
+        pool_counts(tokens, load)                (M, load) of all tokens: here this process's own
+        quantile_bias(scores, bias, k, tokens)   the quantile step on the scores of all M = tokens: here exact
+    """
+
+    def expert_outputs(self, experts: torch.nn.Module, z: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
+        """E_{idx_ti}(z_t) for every token-slot, by sort-based dispatch through the bank ``experts``
+        (:class:`~k3course.moe.experts.RoutedExperts`). z [m, w], expert_idx [m, k] -> [m, k, w]."""
+        m, k = expert_idx.shape
+        order, group_offsets = sort_by_expert(expert_idx, experts.gate_up.shape[0])  # [m k], [n]
+        z_sorted = z.index_select(0, order // k)  # [m k, w]: row r is the token of slot order[r]
+        out_sorted = experts(z_sorted, group_offsets)  # [m k, w]
+        return unsort(out_sorted, order).view(m, k, z.shape[1])  # back in token order
+
+    def pool_counts(self, tokens: int, load: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(M, load [n]) over all tokens: on one process the recorded ones, unchanged."""
+        return tokens, load
+
+    def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int, tokens: int) -> torch.Tensor:
+        """:func:`~k3course.moe.quantile_balance_bias` on the scores [M, n] of all tokens (here M = ``tokens``
+        are all on this process) -> new bias [n]."""
+        return quantile_balance_bias(scores, bias, k)

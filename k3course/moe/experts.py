@@ -1,5 +1,5 @@
-"""Expert FFNs: the gated activations (SwiGLU, K3's SiTU-GLU), a dense GLU FFN (the shared experts), a bank of
-routed experts, and :class:`LocalDispatch`, how an MoE reaches that bank on one process."""
+"""Expert FFNs: the gated activations (SwiGLU, K3's SiTU-GLU), a dense GLU FFN (the shared experts) and a bank of
+routed experts (:class:`~k3course.moe.dispatch.LocalDispatch` is how an MoE reaches that bank on one process)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,10 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from k3course.debug import profiler_range
-from k3course.moe.balancing import quantile_balance_bias
 from k3course.moe.dispatch import (
-    GROUPED_MM_IMPLS,
     expert_blocks,
     grouped_mm,
-    resolve_grouped_mm_impl,
-    sort_by_expert,
-    unsort,
+    grouped_mm_path,
 )
 from k3course.params import residual_output
 
@@ -135,18 +131,19 @@ class RoutedExperts(nn.Module):
     For the rows r of expert j: out[r] = act(x[r] W_g[j], x[r] W_u[j]) W_d[j].
     The gate and up weights sit side by side, gate_up [n, d_in, 2h] = [W_g | W_u], so one grouped GEMM computes
     both; down [n, h, d_in]. forward(x_sorted [M, d_in], group_offsets [n]) -> [M, d_in].
-    grouped_mm_impl: 'auto' | 'loop' | 'torch', how the grouped products run
-    (:func:`~k3course.moe.dispatch.resolve_grouped_mm_impl`).
+    kernels: the kernel backend of the grouped products (:func:`k3course.kernels.kernel_backend`; None:
+    ``K3COURSE_KERNELS``, default "auto"), chosen here once; each forward resolves it once to a path
+    (:func:`~k3course.moe.dispatch.grouped_mm_path`).
     """
 
     def __init__(self, n: int, d_in: int, hidden: int, activation: str = "swiglu",
-                 generator: torch.Generator | None = None, grouped_mm_impl: str = "auto",
+                 generator: torch.Generator | None = None, kernels: str | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
-        if grouped_mm_impl not in GROUPED_MM_IMPLS:
-            raise ValueError(f"grouped_mm_impl must be one of {GROUPED_MM_IMPLS}, got {grouped_mm_impl!r}")
+        from k3course.kernels import kernel_backend  # imported here: the MoE does not depend on the kernels
+
         self.act = activation_fn(activation)
-        self.hidden, self.grouped_mm_impl = hidden, grouped_mm_impl
+        self.hidden, self.kernels = hidden, kernel_backend(kernels)
         self.gate_up = init_weight((n, d_in, 2 * hidden), d_in, generator, device)
         self.down = residual_output(init_weight((n, hidden, d_in), hidden, generator, device))
 
@@ -163,8 +160,8 @@ class RoutedExperts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         with profiler_range("moe.experts"):  # the expert bank's stage, for k3course bench moe
             # eager on a CPU: expert by expert; compiled (or another implementation): two grouped products
-            impl = self.grouped_mm_impl
-            if resolve_grouped_mm_impl(x_sorted, self.gate_up, impl) == "loop" and not torch.compiler.is_compiling():
+            impl = grouped_mm_path(x_sorted, self.gate_up, self.kernels)  # once: both products take it
+            if impl == "loop" and not torch.compiler.is_compiling():
                 return self._expert_by_expert(x_sorted, group_offsets)
             gate_up = grouped_mm(x_sorted, self.gate_up, group_offsets, impl)  # [M, 2h]
             gate, up = gate_up.split(self.hidden, dim=-1)
@@ -181,33 +178,3 @@ class RoutedExperts(nn.Module):
             gate, up = (rows @ gate_up[expert]).split(self.hidden, dim=-1)  # [rows, h] each
             blocks.append(self.act(gate, up) @ down[expert])  # [rows, d_in]
         return torch.cat(blocks) if blocks else x_sorted.new_zeros(0, self.down.shape[2])
-
-
-class LocalDispatch:
-    """How an :class:`~k3course.moe.MoE` reaches its routed experts when this process holds all of them (the
-    default).
-
-    Three methods, the contract every dispatcher keeps (:class:`k3course.distributed.AllToAllDispatch` keeps it
-    with the experts spread over ranks):
-
-        expert_outputs(experts, z, expert_idx)   E_{idx_ti}(z_t) for every token-slot: sort, bank, unsort
-        pool_counts(tokens, load)                (M, load) of all tokens: here this process's own
-        quantile_bias(scores, bias, k, tokens)   the quantile step on the scores of all M = tokens: here exact
-    """
-
-    def expert_outputs(self, experts: RoutedExperts, z: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
-        """E_{idx_ti}(z_t) for every token-slot, by sort-based dispatch. z [m, w], expert_idx [m, k] -> [m, k, w]."""
-        m, k = expert_idx.shape
-        order, group_offsets = sort_by_expert(expert_idx, experts.gate_up.shape[0])  # [m k], [n]
-        z_sorted = z.index_select(0, order // k)  # [m k, w]: row r is the token of slot order[r]
-        out_sorted = experts(z_sorted, group_offsets)  # [m k, w]
-        return unsort(out_sorted, order).view(m, k, z.shape[1])  # back in token order
-
-    def pool_counts(self, tokens: int, load: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(M, load [n]) over all tokens: on one process the recorded ones, unchanged."""
-        return tokens, load
-
-    def quantile_bias(self, scores: torch.Tensor, bias: torch.Tensor, k: int, tokens: int) -> torch.Tensor:
-        """:func:`~k3course.moe.quantile_balance_bias` on the scores [M, n] of all tokens (here M = ``tokens``
-        are all on this process) -> new bias [n]."""
-        return quantile_balance_bias(scores, bias, k)

@@ -30,7 +30,8 @@ from torch import nn
 from k3course.debug import profiler_range
 from k3course.moe.balancer import Balancer, keep_fp32
 from k3course.moe.balancing import AUX_LOSS_WEIGHT, SIGN_RULE_STEP
-from k3course.moe.experts import GLUFFN, LocalDispatch, RoutedExperts, init_weight
+from k3course.moe.dispatch import LocalDispatch
+from k3course.moe.experts import GLUFFN, RoutedExperts, init_weight
 from k3course.moe.latent import latent_combine
 from k3course.moe.router import Router
 from k3course.ops.norm import NORM_EPS
@@ -47,7 +48,7 @@ class MoE(nn.Module):
     the weights; renormalize: weights over the chosen k sum to 1 (else the raw scores); n_expert_groups,
     topk_groups: group-limited routing (:func:`~k3course.moe.routing.group_limited`, 1 and 1: none);
     balancing 'quantile' | 'sign' | 'aux_loss' | 'none' (K3Config's); gamma: the sign rule's step; aux_alpha:
-    the aux loss weight; grouped_mm_impl 'auto' | 'loop' | 'torch' (the experts' grouped GEMM); device: where
+    the aux loss weight; kernels: the experts' kernel backend (:func:`k3course.kernels.kernel_backend`); device: where
     the weights live (``"meta"``: shapes only, instant even at K3 size). x [..., d_model] -> y [..., d_model];
     zero tokens give an empty y. The names are :class:`k3course.config.K3Config`'s (:meth:`from_config`).
 
@@ -72,7 +73,7 @@ class MoE(nn.Module):
                  expert_dim: int | None = None, latent_dim: int | None = None, router_score: str = "sigmoid",
                  activation: str = "swiglu", route_scale: float = 1.0, balancing: str = "quantile",
                  gamma: float = SIGN_RULE_STEP, aux_alpha: float = AUX_LOSS_WEIGHT, renormalize: bool = True,
-                 eps: float = NORM_EPS, generator: torch.Generator | None = None, grouped_mm_impl: str = "auto",
+                 eps: float = NORM_EPS, generator: torch.Generator | None = None, kernels: str | None = None,
                  device: torch.device | str | None = None, n_expert_groups: int = 1, topk_groups: int = 1):
         super().__init__()
         if latent_dim is not None and not 1 <= latent_dim <= d_model:
@@ -85,7 +86,7 @@ class MoE(nn.Module):
         self.router = init_weight((d_model, n_routed_experts), d_model, generator, device)
         self.register_buffer("bias", torch.zeros(n_routed_experts, device=device))
         width = latent_dim or d_model
-        self.experts = RoutedExperts(n_routed_experts, width, expert_dim, activation, generator, grouped_mm_impl,
+        self.experts = RoutedExperts(n_routed_experts, width, expert_dim, activation, generator, kernels,
                                      device)
         self.shared = (GLUFFN(d_model, n_shared_experts * expert_dim, activation, generator, device)
                        if n_shared_experts else None)
@@ -99,11 +100,12 @@ class MoE(nn.Module):
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> MoE:
-        """The MoE layer of a :class:`k3course.config.K3Config` (its expert, router and balancing fields)."""
+        """The MoE layer of a :class:`k3course.config.K3Config` (its expert, router and balancing fields; the latent
+        RMSNorm takes ``norm_eps``)."""
         fields = ("d_model", "n_routed_experts", "top_k", "n_shared_experts", "expert_dim", "latent_dim",
                   "router_score", "route_scale", "balancing", "n_expert_groups", "topk_groups")
         sizes = {name: getattr(cfg, name) for name in fields}
-        sizes |= dict(activation=cfg.ffn_activation, renormalize=cfg.renormalize_top_k)
+        sizes |= dict(activation=cfg.ffn_activation, renormalize=cfg.renormalize_top_k, eps=cfg.norm_eps)
         return cls(**{**sizes, **overrides})
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Floor 1, the ops: linear attention as functions of tensors (recurrent, chunked, parallel), RMSNorm and the
+"""The ops: linear attention as functions of tensors (recurrent, chunked, parallel), RMSNorm and the
 input checks. A leaf: it imports nothing of the package above ``debug``, and both the Triton kernels and the
 layers import it. Layouts follow fla's (lesson 04): q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, gates per
 channel ``[B, T, H, K]`` or per head ``[B, T, H]``, states ``[B, H, K, V]``.

@@ -20,6 +20,7 @@ from k3course.config import (
     K3Config,
     check_field_names,
     field_types,
+    from_saved_fields,
     toml_document,
     toml_text,
     value_from_text,
@@ -239,20 +240,31 @@ def resolve_config(preset: str | None = None, config_file: Path | str | None = N
     return dataclasses.replace(config, run=_absolute_paths(config.run))
 
 
-def saved_run_config(folder: Path) -> RunConfig:
-    """The RunConfig a checkpoint was trained with (a checkpoint without [run] read the stdlib in float32)."""
-    return run_config_of(checkpoint.read_config(folder), folder)
+@dataclass(frozen=True)
+class SavedRun:
+    """A checkpoint's config.json, read once (:func:`read_saved_run`): the RunConfig it was trained with, the
+    optimizer steps it holds, the key of the corpus it read (None before corpora had keys) and the run's
+    extensions so far ({"at_step", "steps_before", "steps_after"} each)."""
+
+    folder: Path
+    config: RunConfig
+    step: int
+    corpus_key: str | None = None
+    extensions: tuple[dict, ...] = ()
 
 
-def run_config_of(saved: dict, folder: Path) -> RunConfig:
-    """The RunConfig in ``saved``, the config.json of the checkpoint ``folder`` (:func:`checkpoint.read_config`)."""
-    plain = lambda values: {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+def read_saved_run(folder: Path | str) -> SavedRun:
+    """The :class:`SavedRun` of the checkpoint ``folder`` (a checkpoint without [run] read the stdlib in float32)."""
+    folder = Path(folder)
+    saved = checkpoint.read_config(folder)
     try:
-        train, options = TrainConfig(**plain(saved["train"])), RunOptions(**plain(saved.get("run", {})))
+        train = from_saved_fields(TrainConfig, saved["train"])
+        config = RunConfig(saved["model"], train, from_saved_fields(RunOptions, saved.get("run", {})))
+        return SavedRun(folder, config, int(saved["step"]), saved.get("corpus", {}).get("key"),
+                        tuple(saved.get("extensions", ())))
     except (TypeError, ValueError, KeyError) as error:
         message = f"checkpoint: {folder}/config.json has no valid run settings: {error}"
         raise checkpoint.CheckpointError(message) from error
-    return RunConfig(saved["model"], train, options)
 
 
 def run_corpus(options: RunOptions) -> data.ByteCorpus:

@@ -1,4 +1,5 @@
-"""The one run loop: a run folder trained from a fresh start or a checkpoint, on one process or on P ranks.
+"""The door into training, :func:`train`, and the one run loop behind it: a run folder trained from a fresh
+start or a checkpoint, on one process or on P ranks.
 
     out/config.toml     the whole RunConfig (``k3course train --config`` reads it back)
     out/metrics.jsonl   one record per optimizer step (validation bits/byte on the eval schedule and at the end)
@@ -10,9 +11,10 @@ Micro-batch j of step s is a function of s (:mod:`k3course.train.step`), so a ru
 run on to more steps on a new schedule tail. SIGINT / SIGTERM stop it at a step boundary with a checkpoint
 (:class:`TrainingInterrupted`).
 
-On P expert-parallel ranks (the default process group: ``k3course train --ep P`` or torchrun) every rank runs
-this same loop with its block of routed experts and its 1/P of every micro-batch, and scores its share of the
-validation windows (:func:`k3course.train.evaluate`); rank 0 does all the writing. A checkpoint is always a
+On P expert-parallel ranks (the default process group: ``k3course train --ep P`` or torchrun; a rank calls
+``train(config, out, resume, ranks=P)``) every rank runs this same loop with its block of routed experts and its
+1/P of every micro-batch, and scores its share of the validation windows (:func:`k3course.train.step.evaluate`);
+rank 0 does all the writing. A checkpoint is always a
 one-process checkpoint: the experts' blocks and their optimizer moments are gathered from all ranks, and a
 resume on P ranks cuts them again, so a run may be continued on any number of ranks. A signal stops every rank
 at the same step: each step the ranks agree by an all-reduce (max) of the signal each received, on the model's
@@ -28,7 +30,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from k3course import checkpoint, data, distributed
 from k3course.config import K3Config
 from k3course.debug import progress_bar
-from k3course.train.config import DTYPES, RunConfig, RunOptions, TrainConfig, run_config_of, run_corpus
+from k3course.train.config import DTYPES, RunConfig, SavedRun, TrainConfig, read_saved_run, run_corpus
 from k3course.train.step import (
     LN2,
     Stepper,
@@ -89,28 +90,11 @@ class StopOnSignal:
 
 # --- where a run starts ---------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Start:
-    """Where a run begins: ``folder`` None for a fresh run, else the checkpoint it continues from and ``saved``,
-    that checkpoint's config.json (:func:`checkpoint.read_config`), read once."""
-
-    folder: Path | None = None
-    saved: dict = field(default_factory=dict)
-
-    @property
-    def step(self) -> int:
-        """The optimizer steps already taken (0 for a fresh run)."""
-        return self.saved.get("step", 0)
-
-    def run_config(self) -> RunConfig:
-        """The RunConfig the checkpoint was trained with."""
-        return run_config_of(self.saved, self.folder)
-
-
-def find_start(out: Path | str, resume: bool) -> Start:
-    """Validate the run folder ``out``; with ``resume`` its latest checkpoint (looked up once, its config read
-    once), else a fresh start (``out`` must then hold no checkpoint)."""
-    out = Path(out)
+def _find_start(out: Path, resume: bool | str) -> SavedRun | None:
+    """Validate the run folder ``out``: with ``resume`` its latest checkpoint, read once
+    (:func:`read_saved_run`); else None, a fresh start (``out`` must then hold no checkpoint)."""
+    if not (isinstance(resume, bool) or resume == "extend"):
+        raise ValueError(f"resume must be False, True or \"extend\", got {resume!r}")
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"out: {out} is a file, not a folder for checkpoints")
     latest = checkpoint.latest_checkpoint(out)
@@ -118,7 +102,7 @@ def find_start(out: Path | str, resume: bool) -> Start:
         raise FileNotFoundError(f"out: no checkpoint to resume in {out}")
     if not resume and latest is not None:
         raise FileExistsError(f"out: {out} already holds checkpoints ({latest.name}); resume or use another out")
-    return Start(latest, checkpoint.read_config(latest)) if resume else Start()
+    return read_saved_run(latest) if resume else None
 
 
 def _differences(saved: RunConfig, config: RunConfig) -> list[str]:
@@ -127,13 +111,13 @@ def _differences(saved: RunConfig, config: RunConfig) -> list[str]:
             for f in dataclasses.fields(old) if getattr(old, f.name) != getattr(config.sections()[section], f.name)]
 
 
-def _check_resume(start: Start, config: RunConfig, extend: bool) -> None:
+def _check_resume(saved: SavedRun, config: RunConfig, extend: bool) -> None:
     """A run continues only with its own settings (``extend``: all but ``train.steps``); errors name them."""
-    differ = [d for d in _differences(start.run_config(), config) if not (extend and d.startswith("train.steps="))]
+    differ = [d for d in _differences(saved.config, config) if not (extend and d.startswith("train.steps="))]
     if differ:
         hint = "; to train a run further than its steps, use --extend-to N" if any(
             d.startswith("train.steps=") for d in differ) else ""
-        raise ValueError(f"train: resuming needs the run's own settings; these differ from {start.folder}: "
+        raise ValueError(f"train: resuming needs the run's own settings; these differ from {saved.folder}: "
                          f"{', '.join(differ)}{hint}")
 
 
@@ -147,105 +131,147 @@ def _check_corpus(corpus: data.ByteCorpus, model_config: K3Config, train: TrainC
                              f"{train.seq_len} needs at least {need}")
 
 
-def _check_same_corpus(start: Start, corpus: data.ByteCorpus) -> None:
+def _check_same_corpus(saved: SavedRun, corpus: data.ByteCorpus) -> None:
     """A resumed run reads the bytes it began with (the corpus key hashes the files' list, sizes and times)."""
-    before = start.saved.get("corpus", {}).get("key", corpus.meta["key"])
+    before = saved.corpus_key or corpus.meta["key"]
     if before != corpus.meta["key"]:
-        raise ValueError(f"data: the files changed since {start.folder} was written (corpus {before} is now "
+        raise ValueError(f"data: the files changed since {saved.folder} was written (corpus {before} is now "
                          f"{corpus.meta['key']}): resuming would not be exact; --extend-to N trains on the new bytes")
 
 
-def _extensions(start: Start, train: TrainConfig, extend: bool) -> list[dict]:
+def _extensions(saved: SavedRun | None, train: TrainConfig, extend: bool) -> list[dict]:
     """The run's extensions so far, plus this one when ``extend``: ``{"at_step", "steps_before", "steps_after"}``."""
+    if saved is None:
+        return []
     if not extend:
-        return start.saved.get("extensions", [])
-    if train.steps <= start.step:
-        raise ValueError(f"extend_to: must be more than the run's step {start.step}, got {train.steps}")
-    this = {"at_step": start.step, "steps_before": start.saved["train"]["steps"], "steps_after": train.steps}
-    return [*start.saved.get("extensions", []), this]
+        return list(saved.extensions)
+    if train.steps <= saved.step:
+        raise ValueError(f"extend_to: must be more than the run's step {saved.step}, got {train.steps}")
+    this = {"at_step": saved.step, "steps_before": saved.config.train.steps, "steps_after": train.steps}
+    return [*saved.extensions, this]
 
 
-def prepare_run(config: RunConfig, start: Start, corpus: data.ByteCorpus, extend: bool = False) -> dict:
-    """Check that ``config`` can train on ``corpus`` from ``start`` (a resume: the saved settings and bytes;
+def _prepare(config: RunConfig, saved: SavedRun | None, corpus: data.ByteCorpus, extend: bool) -> dict:
+    """Check that ``config`` can train on ``corpus`` from ``saved`` (a resume: the saved settings and bytes;
     ``extend``: all settings but ``train.steps``, which must grow); returns what every checkpoint's config.json
-    holds: the RunConfig's tables, the corpus key and splits, the extensions."""
-    if start.folder is not None:
-        _check_resume(start, config, extend)
+    holds but the step: the RunConfig's tables, the corpus key and splits, the extensions."""
+    if saved is not None:
+        _check_resume(saved, config, extend)
     _check_corpus(corpus, config.model, config.train)
-    if start.folder is not None and not extend:
-        _check_same_corpus(start, corpus)
-    extensions = _extensions(start, config.train, extend)
+    if saved is not None and not extend:
+        _check_same_corpus(saved, corpus)
     return {**config.as_dict(), "corpus": {"key": corpus.meta["key"], "splits": corpus.meta["splits"]},
-            "extensions": extensions}
+            "extensions": _extensions(saved, config.train, extend)}
 
 
-# --- the run ---------------------------------------------------------------------------------------------
+# --- the door ----------------------------------------------------------------------------------------------
 
-def run(model_config: K3Config, train: TrainConfig, out: Path | str, resume: bool = False,
-        corpus: data.ByteCorpus | None = None, device: torch.device | str = "cpu", progress: bool = True,
-        model_factory: Callable[[K3Config, int, object], torch.nn.Module] = build_model,
-        options: RunOptions | None = None, extend: bool = False, compile: bool = False) -> torch.nn.Module:
-    """Train (or resume) a run in ``out`` on one process: :func:`train_run` of ``RunConfig(model_config, train,
-    options)`` from :func:`find_start`. Returns the model.
+def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ranks: int = 1,
+          corpus: data.ByteCorpus | None = None, device: torch.device | str = "cpu", progress: bool = True,
+          model_factory: Callable[[K3Config, int, object], torch.nn.Module] = build_model,
+          compile: bool = False) -> torch.nn.Module | None:
+    """Train the run ``config`` in the folder ``out`` to ``config.train.steps``: metrics every step, evaluations
+    and checkpoints on their schedule and at the end (see the module docstring); on SIGINT / SIGTERM a checkpoint
+    at the next step boundary, then :class:`TrainingInterrupted`. Returns the model trained in this process
+    (None in the process that spawned ranks). The one way every run starts: ``k3course train`` (``--ep P``
+    too), ``python -m k3course.train`` under torchrun, the lessons and the tests.
 
-    ``resume=True`` continues from the latest checkpoint in ``out`` up to ``train.steps``, exactly as if it had
-    never stopped (the settings and the corpus must be the saved ones). ``extend=True`` continues it to a new
-    total ``train.steps`` (all other settings the saved ones) on a new schedule tail: from the current step the
-    learning rate follows the warmup + cosine of a ``train.steps``-step run, which is NOT a straight run of that
-    many steps (its first steps followed the old, shorter cosine). ``resume=extend=False`` refuses an ``out``
-    that already holds checkpoints. ``options``: the data and the precision (:class:`RunOptions`); ``corpus``
-    overrides the data (default: the stdlib in float32). ``model_factory(model_config, seed, device)`` builds
-    the fresh model.
+    ``resume``: False, a fresh run (``out`` must hold no checkpoint); True, continue the latest checkpoint in
+    ``out`` exactly, as if it had never stopped (``config`` and the corpus must be the saved ones); "extend",
+    continue it to a new total ``config.train.steps`` (all other settings the saved ones) on a new schedule
+    tail: from the checkpoint's step the learning rate follows the warmup + cosine of a ``train.steps``-step
+    run, which is NOT a straight run of that many steps (its first steps followed the old, shorter cosine).
+
+    ``ranks``: P expert-parallel ranks. P = 1 trains in this process. P > 1 in a process that is already one of
+    P ranks of the default process group (torchrun: ``python -m k3course.train``) trains as that rank: every
+    rank calls ``train`` together, with its block of routed experts and its 1/P of every micro-batch, and rank 0
+    writes. P > 1 anywhere else spawns P local ranks (gloo on the CPU; NCCL with rank r on GPU r for a CUDA
+    ``device``) after checking the run here once; ``model_factory`` must then be importable by name.
+
+    ``corpus``: the bytes (default: ``config.run``'s, :func:`run_corpus`; not with spawned ranks, which read
+    ``config.run``'s). ``model_factory(model_config, seed, device)`` builds the fresh model. ``compile``: train
+    the model compiled (:func:`compile_for_training`; one process only; the same steps to fp32 rounding, so a
+    run may be resumed with or without it).
     """
-    config = RunConfig(model_config, train, options or RunOptions())
-    return train_run(config, out, find_start(out, resume or extend), corpus=corpus, extend=extend, device=device,
-                     progress=progress, model_factory=model_factory, compile=compile)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be a number of expert-parallel ranks ≥ 1, got {ranks!r}")
+    if ranks > 1 and compile:
+        raise ValueError(f"compile: compiles a one-process run; leave it out with {ranks} ranks")
+    out = Path(out)
+    saved = _find_start(out, resume)
+    if ranks > 1 and not (dist.is_initialized() and dist.get_world_size() == ranks):
+        if corpus is not None:
+            raise ValueError("corpus: spawned ranks read config.run's data; leave corpus out with ranks > 1")
+        _spawn_ranks(config, out, saved, resume == "extend", ranks, device, progress, model_factory)
+        return None
+    corpus = corpus or run_corpus(config.run)
+    run_record = _prepare(config, saved, corpus, resume == "extend")
+    return _train_here(config, out, saved, run_record, corpus, resume == "extend", device, progress, model_factory,
+                       compile, expert_parallel=ranks > 1)
 
 
-def train_run(config: RunConfig, out: Path | str, start: Start, *, corpus: data.ByteCorpus | None = None,
-              extend: bool = False, device: torch.device | str = "cpu", progress: bool = True,
-              model_factory: Callable[[K3Config, int, object], torch.nn.Module] = build_model,
-              compile: bool = False, expert_parallel: bool = False) -> torch.nn.Module:
-    """Train the run ``config`` in ``out`` from ``start`` (:func:`find_start`) to ``config.train.steps``: metrics
-    every step, evaluations and checkpoints on their schedule and at the end; on SIGINT / SIGTERM a checkpoint
-    at the next step boundary, then :class:`TrainingInterrupted`. Returns the model.
+def _spawn_ranks(config: RunConfig, out: Path, saved: SavedRun | None, extend: bool, ranks: int, device,
+                 progress: bool, model_factory: Callable) -> None:
+    """:func:`train` on ``ranks`` spawned local ranks, the run checked and the corpus cache built here once (the
+    ranks then only memory-map the bytes). A SIGINT / SIGTERM that reaches the ranks (Ctrl-C reaches them all)
+    stops them at one step boundary with a checkpoint; this process waits for them and raises their
+    :class:`TrainingInterrupted`."""
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    run_record = _prepare(config, saved, run_corpus(config.run), extend)
+    with StopOnSignal():
+        stopped = distributed.run_ranks(_spawned_rank, ranks, config, str(out), saved, run_record, extend, progress,
+                                        model_factory, timeout_s=7 * 24 * 3600, backend=backend)[0]
+    if stopped is not None:
+        raise TrainingInterrupted(*stopped, out)
 
-    ``expert_parallel``: this process is one rank of the default process group, and every rank calls this
-    together (see the module docstring); rank 0 writes. ``compile``: train the model compiled
-    (:func:`compile_for_training`; the same steps to fp32 rounding, so a run may be resumed with or without it).
-    """
-    out, corpus = Path(out), corpus or run_corpus(config.run)
-    whole = prepare_run(config, start, corpus, extend)
-    stepper = _stepper(config, start, corpus, extend, device, model_factory, expert_parallel)
+
+def _spawned_rank(rank: int, world_size: int, config: RunConfig, out: str, saved: SavedRun | None, run_record: dict,
+                  extend: bool, progress: bool, model_factory: Callable) -> tuple[int, int] | None:
+    """One rank of :func:`_spawn_ranks` (the group joined): the run, checked by the parent, trained as this rank.
+    Returns None, or (signal, step) when a signal stopped the run."""
+    device = f"cuda:{rank}" if dist.get_backend() == "nccl" else "cpu"
+    try:
+        _train_here(config, Path(out), saved, run_record, run_corpus(config.run), extend, device,
+                    progress and rank == 0, model_factory, compile=False, expert_parallel=True)
+    except TrainingInterrupted as stopped:
+        return stopped.signum, stopped.step
+    return None
+
+
+def _train_here(config: RunConfig, out: Path, saved: SavedRun | None, run_record: dict, corpus: data.ByteCorpus,
+                extend: bool, device, progress: bool, model_factory: Callable, compile: bool,
+                expert_parallel: bool) -> torch.nn.Module:
+    """The run trained in this process (one process, or one rank of the default group): see :func:`train`."""
+    stepper = _stepper(config, saved, corpus, extend, device, model_factory, expert_parallel)
     if compile:
         compile_for_training(stepper.model, config.train)
     writes = not expert_parallel or dist.get_rank() == 0
     if writes:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(config.toml())
-    _train_loop(stepper, corpus, config, out, whole, progress and writes)
+    _train_loop(stepper, corpus, config, out, run_record, progress and writes)
     if writes:
-        plot_losses(out, data.baselines(corpus))
+        _plot_losses(out, data.baselines(corpus))
     return stepper.model
 
 
-def _stepper(config: RunConfig, start: Start, corpus: data.ByteCorpus, extend: bool, device,
+def _stepper(config: RunConfig, saved: SavedRun | None, corpus: data.ByteCorpus, extend: bool, device,
              model_factory: Callable, expert_parallel: bool) -> Stepper:
-    """The run's :class:`Stepper` at ``start``: the checkpoint's weights loaded into the one-process model before
-    its experts are spread over the ranks, then the optimizer, schedule, RNG and step (on P ranks each rank's
+    """The run's :class:`Stepper` at ``saved``'s step: the checkpoint's weights loaded into the one-process model
+    before its experts are spread over the ranks, then the optimizer, schedule and RNG (on P ranks each rank's
     block of the experts' moments); ``extend``: the schedule of the new total from the checkpoint's step."""
     def restored(model_config: K3Config, seed: int, device) -> torch.nn.Module:
         model = model_factory(model_config, seed, device)
-        if start.folder is not None:
-            checkpoint.load_weights(start.folder, model)
+        if saved is not None:
+            checkpoint.load_weights(saved.folder, model)
         return model
 
     stepper = Stepper(config.model, config.train, text_batches(corpus.train, config.train, device), device,
                       autocast=DTYPES[config.run.dtype], expert_parallel=expert_parallel, model_factory=restored)
-    if start.folder is not None:
+    if saved is not None:
         shard = functools.partial(distributed.shard_optimizer_state, stepper.model, stepper.optimizer)
-        stepper.steps_taken = checkpoint.load_state(start.folder, stepper.optimizer, stepper.scheduler,
-                                                    shard if expert_parallel else None)
+        checkpoint.load_state(saved.folder, stepper.optimizer, stepper.scheduler, shard if expert_parallel else None)
+        stepper.steps_taken = saved.step
     if extend:
         stepper.scheduler = make_scheduler(stepper.optimizer, config.train, stepper.steps_taken)
     return stepper
@@ -256,9 +282,9 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or bool(every and step % every == 0)
 
 
-def _train_loop(stepper: Stepper, corpus: data.ByteCorpus, config: RunConfig, out: Path, whole: dict,
+def _train_loop(stepper: Stepper, corpus: data.ByteCorpus, config: RunConfig, out: Path, run_record: dict,
                 progress: bool) -> None:
-    """Steps ``stepper.steps_taken`` → ``train.steps`` (see :func:`train_run`); on P ranks rank 0 writes."""
+    """Steps ``stepper.steps_taken`` → ``train.steps`` (see :func:`train`); on P ranks rank 0 writes."""
     train, writes = config.train, not stepper.expert_parallel or dist.get_rank() == 0
     metrics = checkpoint.MetricsLog(out, keep_until=stepper.steps_taken) if writes else None
     windows = data.eval_windows(corpus.val, train.seq_len, train.eval_bytes)
@@ -278,7 +304,7 @@ def _train_loop(stepper: Stepper, corpus: data.ByteCorpus, config: RunConfig, ou
             _show(bar, record)
             stopped_by = _agreed_signal(stop.received, stepper)
             if _due(step, train.checkpoint_every, train.steps) or stopped_by:
-                save_checkpoint(stepper, out, whole, config)
+                _checkpoint(stepper, out, run_record, config)
             if stopped_by and step < train.steps:
                 bar.close()
                 raise TrainingInterrupted(stopped_by, step, out)
@@ -303,7 +329,7 @@ def _agreed_signal(received: int | None, stepper: Stepper) -> int:
     return int(flag)
 
 
-def save_checkpoint(stepper: Stepper, out: Path, whole: dict, config: RunConfig) -> Path | None:
+def _checkpoint(stepper: Stepper, out: Path, run_record: dict, config: RunConfig) -> Path | None:
     """The one-process checkpoint of ``stepper``'s step in ``out`` (:func:`checkpoint.save_checkpoint`).
 
     On P ranks every rank calls it: the experts' blocks and their optimizer moments are gathered (collectives)
@@ -311,7 +337,7 @@ def save_checkpoint(stepper: Stepper, out: Path, whole: dict, config: RunConfig)
     Returns the folder (None on the other ranks)."""
     step = stepper.steps_taken
     if not stepper.expert_parallel:
-        return checkpoint.save_checkpoint(out, step, stepper.model, stepper.optimizer, stepper.scheduler, whole)
+        return checkpoint.save_checkpoint(out, step, stepper.model, stepper.optimizer, stepper.scheduler, run_record)
     weights = distributed.gather_state_dict(stepper.model)
     optimizer_state = distributed.gather_optimizer_state(stepper.model, stepper.optimizer)
     if dist.get_rank() != 0:
@@ -322,10 +348,10 @@ def save_checkpoint(stepper: Stepper, out: Path, whole: dict, config: RunConfig)
     optimizer, scheduler = make_optimizer(single, config.train)
     optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(stepper.scheduler.state_dict())
-    return checkpoint.save_checkpoint(out, step, single, optimizer, scheduler, whole)
+    return checkpoint.save_checkpoint(out, step, single, optimizer, scheduler, run_record)
 
 
-def plot_losses(out: Path, baselines: dict[str, float] | None = None) -> Path:
+def _plot_losses(out: Path, baselines: dict[str, float] | None = None) -> Path:
     """loss.png in ``out``: training and validation bits/byte against step, n-gram baselines as lines."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

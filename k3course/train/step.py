@@ -48,8 +48,8 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
 
 
 def make_optimizer(model: torch.nn.Module, train: TrainConfig) -> tuple[torch.optim.Optimizer, object]:
-    """AdamW over ``model.param_groups(weight_decay, gate_lr_scale)`` (each group at lr × its "lr_scale") and its
-    warmup + cosine LambdaLR scheduler."""
+    """AdamW over ``model.param_groups(weight_decay, gate_lr_scale, lr)`` (the forget gates at lr × gate_lr_scale)
+    and its warmup + cosine LambdaLR scheduler."""
     groups = model.param_groups(train.weight_decay, train.gate_lr_scale, lr=train.lr)
     optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=train.betas)
     return optimizer, make_scheduler(optimizer, train)
@@ -245,12 +245,14 @@ def training_compile_options(device: torch.device | str) -> dict:
     return {"mode": "reduce-overhead"} if torch.device(device).type == "cuda" else {}
 
 
-def build_model(model_config: K3Config, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """A freshly initialised K3Model, seeded (same seed, same weights)."""
+def build_model(model_config: K3Config, seed: int, device: torch.device | str = "cpu",
+                kernels: str | None = None) -> torch.nn.Module:
+    """A freshly initialised K3Model, seeded (same seed, same weights), with the kernel backend ``kernels``
+    (:meth:`K3Model.from_config <k3course.model.K3Model.from_config>`; None: ``K3COURSE_KERNELS``, default "auto")."""
     from k3course.model import K3Model
 
     torch.manual_seed(seed)
-    return K3Model.from_config(model_config, device=device)
+    return K3Model.from_config(model_config, device=device, kernels=kernels)
 
 
 def _micro_batches(tokens, step: int, train: TrainConfig, device) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -37,18 +37,28 @@ def gdn_error_against_undecayed_state(state, q, k, v, g, beta):
     return _read(state, q), state
 
 
-def recurrent_without_scale(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
-    from k3course.ops.recurrent import gdn_recurrent
+def _over_time(q, k, v, g, beta, scale, initial_state, output_final_state):
+    """The package's gdn_step (an earlier exercise, allowed) looped over time, q times ``scale``."""
+    from k3course.ops.recurrent import gdn_step
 
-    return gdn_recurrent(q, k, v, g, beta, scale=1.0, initial_state=initial_state,
-                         output_final_state=output_final_state)
+    batch, time, heads, key_dim = q.shape
+    state = q.new_zeros(batch, heads, key_dim, v.shape[-1]) if initial_state is None else initial_state.float()
+    outputs = []
+    for t in range(time):
+        o_t, state = gdn_step(state, *(x[:, t].float() for x in (scale * q, k, v, g, beta)))
+        outputs.append(o_t)
+    return torch.stack(outputs, 1).to(q.dtype), (state if output_final_state else None)
+
+
+def recurrent_without_scale(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """Forgets to scale the queries by K^-1/2."""
+    return _over_time(q, k, v, g, beta, 1.0 if scale is None else scale, initial_state, output_final_state)
 
 
 def recurrent_ignoring_initial_state(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
-    from k3course.ops.recurrent import gdn_recurrent
-
-    return gdn_recurrent(q, k, v, g, beta, scale=scale, output_final_state=output_final_state)
-
+    """Starts from zeros whatever initial_state says."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _over_time(q, k, v, g, beta, scale, None, output_final_state)
 
 
 def delta_in_place(state, q, k, v, beta):
@@ -92,4 +102,13 @@ WRONG = {
     "05.delta_step": [delta_without_error, delta_beta_on_value_only, delta_in_place, delta_normalises_keys],
     "05.gdn_step": [gdn_decay_after_update, gdn_error_against_undecayed_state, gdn_step_in_float32],
     "05.gdn_recurrent": [recurrent_without_scale, recurrent_ignoring_initial_state, recurrent_state_in_input_dtype],
+}
+
+# What the check's message says, for the wrong answers the grader knows the step of (tests/test_grading.py).
+POINTED = {
+    recurrent_without_scale: "wrong with the default scale: scale=None means K^{-1/2}",
+    recurrent_ignoring_initial_state: "wrong with an initial state: start the loop from initial_state",
+    gdn_decay_after_update: "wrong with no incoming state (S = 0) under a decay: decay the old state first",
+    gdn_error_against_undecayed_state: "wrong with a state, a decay and a write together: the correction reads "
+                                       "the decayed state",
 }

@@ -15,6 +15,43 @@ def kda_decay_after_delta(state, q, k, v, g, beta):
     return _read(state, q), state
 
 
+def kda_output_scaled_q(state, q, k, v, g, beta):
+    """Reads o with q / √K, as the layer's attention would: kda_step's q comes unscaled."""
+    decayed = g.exp().unsqueeze(-1) * state
+    state = decayed + (beta.unsqueeze(-1) * k).unsqueeze(-1) * (v - _read(decayed, k)).unsqueeze(-2)
+    return _read(state, q * q.shape[-1] ** -0.5), state
+
+
+def kda_output_from_the_old_state(state, q, k, v, g, beta):
+    """o = S_{t-1}ᵀ q_t: reads the state before this token's decay and write."""
+    decayed = g.exp().unsqueeze(-1) * state
+    new = decayed + (beta.unsqueeze(-1) * k).unsqueeze(-1) * (v - _read(decayed, k)).unsqueeze(-2)
+    return _read(state, q), new
+
+
+def kda_the_package_own(state, q, k, v, g, beta):
+    """The package's own kda_step, through k3course.ops's re-export."""
+    from k3course.ops import kda_step
+
+    return kda_step(state, q, k, v, g, beta)
+
+
+def kda_through_kda_recurrent(state, q, k, v, g, beta):
+    """The package's kda_recurrent on a one-token sequence: it runs the package's kda_step inside."""
+    from k3course.ops import kda_recurrent
+
+    o, new = kda_recurrent(*(x.unsqueeze(1) for x in (q, k, v, g, beta)), scale=1.0, initial_state=state,
+                           output_final_state=True)
+    return o.squeeze(1), new
+
+
+def short_conv_the_package_own(x, weight, cache=None):
+    """The package's own short_conv."""
+    from k3course.layers import kda
+
+    return kda.short_conv(x, weight, cache)
+
+
 def kda_one_rate_per_head(state, q, k, v, g, beta):
     """GDN's scalar decay (the mean rate over the channels) instead of one rate per channel."""
     decayed = g.mean(-1).exp()[..., None, None] * state
@@ -44,12 +81,12 @@ def conv_not_causal(x, weight, cache=None):
 
 
 def conv_ignoring_cache(x, weight, cache=None):
-    """Pads with zeros even when the previous inputs are given."""
-    from k3course.layers.kda import short_conv
-
-    y, _ = short_conv(x, weight)
-    _, tail = short_conv(x, weight, cache)
-    return y, tail
+    """Pads with zeros even when the previous inputs are given (the returned cache is right)."""
+    width = weight.shape[-1]
+    zeros = x.new_zeros(x.shape[0], width - 1, x.shape[-1])
+    y = F.conv1d(torch.cat([zeros, x], 1).transpose(1, 2), weight.unsqueeze(1), groups=x.shape[-1]).transpose(1, 2)
+    seen = torch.cat([zeros if cache is None else cache, x], dim=1)
+    return y, seen[:, seen.shape[1] - (width - 1):]
 
 
 
@@ -80,7 +117,18 @@ def conv_zeros_in_float32(x, weight, cache=None):
 
 
 WRONG = {
-    "06.kda_step": [kda_decay_after_delta, kda_one_rate_per_head, kda_normalises_keys],
+    "06.kda_step": [kda_decay_after_delta, kda_one_rate_per_head, kda_normalises_keys, kda_output_scaled_q,
+                    kda_output_from_the_old_state, kda_the_package_own, kda_through_kda_recurrent],
     "06.kda_gate": [gate_unbounded_always, gate_without_exp, gate_naive_softplus],
-    "06.short_conv": [conv_not_causal, conv_ignoring_cache, conv_zeros_in_float32],
+    "06.short_conv": [conv_not_causal, conv_ignoring_cache, conv_zeros_in_float32, short_conv_the_package_own],
+}
+
+# What the check's message says, for the wrong answers the grader knows the step of (tests/test_grading.py).
+POINTED = {
+    kda_decay_after_delta: "wrong with no incoming state (S = 0) under a decay: decay the old state first",
+    kda_output_scaled_q: "wrong already with g = 0 and β = 0 (S is only read): check the output o_t = S_tᵀ q_t",
+    kda_output_from_the_old_state: "wrong with β = 0 (S only decays): check the decay",
+    kda_the_package_own: "called the package's own k3course.ops.recurrent.kda_step",
+    kda_through_kda_recurrent: "called the package's own k3course.ops.recurrent.kda_step",
+    short_conv_the_package_own: "called the package's own k3course.layers.kda.short_conv",
 }

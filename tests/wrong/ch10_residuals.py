@@ -88,10 +88,11 @@ def sources_sum_into_first_output(embedding, outputs, block_size):
 
 
 def read_in_float32(embedding, outputs, query, block_size):
-    """The right read, cast to float32."""
-    from k3course.layers.residual import block_attnres_read
+    """The right read (the package's earlier pieces), cast to float32."""
+    from k3course.layers.residual import block_sources, depth_attention
 
-    return block_attnres_read(embedding.float(), [o.float() for o in outputs], query.float(), block_size)
+    sources = block_sources(embedding.float(), [o.float() for o in outputs], block_size)
+    return depth_attention(query.float(), sources)[0]
 
 
 WRONG = {

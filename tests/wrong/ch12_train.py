@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from k3course.train import balance_experts
+from k3course.train.step import balance_experts
 
 
 def schedule_warmup_from_zero(step, warmup_steps, total_steps, min_lr_ratio):

@@ -66,5 +66,6 @@ def activation_ratio(cfg: K3Config) -> float:
 
 
 register(Exercise("00.moe_layer_params", moe_layer_params, _config_cases))
-register(Exercise("00.activation_ratio", activation_ratio, _config_cases))
-register(Exercise("00.kv_cache_bytes_per_token", kv_cache_bytes_per_token, _kv_cases))
+register(Exercise("00.activation_ratio", activation_ratio, _config_cases, package=(accounting.activation_ratio,)))
+register(Exercise("00.kv_cache_bytes_per_token", kv_cache_bytes_per_token, _kv_cases,
+                  package=(accounting.kv_cache_bytes_per_token,)))

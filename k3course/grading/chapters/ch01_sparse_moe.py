@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from k3course.grading import Case, Exercise, register
+from k3course.grading import Backward, Case, Exercise, register
 from k3course.moe import sign_rule_update, sort_by_expert, switch_aux_loss, topk_route, unsort
 
 
@@ -76,8 +76,8 @@ def _sign_cases() -> list[Case]:
     ]
 
 
-register(Exercise("01.topk_route", topk_route, _topk_cases))
+register(Exercise("01.topk_route", topk_route, _topk_cases, backward=Backward(("scores",))))
 register(Exercise("01.sort_by_expert", sort_by_expert, _dispatch_cases))
-register(Exercise("01.unsort", unsort, _unsort_cases))
-register(Exercise("01.switch_aux_loss", switch_aux_loss, _aux_cases))
+register(Exercise("01.unsort", unsort, _unsort_cases, backward=Backward()))
+register(Exercise("01.switch_aux_loss", switch_aux_loss, _aux_cases, backward=Backward()))
 register(Exercise("01.sign_rule_update", sign_rule_update, _sign_cases))

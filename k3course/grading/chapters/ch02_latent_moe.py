@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from k3course.grading import Case, Exercise, register
+from k3course.grading import Backward, Case, Exercise, register
 from k3course.moe import all_to_all_bytes_per_token, latent_combine, situ_glu
 
 
@@ -46,6 +46,6 @@ def _bytes_cases() -> list[Case]:
     ]
 
 
-register(Exercise("02.situ_glu", situ_glu, _situ_cases))
-register(Exercise("02.latent_combine", latent_combine, _combine_cases))
+register(Exercise("02.situ_glu", situ_glu, _situ_cases, backward=Backward()))
+register(Exercise("02.latent_combine", latent_combine, _combine_cases, backward=Backward()))
 register(Exercise("02.all_to_all_bytes_per_token", all_to_all_bytes_per_token, _bytes_cases))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3course.grading.registry import Case, Exercise, register
+from k3course.grading.registry import Backward, Case, Exercise, Probe, register
 from k3course.ops.parallel import decay_attention_parallel
 from k3course.ops.recurrent import decay_step, gla_recurrent
 
@@ -65,6 +65,24 @@ def _recurrent_cases():
                  {"output_final_state": True})]
 
 
-register(Exercise("04.decay_step", decay_step, _step_cases))
-register(Exercise("04.decay_attention_parallel", decay_attention_parallel, _parallel_cases))
-register(Exercise("04.gla_recurrent", gla_recurrent, _recurrent_cases))
+def recurrence_probes(inputs: tuple, state, step: str) -> list[Probe]:
+    """Probes of a whole recurrence (04's and 05's): the loop alone (scale 1, from zeros), then the default scale,
+    then an initial state. ``step`` is the one-token update, for the first hint."""
+    return [Probe(Case("scale 1, from zeros", inputs, {"scale": 1.0, "output_final_state": True}),
+                  "with scale = 1 and no initial state",
+                  f"check the loop: {step}, o_t = S_tᵀ q_t from the new state, the final state after the last token"),
+            Probe(Case("default scale", inputs, {"output_final_state": True}), "with the default scale",
+                  "scale=None means K^{-1/2}: multiply the queries by it"),
+            Probe(Case("initial state", inputs, {"initial_state": state, "output_final_state": True}),
+                  "with an initial state", "start the loop from initial_state (not zeros), and leave it unchanged")]
+
+
+def _recurrent_probes():
+    state = torch.randn(2, 2, 4, 3, generator=torch.Generator().manual_seed(15))
+    return recurrence_probes(_sequence_inputs(16, 5, False), state, "S_t = Diag(e^{g_t}) S_{t-1} + k_t v_tᵀ")
+
+
+register(Exercise("04.decay_step", decay_step, _step_cases, backward=Backward()))
+register(Exercise("04.decay_attention_parallel", decay_attention_parallel, _parallel_cases, backward=Backward()))
+register(Exercise("04.gla_recurrent", gla_recurrent, _recurrent_cases, backward=Backward(), probes=_recurrent_probes,
+                  may_use=("k3course.ops.recurrent.decay_step",)))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3course.grading.registry import Case, Exercise, register
+from k3course.grading.chapters.ch04_decay_gates import recurrence_probes
+from k3course.grading.registry import Backward, Case, Exercise, Probe, register
 from k3course.ops.recurrent import delta_step, gdn_recurrent, gdn_step
 
 
@@ -63,6 +64,29 @@ def _recurrent_cases():
                  {"output_final_state": True})]
 
 
-register(Exercise("05.delta_step", delta_step, _delta_cases))
-register(Exercise("05.gdn_step", gdn_step, _gdn_step_cases))
-register(Exercise("05.gdn_recurrent", gdn_recurrent, _recurrent_cases))
+def _recurrent_probes():
+    state = torch.randn(2, 2, 4, 3, generator=torch.Generator().manual_seed(16))
+    return recurrence_probes(_sequence_inputs(17, 5), state, "S_t = e^{g_t}(I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ")
+
+
+def _gdn_step_probes():
+    """The decay, the write (β) and the incoming state switched off one at a time, simplest first."""
+    state, q, k, v, g, beta = _step_inputs(18, True)
+    no_decay, no_write = torch.zeros_like(g), torch.zeros_like(beta)
+    return [Probe(Case("g = 0, β = 0", (state, q, k, v, no_decay, no_write)), "with g = 0 and β = 0 (S is only read)",
+                  "check the output o_t = S_tᵀ q_t, read from the new state"),
+            Probe(Case("β = 0", (state, q, k, v, g, no_write)), "with β = 0 (S only decays)",
+                  "check the decay: the whole state times e^{g}, and o read from the decayed state"),
+            Probe(Case("g = 0", (state, q, k, v, no_decay, beta)), "with g = 0 (DeltaNet)",
+                  "check the delta correction S + β k (v − Sᵀk)ᵀ"),
+            Probe(Case("S = 0", (torch.zeros_like(state), q, k, v, g, beta)),
+                  "with no incoming state (S = 0) under a decay",
+                  "decay the old state first, then correct and write: the new write βkvᵀ is not decayed"),
+            Probe(Case("all on", (state, q, k, v, g, beta)), "with a state, a decay and a write together",
+                  "the correction reads the decayed state: v − (e^g S)ᵀ k")]
+
+
+register(Exercise("05.delta_step", delta_step, _delta_cases, backward=Backward()))
+register(Exercise("05.gdn_step", gdn_step, _gdn_step_cases, backward=Backward(), probes=_gdn_step_probes))
+register(Exercise("05.gdn_recurrent", gdn_recurrent, _recurrent_cases, backward=Backward(), probes=_recurrent_probes,
+                  may_use=("k3course.ops.recurrent.gdn_step",)))

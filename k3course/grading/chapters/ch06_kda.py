@@ -1,13 +1,44 @@
-"""Chapter 06 exercises: one KDA step, the bounded forget gate, the causal short convolution."""
+"""Chapter 06 exercises: one KDA step, the bounded forget gate, the causal short convolution.
+
+All three sit in the training path (backward cases); ``kda_step`` is multi-step, and its probes switch the decay,
+the write and the incoming state off one at a time."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from k3course.grading.registry import Case, Exercise, register
+from k3course.grading.registry import Backward, Case, Exercise, Probe, register
 from k3course.layers.kda import kda_gate, short_conv
+from k3course.ops.chunk import kda_chunk, kda_chunk_step
 from k3course.ops.recurrent import kda_step
+
+
+def _step_inputs(seed: int = 0):
+    """(state, q, k, v, g, beta) of one step for B = 2, H = 3, K = 4, V = 5: unit keys, g in (-3, 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, K, V = 2, 3, 4, 5
+    state = torch.randn(B, H, K, V, generator=gen)
+    q, k = torch.randn(B, H, K, generator=gen), F.normalize(torch.randn(B, H, K, generator=gen), dim=-1)
+    v, beta = torch.randn(B, H, V, generator=gen), torch.rand(B, H, generator=gen)
+    return state, q, k, v, -3 * torch.rand(B, H, K, generator=gen), beta
+
+
+def _step_probes():
+    """The decay, the write (β) and the incoming state switched off one at a time, simplest first."""
+    state, q, k, v, g, beta = _step_inputs(20)
+    no_decay, no_write = torch.zeros_like(g), torch.zeros_like(beta)
+    return [Probe(Case("g = 0, β = 0", (state, q, k, v, no_decay, no_write)), "with g = 0 and β = 0 (S is only read)",
+                  "check the output o_t = S_tᵀ q_t: read from the new state, q unscaled"),
+            Probe(Case("β = 0", (state, q, k, v, g, no_write)), "with β = 0 (S only decays)",
+                  "check the decay: row i of S (key channel i) times e^{g_i}, and o read from the decayed state"),
+            Probe(Case("g = 0", (state, q, k, v, no_decay, beta)), "with g = 0 (the delta rule alone)",
+                  "check the delta correction S + β k (v − Sᵀk)ᵀ"),
+            Probe(Case("S = 0", (torch.zeros_like(state), q, k, v, g, beta)),
+                  "with no incoming state (S = 0) under a decay",
+                  "decay the old state first, then correct and write: the new write βkvᵀ is not decayed"),
+            Probe(Case("all on", (state, q, k, v, g, beta)), "with a state, a decay and a write together",
+                  "the correction reads the decayed state: v − (Diag(e^g) S)ᵀ k")]
 
 
 def _step_cases():
@@ -47,6 +78,7 @@ def _conv_cases():
             Case("float64 inputs keep their dtype (zeros too)", (x.double(), weight.double()))]
 
 
-register(Exercise("06.kda_step", kda_step, _step_cases))
-register(Exercise("06.kda_gate", kda_gate, _gate_cases))
-register(Exercise("06.short_conv", short_conv, _conv_cases))
+register(Exercise("06.kda_step", kda_step, _step_cases, backward=Backward(), probes=_step_probes,
+                  package=(kda_chunk_step, kda_chunk)))
+register(Exercise("06.kda_gate", kda_gate, _gate_cases, backward=Backward()))
+register(Exercise("06.short_conv", short_conv, _conv_cases, backward=Backward()))

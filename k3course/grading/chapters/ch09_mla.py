@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from k3course.accounting import mla_cache_numbers
-from k3course.grading.registry import Case, Exercise, register
+from k3course.grading.registry import Backward, Case, Exercise, register
 from k3course.layers.mla import absorb_query, attention_probs, compress_kv
 
 
@@ -72,7 +72,7 @@ def _cache_cases() -> list[Case]:
             Case("no rope dims", (8, 64, 0, 64, 256))]
 
 
-register(Exercise("09.compress_kv", compress_kv, _compress_cases))
-register(Exercise("09.attention_probs", attention_probs, _probs_cases))
-register(Exercise("09.absorb_query", absorb_query, _absorb_cases))
-register(Exercise("09.mla_cache_numbers", mla_layer_cache_numbers, _cache_cases))
+register(Exercise("09.compress_kv", compress_kv, _compress_cases, backward=Backward()))
+register(Exercise("09.attention_probs", attention_probs, _probs_cases, backward=Backward()))
+register(Exercise("09.absorb_query", absorb_query, _absorb_cases, backward=Backward()))
+register(Exercise("09.mla_cache_numbers", mla_layer_cache_numbers, _cache_cases, package=(mla_cache_numbers,)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from k3course.grading.registry import Case, Exercise, register
+from k3course.grading.registry import Backward, Case, Exercise, register
 from k3course.layers.residual import block_attnres_read, block_sources, depth_attention
 
 
@@ -59,6 +59,6 @@ def _read_cases() -> list[Case]:
     return cases
 
 
-register(Exercise("10.depth_attention", depth_attention, _depth_cases))
-register(Exercise("10.block_sources", block_sources, _sources_cases))
-register(Exercise("10.block_attnres_read", block_attnres_read, _read_cases))
+register(Exercise("10.depth_attention", depth_attention, _depth_cases, backward=Backward(outputs=(0,))))
+register(Exercise("10.block_sources", block_sources, _sources_cases, backward=Backward()))
+register(Exercise("10.block_attnres_read", block_attnres_read, _read_cases, backward=Backward()))

@@ -211,6 +211,7 @@ def _generate_cases() -> list[Case]:
 register(Exercise("11.layer_schedule", layer_schedule, _schedule_cases))
 register(Exercise("11.decoder_layer", attnres_decoder_layer, _layer_cases))
 register(Exercise("11.cache_write", write_rows, _cache_cases, mutable=("buffer",)))
-register(Exercise("11.param_count", total_and_active, _count_cases))
+register(Exercise("11.param_count", total_and_active, _count_cases, package=(meta_param_count,)))
 register(Exercise("11.sample_next", sample_next, _sample_cases, mutable=("generator",)))
-register(Exercise("11.generate", generate, _generate_cases, harness=generated_and_what_it_left))
+register(Exercise("11.generate", generate, _generate_cases, harness=generated_and_what_it_left,
+                  package=(K3Model.generate,)))

@@ -12,7 +12,8 @@ from k3course.config import K3Config
 from k3course.data import IGNORE, ngram_bits_per_byte
 from k3course.grading.registry import Case, Exercise, register
 from k3course.model import K3Model
-from k3course.train import LN2, TrainConfig, evaluate, lr_factor, make_optimizer, train_step
+from k3course.train import TrainConfig
+from k3course.train.step import LN2, evaluate, lr_factor, make_optimizer, train_step
 
 
 def _schedule_cases() -> list[Case]:
@@ -100,7 +101,7 @@ def stepped_and_the_gradients_left(answer, model: K3Model, optimizer, scheduler,
 
 
 def bits_per_byte(model: K3Model, windows: torch.Tensor, batch_size: int) -> float:
-    """The package's validation number (:func:`k3course.train.evaluate`, nats per predicted byte over all the
+    """The package's validation number (:func:`k3course.train.step.evaluate`, nats per predicted byte over all the
     windows [N, T + 1], in batches of ``batch_size``, in eval mode, the caller's mode restored) in bits: / ln 2."""
     return evaluate(model, windows, batch_size) / LN2
 
@@ -135,4 +136,4 @@ register(Exercise("12.ngram_bits_per_byte", ngram_bits_per_byte, _ngram_cases))
 register(Exercise("12.train_step", train_step, _step_cases, tolerance={"float64": (1e-5, 1e-8)},
                   mutable=("model", "optimizer", "scheduler"), harness=stepped_and_the_gradients_left))
 register(Exercise("12.evaluate", bits_per_byte, _eval_cases, tolerance={"float64": (1e-5, 1e-8)},
-                  harness=evaluated_and_the_mode_after))
+                  harness=evaluated_and_the_mode_after, package=(evaluate,)))

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from k3course.distributed import all_to_all, combine, dispatch_permutation, inverse_permutation, run_ranks, split_sizes
 from k3course.distributed.launch import RankFailed
 from k3course.grading.fresh_stack import call_on_fresh_stack
-from k3course.grading.registry import Case, Exercise, Forbidden, register
+from k3course.grading.registry import Backward, Case, Exercise, Forbidden, register
 
 
 def _routing(m: int, n: int, k: int, seed: int) -> torch.Tensor:
@@ -151,5 +151,5 @@ def _exchange_cases() -> list[Case]:
 register(Exercise("13.split_sizes", split_sizes, _split_cases))
 register(Exercise("13.dispatch_permutation", dispatch_permutation, _permutation_cases))
 register(Exercise("13.inverse_permutation", inverse_permutation, _inverse_cases))
-register(Exercise("13.combine", combine, _combine_cases))
+register(Exercise("13.combine", combine, _combine_cases, backward=Backward()))
 register(Exercise("13.all_to_all", all_to_all, _exchange_cases, forbidden=TORCHS_OWN, harness=exchange_on_ranks))

@@ -218,7 +218,7 @@ def sign_rule_reach(steps: int = 120, gamma: float = 1e-3) -> float:
 def train_bytes(which: str = "claims") -> float:
     """Bytes a run trains on: "claims" (TEXT_TRAIN) or "default" (the 800-step tiny-default), in kB or MB."""
     from k3course.lessons import claims
-    from k3course.train import train_preset
+    from k3course.train.config import train_preset
 
     settings = claims.TEXT_TRAIN if which == "claims" else train_preset("tiny")[1]
     nbytes = settings.steps * settings.batch_size * settings.seq_len

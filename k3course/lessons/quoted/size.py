@@ -112,23 +112,6 @@ def expert_ratio_over(name: str, other: str) -> float:
 
 
 @quoted
-def k3_uncertain_params_b() -> float:
-    """What our K3 preset had to assume, in billions: the dense layer's FFN, KDA's low-rank forget-gate
-    projections (with A_log and dt_bias), and the norms and AttnRes queries."""
-    cfg = k3_config()
-    gate = accounting._linear(cfg.d_model, cfg.kda_head_dim) + accounting._linear(
-        cfg.kda_head_dim, cfg.kda_n_heads * cfg.kda_head_dim) + cfg.kda_n_heads * (1 + cfg.kda_head_dim)
-    parts = preset_count("kimi-k3").components
-    return (parts["dense_ffn"][0] + cfg.n_kda_layers * gate + parts["norms_and_residual"][0]) / 1e9
-
-
-@quoted
-def k3_uncertain_share() -> float:
-    """The assumed parameters (:func:`k3_uncertain_params_b`) over K3's total."""
-    return k3_uncertain_params_b() * 1e9 / preset_count("kimi-k3").total
-
-
-@quoted
 def layers(name: str, kind: str) -> int:
     """A preset's number of layers of one kind: "kda", "mla", "moe", "dense" or "all"."""
     cfg = K3Config.preset(name)

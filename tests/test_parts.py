@@ -42,12 +42,13 @@ def test_every_part_is_called_by_the_model_and_restored_after(model):
                  "ut_transform": chunk.ut_transform, "kda_step": recurrent.kda_step,
                  "depth_attention": depth_attention, "shared_experts": experts.glu_ffn, "situ_glu": experts.situ_glu,
                  "latent_combine": latent.latent_combine, "short_conv": kda_layer.short_conv,
-                 "kda_gate": kda_layer.kda_gate, "mla_output_gate": mla.output_gate}
+                 "kda_gate": kda_layer.kda_gate, "mla_output_gate": mla.output_gate,
+                 "kda_chunk": chunk.kda_chunk}
     # all_to_all runs only on P ranks, in the expert-parallel dispatch: tests/test_capstone.py swaps it there;
     # quantile_balance_bias only when training moves the bias (test_the_quantile_bias_part_moves_the_bias)
     assert set(originals) == set(PART_NAMES) - {"all_to_all", "quantile_balance_bias"}
     with use_parts(**{name: counting(fn, calls, name) for name, fn in originals.items()}):
-        model(tokens(70))  # chunked path: ut_transform
+        model(tokens(70))  # chunked path: kda_chunk, and inside it ut_transform
         model(tokens(5))  # recurrent path: kda_step
     assert set(calls) == set(originals), f"never called: {set(originals) - set(calls)}"
     report = compare(model, tokens(70), **originals)

@@ -338,6 +338,54 @@ def kda_chunk_forward(q, k, v, g, beta, scale: float, initial_state=None, output
     return o, final_state
 
 
+def intra_chunk_factors(q, k, v, g, beta, scale: float, chunk_size: int = 64):
+    """The forward's chunk-parallel part, steps 1–4 and 6, as chapter 08's first KDA exercise groups it: G (the
+    in-chunk cumulative g), A_qk (scaled), W and U, each fp32 whatever the inputs' dtype. Returns (gc [B, T, H, K],
+    aqk [B, T, H, C], w [B, T, H, K], u [B, T, H, V])."""
+    q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
+    gc = chunk_local_cumsum(g, chunk_size)
+    akk, aqk = intra_chunk_scores(q, k, gc, beta, scale, chunk_size)
+    w, u = wy_factors(k, v, gc, beta, akk, chunk_size)
+    return gc, aqk, w, u
+
+
+def state_pass(k, gc, w, u, initial_state, chunk_size: int = 64):
+    """Steps 5 and 8 (``_state_kernel``), the second exercise's grouping: fp32 (the state entering each chunk
+    [B, NT, H, K, V], Ṽ [B, T, H, V], the final state [B, H, K, V]); ``initial_state`` None is a zero state."""
+    k, gc, w, u = (x.float().contiguous() for x in (k, gc, w, u))
+    return pass_states(k, gc, w, u, initial_state, True, chunk_size)
+
+
+def output_from_states(q, gc, states, v_new, aqk, scale: float):
+    """Step 7 (``_output_kernel``), the third exercise: O = (scale e^G ⊙ Q) S + A_qk Ṽ in fp32 [B, T, H, V]; the
+    chunk size is A_qk's last dimension."""
+    q, gc, states, v_new, aqk = (x.float().contiguous() for x in (q, gc, states, v_new, aqk))
+    return chunk_outputs(q, gc, states, v_new, aqk, scale, torch.float32, aqk.shape[-1])
+
+
+def kda_chunk_from_kernels(intra_chunk=intra_chunk_factors, pass_state=state_pass, output=output_from_states):
+    """Chunkwise KDA's forward from three functions with the contracts of :func:`intra_chunk_factors`,
+    :func:`state_pass` and :func:`output_from_states` (a learner's three kernels): a function with the contract
+    of ``k3course.ops.kda_chunk`` (forward only, no autograd) that the model runs as its ``kda_chunk`` part."""
+
+    def kda_chunk_composed(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           chunk_size: int = 64, *, lower_bound=None, allow_neg_eigval: bool = False):
+        _check_inputs(q, k, v, g, beta, initial_state)
+        if allow_neg_eigval:
+            raise ValueError("allow_neg_eigval: the chunk kernels take β in [0, 1] only")
+        check_kda_chunk_size(chunk_size)
+        check_lower_bound(lower_bound, g)
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        if lower_bound is not None:
+            g = g.clamp(min=lower_bound)
+        gc, aqk, w, u = intra_chunk(q, k, v, g, beta, scale, chunk_size)
+        states, v_new, final_state = pass_state(k, gc, w, u, initial_state, chunk_size)
+        o = output(q, gc, states, v_new, aqk, scale)
+        return o.to(v.dtype), final_state if output_final_state else None
+
+    return kda_chunk_composed
+
+
 class _KDAChunkFunction(torch.autograd.Function):
     """Forward and backward as Triton kernels. The forward keeps only its inputs; the backward recomputes G, A_kk,
     A_qk, W, U, the chunk states and Ṽ with the forward kernels (steps 1–6 and 8, all but the output) and runs the

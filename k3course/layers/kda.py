@@ -27,7 +27,7 @@ from k3course.ops.chunk import gdn_chunk, gla_chunk, kda_chunk
 from k3course.ops.norm import NORM_EPS, rms_norm
 from k3course.ops.recurrent import gdn_recurrent, gla_recurrent, kda_recurrent
 from k3course.params import forget_gate, no_weight_decay, residual_output
-from k3course.parts import part
+from k3course.parts import is_replaced, part
 
 KDA_LOWER_BOUND = -5.0  # K3's bounded forget gate: g ∈ (−5, 0), so α ∈ (e^-5, 1)
 MODES = ("auto", "chunk", "recurrent")
@@ -326,6 +326,10 @@ class KimiDeltaAttention(_GatedMixer):
     def mix(self, q, k, v, g, beta, initial_state, chunked: bool):
         from k3course.kernels import use_triton  # imported here: the attention ops do not depend on the kernels
 
+        if chunked and is_replaced("kda_chunk"):  # a learner's chunked op (chapter 08), while k3course.parts holds one
+            return part("kda_chunk", kda_chunk)(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                                chunk_size=self.chunk_size, lower_bound=self.lower_bound,
+                                                allow_neg_eigval=self.allow_neg_eigval)
         if use_triton(q.device, self.kernels) and not self.allow_neg_eigval:  # the chapter 08 kernels
             from k3course.kernels.kda import kda_triton
 

@@ -37,6 +37,7 @@ import contextlib
 import inspect
 import io
 import json
+import linecache
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,7 +124,7 @@ def notebook_functions(path: Path | str, names: list[str]) -> tuple[dict[str, Ca
     for index, source in enumerate(cells[:max(defining.values(), default=-1) + 1]):
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                exec(compile(source, f"{path} (code cell {index + 1})", "exec"), namespace)
+                exec(_compiled_cell(source, f"{path} (code cell {index + 1})"), namespace)
         except Exception as error:
             raise RuntimeError(f"path: code cell {index + 1} of {path} raised {type(error).__name__}: {error}; "
                                f"it runs before your function is read from the notebook") from error
@@ -135,6 +136,30 @@ def function_from_notebook(path: Path | str, name: str) -> Callable | None:
     model's call; None when no cell defines it or the definition is still the stub."""
     function = notebook_functions(path, [name])[0].get(name)
     return None if function is None else fitted(name, function)
+
+
+def _compiled_cell(source: str, filename: str):
+    """``source`` compiled as the file ``filename``, its lines registered where ``inspect.getsource`` looks (as
+    IPython does for a cell): a ``@triton.jit`` function reads its own source when it is defined."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    return compile(source, filename, "exec")
+
+
+KDA_KERNELS = ("kda_intra_chunk", "kda_state_pass", "kda_chunk_output")  # chapter 08's three, in the order they run
+
+
+def your_kda_chunk(root: Path | str = "..", folder: str = "exercises") -> tuple[Callable, Path]:
+    """Chapter 08's three KDA kernels from your exercise notebook (else the solutions' where one of yours is not
+    written yet), composed by ``kda_chunk_from_kernels`` into the whole chunked KDA forward: (the op, for
+    ``use_parts(kda_chunk=...)``, and the notebook its kernels came from). Forward only: it has no backward."""
+    from k3course.kernels.kda_chunk import kda_chunk_from_kernels  # here: selecting the Triton mode comes first
+
+    root = Path(root)
+    for where in (root / folder / "08_triton_exercises.ipynb", root / "solutions" / "08_triton_exercises.ipynb"):
+        kernels = notebook_functions(where, list(KDA_KERNELS))[0]
+        if len(kernels) == len(KDA_KERNELS):
+            return kda_chunk_from_kernels(*(kernels[name] for name in KDA_KERNELS)), where.relative_to(root)
+    raise FileNotFoundError(f"root: no 08_triton_exercises.ipynb under {root} defines {', '.join(KDA_KERNELS)}")
 
 
 def fitted(name: str, function: Callable) -> Callable:

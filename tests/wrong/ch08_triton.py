@@ -12,6 +12,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from k3course.kernels.kda_chunk import intra_chunk_factors, kda_chunk_from_kernels, output_from_states, state_pass  # noqa: E402
+
 
 @triton.jit
 def _scale_add_alpha_on_y_kernel(x_ptr, y_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr):
@@ -373,6 +375,24 @@ def reverse_pass_without_the_delta_term(q, k, gc, w, aqk, grad_o, grad_final_sta
     return _reverse_state_slip(q, k, gc, w, aqk, grad_o, grad_final_state, scale, DELTA_TERM=False)
 
 
+def reverse_pass_with_the_default_scale(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
+    """Takes s = K^-1/2 for the (Γ ⊙ Q)ᵀ dO term instead of the scale it was given: right only at the default."""
+    return _reverse_state_slip(q, k, gc, w, aqk, grad_o.contiguous(), grad_final_state, q.shape[-1] ** -0.5)
+
+
+def reverse_pass_outputs_in_the_gradients_dtype(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
+    """Right values, returned in dO's dtype: bf16 gradients in, bf16 out, where fp32 is promised."""
+    grad_final_state = None if grad_final_state is None else grad_final_state.float()
+    outputs = _reverse_state_slip(q, k, gc, w, aqk, grad_o.float().contiguous(), grad_final_state, scale)
+    return tuple(x.to(grad_o.dtype) for x in outputs)
+
+
+def reverse_pass_reads_grad_o_as_contiguous(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
+    """Hands dO to the kernel as it came: a transposed gradient is then read in the wrong order."""
+    grad_final_state = None if grad_final_state is None else grad_final_state.float()
+    return _reverse_state_slip(q, k, gc, w, aqk, grad_o.float(), grad_final_state, scale)
+
+
 def reverse_pass_in_torch(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
     """The right recurrence, chunk by chunk in torch: right values, no kernel."""
     B, T, H, K = q.shape
@@ -394,6 +414,269 @@ def reverse_pass_in_torch(q, k, gc, w, aqk, grad_o, grad_final_state, scale):
     return torch.stack(leaving, 1), grad_v_new, grad_state
 
 
+@triton.jit
+def _intra_chunk_slip_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, aqk_ptr, w_ptr, u_ptr, scale, T, H, K, V,
+                             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FACTORED: tl.constexpr,
+                             SOLVE: tl.constexpr, DIAGONAL: tl.constexpr):
+    """The intra-chunk step with one of three slips: the scores as (K e^G)(K e^{−G})ᵀ, which overflows once −G
+    passes 88 (FACTORED), W and U without the UT solve, X = I (SOLVE=False), or A_qk without its diagonal, i ≤ r
+    taken as i < r (DIAGONAL=False)."""
+    chunk, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    local, cols_k, cols_v = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
+    rows = chunk * BT + local
+    token = (b * T + rows[:, None]) * H + h
+    in_t = rows[:, None] < T
+    mask_k, mask_v = in_t & (cols_k[None, :] < K), in_t & (cols_v[None, :] < V)
+    q = tl.load(q_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + token * V + cols_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + (b * T + rows) * H + h, mask=rows < T, other=0.0).to(tl.float32)
+    gc = tl.cumsum(tl.load(g_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0).to(tl.float32), axis=0)
+    tl.store(gc_ptr + token * K + cols_k[None, :], gc, mask=mask_k)
+    if FACTORED:
+        keys_back = k * tl.exp(-gc)
+        akk = tl.dot(k * tl.exp(gc), tl.trans(keys_back), input_precision="ieee")
+        aqk = tl.dot(q * tl.exp(gc), tl.trans(keys_back), input_precision="ieee")
+        akk = tl.where(local[:, None] > local[None, :], akk, 0.0)
+        aqk = tl.where(local[:, None] >= local[None, :], aqk, 0.0)
+    else:
+        akk = tl.zeros([BT, BT], dtype=tl.float32)
+        aqk = tl.zeros([BT, BT], dtype=tl.float32)
+        for i in range(BT):
+            pick = local[:, None] == i
+            k_i = tl.sum(tl.where(pick, k, 0.0), axis=0)
+            g_i = tl.sum(tl.where(pick, gc, 0.0), axis=0)
+            decay = tl.exp(tl.where((local[:, None] >= i) & mask_k, gc - g_i[None, :], float("-inf")))
+            column = local[None, :] == i
+            akk = tl.where(column & (local[:, None] > i), tl.sum(k * k_i[None, :] * decay, axis=1)[:, None], akk)
+            below = local[:, None] >= i if DIAGONAL else local[:, None] > i
+            aqk = tl.where(column & below, tl.sum(q * k_i[None, :] * decay, axis=1)[:, None], aqk)
+    tl.store(aqk_ptr + token * BT + local[None, :], aqk * scale, mask=in_t)
+    akk = akk * beta[:, None]
+    inverse = (local[:, None] == local[None, :]).to(tl.float32)
+    if SOLVE:
+        for r in range(1, BT):
+            a_r = tl.sum(tl.where(local[:, None] == r, akk, 0.0), axis=0)
+            x_r = tl.where(local == r, 1.0, 0.0) - tl.sum(a_r[:, None] * inverse, axis=0)
+            inverse = tl.where(local[:, None] == r, x_r[None, :], inverse)
+    w = tl.dot(inverse, k * tl.exp(gc) * beta[:, None], input_precision="ieee")
+    u = tl.dot(inverse, v * beta[:, None], input_precision="ieee")
+    tl.store(w_ptr + token * K + cols_k[None, :], w, mask=mask_k)
+    tl.store(u_ptr + token * V + cols_v[None, :], u, mask=mask_v)
+
+
+def _intra_chunk_slip(q, k, v, g, beta, scale, chunk_size, **slip):
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    gc, w = torch.empty(B, T, H, K), torch.empty(B, T, H, K)
+    aqk, u = torch.empty(B, T, H, chunk_size), torch.empty(B, T, H, V)
+    flags = dict(FACTORED=False, SOLVE=True, DIAGONAL=True) | slip
+    _intra_chunk_slip_kernel[(triton.cdiv(T, chunk_size), B * H)](
+        q, k, v, g, beta, gc, aqk, w, u, scale, T, H, K, V, BT=chunk_size, BK=max(16, triton.next_power_of_2(K)),
+        BV=max(16, triton.next_power_of_2(V)), **flags)
+    return gc, aqk, w, u
+
+
+def intra_chunk_factored(q, k, v, g, beta, scale, chunk_size):
+    """The scores as one product (K e^G)(K e^{−G})ᵀ: exact in exact arithmetic, inf/NaN once −G passes 88."""
+    return _intra_chunk_slip(q, k, v, g, beta, scale, chunk_size, FACTORED=True)
+
+
+def intra_chunk_without_the_solve(q, k, v, g, beta, scale, chunk_size):
+    """W = β e^G ⊙ K and U = β V: the UT transform's inverse (I + A_kk)^-1 left out."""
+    return _intra_chunk_slip(q, k, v, g, beta, scale, chunk_size, SOLVE=False)
+
+
+def intra_chunk_strict_query_scores(q, k, v, g, beta, scale, chunk_size):
+    """A_qk masked like A_kk (i < r): a token's output then misses its own key."""
+    return _intra_chunk_slip(q, k, v, g, beta, scale, chunk_size, DIAGONAL=False)
+
+
+def intra_chunk_in_torch(q, k, v, g, beta, scale, chunk_size):
+    """The right factors from the package's chapter-07 torch code: right values, no kernel."""
+    from k3course.ops import chunk as torch_chunk
+
+    B, T, H, K = q.shape
+    pad = -T % chunk_size
+    chunks = [torch.nn.functional.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, pad)).reshape(
+        B, -1, chunk_size, *x.shape[2:]).movedim(3, 1) for x in (q, k, v, g, beta)]
+    qc, kc, vc, gc_chunks, bc = chunks
+    G = gc_chunks.cumsum(-2)
+    A_kk = torch_chunk.decayed_scores(kc, kc, G, strict=True) * bc.unsqueeze(-1)
+    aqk = torch_chunk.decayed_scores(qc * scale, kc, G, strict=False)
+    M = torch_chunk.ut_transform(A_kk, bc)
+    back = lambda x: x.movedim(1, 3).reshape(B, -1, H, *x.shape[4:])[:, :T]  # noqa: E731
+    return back(G), back(aqk), back(M @ (G.exp() * kc)), back(M @ vc)
+
+
+@triton.jit
+def _state_pass_slip_kernel(k_ptr, gc_ptr, w_ptr, u_ptr, h0_ptr, states_ptr, vnew_ptr, final_ptr, T, H, K, V, NT,
+                            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
+                            STORE_ENTERING: tl.constexpr, CORRECT: tl.constexpr):
+    """The state pass with one of three slips: S not decayed by Diag(e^{G_C}) (DECAY=False), the state stored after
+    the chunk's update, i.e. the one leaving it (STORE_ENTERING=False), or Ṽ = U, the delta rule's −W S left out
+    (CORRECT=False)."""
+    v_block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    local, cols_k, cols_v = tl.arange(0, BT), tl.arange(0, BK), v_block * BV + tl.arange(0, BV)
+    slice_offsets = cols_k[:, None] * V + cols_v[None, :]
+    slice_mask = (cols_k[:, None] < K) & (cols_v[None, :] < V)
+    state = tl.load(h0_ptr + bh * K * V + slice_offsets, mask=slice_mask, other=0.0)
+    for chunk in range(NT):
+        where = states_ptr + ((b * NT + chunk) * H + h) * K * V + slice_offsets
+        if STORE_ENTERING:
+            tl.store(where, state, mask=slice_mask)
+        rows = chunk * BT + local
+        token = (b * T + rows[:, None]) * H + h
+        mask_k = (rows[:, None] < T) & (cols_k[None, :] < K)
+        mask_v = (rows[:, None] < T) & (cols_v[None, :] < V)
+        k = tl.load(k_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0)
+        gc = tl.load(gc_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0)
+        w = tl.load(w_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0)
+        u = tl.load(u_ptr + token * V + cols_v[None, :], mask=mask_v, other=0.0)
+        v_new = u - tl.dot(w, state, input_precision="ieee") if CORRECT else u
+        tl.store(vnew_ptr + token * V + cols_v[None, :], v_new, mask=mask_v)
+        end = tl.minimum(chunk * BT + BT, T) - 1
+        g_end = tl.load(gc_ptr + ((b * T + end) * H + h) * K + cols_k, mask=cols_k < K, other=0.0)
+        k_to_end = k * tl.exp(tl.where(mask_k, g_end[None, :] - gc, float("-inf")))
+        carried = state * tl.exp(g_end)[:, None] if DECAY else state
+        state = carried + tl.dot(tl.trans(k_to_end), v_new, input_precision="ieee")
+        if not STORE_ENTERING:
+            tl.store(where, state, mask=slice_mask)
+    tl.store(final_ptr + bh * K * V + slice_offsets, state, mask=slice_mask)
+
+
+def _state_pass_slip(k, gc, w, u, initial_state, chunk_size, **slip):
+    k, gc, w, u = (x.contiguous() for x in (k, gc, w, u))
+    B, T, H, K = k.shape
+    V = u.shape[-1]
+    NT = triton.cdiv(T, chunk_size)
+    h0 = torch.zeros(B, H, K, V) if initial_state is None else initial_state
+    states, v_new, final = torch.empty(B, NT, H, K, V), torch.empty(B, T, H, V), torch.empty(B, H, K, V)
+    flags = dict(DECAY=True, STORE_ENTERING=True, CORRECT=True) | slip
+    _state_pass_slip_kernel[(triton.cdiv(V, 16), B * H)](k, gc, w, u, h0, states, v_new, final, T, H, K, V, NT,
+                                                         BT=chunk_size, BK=max(16, triton.next_power_of_2(K)), BV=16,
+                                                         **flags)
+    return states, v_new, final
+
+
+def state_pass_without_the_decay(k, gc, w, u, initial_state, chunk_size):
+    """S ← S + K̃ᵀ Ṽ: forgets that the state fades by e^{G_C} over the chunk."""
+    return _state_pass_slip(k, gc, w, u, initial_state, chunk_size, DECAY=False)
+
+
+def state_pass_stores_the_leaving_state(k, gc, w, u, initial_state, chunk_size):
+    """Stores S after chunk c's update: the state leaving c where the one entering it is asked."""
+    return _state_pass_slip(k, gc, w, u, initial_state, chunk_size, STORE_ENTERING=False)
+
+
+def state_pass_without_the_correction(k, gc, w, u, initial_state, chunk_size):
+    """Ṽ = U: the delta rule's correction −W S left out (right for a gated linear attention, not for KDA)."""
+    return _state_pass_slip(k, gc, w, u, initial_state, chunk_size, CORRECT=False)
+
+
+def state_pass_in_torch(k, gc, w, u, initial_state, chunk_size):
+    """The right recurrence chunk by chunk in torch: right values, no kernel."""
+    B, T, H, K = k.shape
+    state = torch.zeros(B, H, K, u.shape[-1]) if initial_state is None else initial_state.clone()
+    entering, v_new = [], torch.empty(u.shape)
+    for start in range(0, T, chunk_size):
+        rows = slice(start, min(start + chunk_size, T))
+        entering.append(state)
+        corrected = u[:, rows] - torch.einsum("bthk,bhkv->bthv", w[:, rows], state)
+        v_new[:, rows] = corrected
+        g_end = gc[:, rows.stop - 1]
+        state = (state * torch.exp(g_end)[..., None]
+                 + torch.einsum("bthk,bthv->bhkv", k[:, rows] * torch.exp(g_end[:, None] - gc[:, rows]), corrected))
+    return torch.stack(entering, 1), v_new, state
+
+
+@triton.jit
+def _output_slip_kernel(q_ptr, gc_ptr, states_ptr, vnew_ptr, aqk_ptr, o_ptr, scale, T, H, K, V, NT,
+                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_Q: tl.constexpr,
+                        SCALE_Q: tl.constexpr, INTRA: tl.constexpr):
+    """The output with one of three slips: Q read without its decay e^G from the chunk's start (DECAY_Q=False), the
+    state's term without the scale (SCALE_Q=False), or the intra-chunk term A_qk Ṽ left out (INTRA=False)."""
+    v_block, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    local, cols_k, cols_v = tl.arange(0, BT), tl.arange(0, BK), v_block * BV + tl.arange(0, BV)
+    rows = chunk * BT + local
+    token = (b * T + rows[:, None]) * H + h
+    mask_k = (rows[:, None] < T) & (cols_k[None, :] < K)
+    mask_v = (rows[:, None] < T) & (cols_v[None, :] < V)
+    q = tl.load(q_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0).to(tl.float32)
+    gc = tl.load(gc_ptr + token * K + cols_k[None, :], mask=mask_k, other=0.0)
+    aqk = tl.load(aqk_ptr + token * BT + local[None, :], mask=rows[:, None] < T, other=0.0)
+    v_new = tl.load(vnew_ptr + token * V + cols_v[None, :], mask=mask_v, other=0.0)
+    state = tl.load(states_ptr + ((b * NT + chunk) * H + h) * K * V + cols_k[:, None] * V + cols_v[None, :],
+                    mask=(cols_k[:, None] < K) & (cols_v[None, :] < V), other=0.0)
+    if DECAY_Q:
+        q = q * tl.exp(gc)
+    if SCALE_Q:
+        q = q * scale
+    out = tl.dot(q, state, input_precision="ieee")
+    if INTRA:
+        out += tl.dot(aqk, v_new, input_precision="ieee")
+    tl.store(o_ptr + token * V + cols_v[None, :], out, mask=mask_v)
+
+
+def _output_slip(q, gc, states, v_new, aqk, scale, **slip):
+    q, gc, states, v_new, aqk = (x.contiguous() for x in (q, gc, states, v_new, aqk))
+    B, T, H, K = q.shape
+    V, NT, C = v_new.shape[-1], states.shape[1], aqk.shape[-1]
+    o = torch.empty(B, T, H, V)
+    flags = dict(DECAY_Q=True, SCALE_Q=True, INTRA=True) | slip
+    _output_slip_kernel[(triton.cdiv(V, 16), NT, B * H)](q, gc, states, v_new, aqk, o, scale, T, H, K, V, NT, BT=C,
+                                                        BK=max(16, triton.next_power_of_2(K)), BV=16, **flags)
+    return o
+
+
+def output_without_the_query_decay(q, gc, states, v_new, aqk, scale):
+    """Q S: forgets that the state entering the chunk has faded by e^{G_t} by token t."""
+    return _output_slip(q, gc, states, v_new, aqk, scale, DECAY_Q=False)
+
+
+def output_without_the_scale(q, gc, states, v_new, aqk, scale):
+    """(e^G ⊙ Q) S without s: A_qk arrives scaled, the state's term must be scaled by hand."""
+    return _output_slip(q, gc, states, v_new, aqk, scale, SCALE_Q=False)
+
+
+def output_without_the_intra_chunk_term(q, gc, states, v_new, aqk, scale):
+    """Only the state's term: the chunk's own tokens (A_qk Ṽ) left out."""
+    return _output_slip(q, gc, states, v_new, aqk, scale, INTRA=False)
+
+
+def output_in_torch(q, gc, states, v_new, aqk, scale):
+    """The right output from chunk-shaped torch products: right values, no kernel."""
+    B, T, H, K = q.shape
+    C = aqk.shape[-1]
+    o = torch.empty(v_new.shape)
+    for c, start in enumerate(range(0, T, C)):
+        rows = slice(start, min(start + C, T))
+        n = rows.stop - start
+        o[:, rows] = (scale * torch.einsum("bthk,bhkv->bthv", q[:, rows].float() * torch.exp(gc[:, rows]), states[:, c])
+                      + torch.einsum("bthi,bihv->bthv", aqk[:, rows, :, :n], v_new[:, rows]))
+    return o
+
+
+def composed_with_the_factored_scores(q, k, v, g, beta, **kwargs):
+    """The three kernels composed, the intra-chunk one forming the scores as one overflowing product."""
+    return kda_chunk_from_kernels(intra_chunk_factored, state_pass, output_from_states)(q, k, v, g, beta, **kwargs)
+
+
+def composed_with_an_undecayed_state(q, k, v, g, beta, **kwargs):
+    """The three kernels composed, the state pass forgetting Diag(e^{G_C})."""
+    return kda_chunk_from_kernels(intra_chunk_factors, state_pass_without_the_decay, output_from_states)(
+        q, k, v, g, beta, **kwargs)
+
+
+def composed_ignoring_the_lower_bound(q, k, v, g, beta, lower_bound=None, **kwargs):
+    """Right kernels, but the gate's lower bound never applied: g below −5 decays faster than K3's layer allows."""
+    return kda_chunk_from_kernels()(q, k, v, g, beta, **kwargs)
+
+
 WRONG = {
     "08.kda_decode": [decode_returns_a_new_state, decode_in_torch],
     "08.softmax_rows": [softmax_without_the_max, softmax_padded_with_zeros, softmax_max_includes_the_padding],
@@ -404,7 +687,16 @@ WRONG = {
                       l2norm_store_runs_past_the_end],
     "08.chunk_cumsum": [cumsum_one_chunk_for_all, cumsum_in_the_input_dtype],
     "08.kk_tile": [tile_factored_naively, tile_always_16_wide, tile_in_torch],
+    "08.kda_chunk": [composed_with_the_factored_scores, composed_with_an_undecayed_state,
+                     composed_ignoring_the_lower_bound],
+    "08.kda_intra_chunk": [intra_chunk_factored, intra_chunk_without_the_solve, intra_chunk_strict_query_scores,
+                           intra_chunk_in_torch],
+    "08.kda_state_pass": [state_pass_without_the_decay, state_pass_stores_the_leaving_state,
+                          state_pass_without_the_correction, state_pass_in_torch],
+    "08.kda_chunk_output": [output_without_the_query_decay, output_without_the_scale,
+                            output_without_the_intra_chunk_term, output_in_torch],
     "08.reverse_state_pass": [reverse_pass_run_forward, reverse_pass_without_the_decay,
                               reverse_pass_stores_one_chunk_late, reverse_pass_without_the_delta_term,
-                              reverse_pass_in_torch],
+                              reverse_pass_in_torch, reverse_pass_with_the_default_scale,
+                              reverse_pass_outputs_in_the_gradients_dtype, reverse_pass_reads_grad_o_as_contiguous],
 }

@@ -8,9 +8,17 @@ import torch
 
 from k3course.grading.registry import Case, Exercise, Forbidden, register
 from k3course.kernels.basics import decayed_kk_tile, l2norm_rows, matmul, scale_add
-from k3course.kernels.kda_chunk import chunk_local_cumsum, intra_chunk_scores, wy_factors
+from k3course.kernels.kda_chunk import (
+    chunk_local_cumsum,
+    intra_chunk_factors,
+    intra_chunk_scores,
+    output_from_states,
+    state_pass,
+    wy_factors,
+)
 from k3course.kernels.kda_chunk_backward import reverse_state_pass
 from k3course.kernels.kda_decode import kda_decode_triton
+from k3course.ops import kda_chunk
 
 TORCH_MATH = Forbidden(
     frozenset({"sum", "cumsum", "exp", "exp2", "log", "sqrt", "rsqrt", "norm", "vector_norm", "normalize", "matmul",
@@ -141,22 +149,29 @@ def _decode_cases() -> list[Case]:
 
 
 def _reverse_pass_inputs(T: int, K: int, V: int, chunk_size: int, seed: int, decay: tuple[float, float] = (-5.0, 0.0),
-                         batch: int = 1, final_gradient: bool = True) -> tuple:
+                         batch: int = 1, final_gradient: bool = True, scale: float | None = None,
+                         grad_dtype: torch.dtype = torch.float32, strided_grad_o: bool = False) -> tuple:
     """What the reverse state pass reads, for two heads: q, k, G, W, A_qk (recomputed from seeded q, k, v, g, β by
     the package's forward kernels, as the backward does), the upstream gradients dO and dS_T (None: no gradient
-    reaches the final state) and the scale. g is uniform in ``decay``."""
+    reaches the final state) and the scale (K^-1/2 unless given). g is uniform in ``decay``. The upstream gradients
+    come in ``grad_dtype`` (bf16: mixed-precision training; the outputs stay fp32); ``strided_grad_o``: dO is a
+    [B, T, V, H] tensor seen as [B, T, H, V] (strides (T·V·H, V·H, 1, H)), as a transposed gradient arrives."""
     gen = _generator(seed)
     q = torch.randn(batch, T, 2, K, generator=gen)
     k = torch.nn.functional.normalize(torch.randn(batch, T, 2, K, generator=gen), dim=-1)
     v = torch.randn(batch, T, 2, V, generator=gen)
     low, high = decay
     g = low + (high - low) * torch.rand(batch, T, 2, K, generator=gen)
-    beta, scale = torch.rand(batch, T, 2, generator=gen), K ** -0.5
+    beta, scale = torch.rand(batch, T, 2, generator=gen), K ** -0.5 if scale is None else scale
     gc = chunk_local_cumsum(g, chunk_size)
     akk, aqk = intra_chunk_scores(q, k, gc, beta, scale, chunk_size)
     w, _ = wy_factors(k, v, gc, beta, akk, chunk_size)
-    grad_o = torch.randn(batch, T, 2, V, generator=gen)
+    if strided_grad_o:
+        grad_o = torch.randn(batch, T, V, 2, generator=gen).transpose(2, 3)
+    else:
+        grad_o = torch.randn(batch, T, 2, V, generator=gen)
     grad_final = torch.randn(batch, 2, K, V, generator=gen) if final_gradient else None
+    grad_o, grad_final = (None if x is None else x.to(grad_dtype) for x in (grad_o, grad_final))
     return q, k, gc, w, aqk, grad_o, grad_final, scale
 
 
@@ -171,9 +186,111 @@ def _reverse_pass_cases() -> list[Case]:
         Case("T = 5: one partial chunk of 64", _reverse_pass_inputs(5, 16, 16, 64, 44)),
         Case("batch 2, K = 20, V = 12 (masked), chunk 16, T = 40",
              _reverse_pass_inputs(40, 20, 12, 16, 45, (-1.0, 0.0), batch=2)),
+        Case("scale 0.3, not K^-1/2 (A_qk scaled alike), chunk 16, T = 35",
+             _reverse_pass_inputs(35, 16, 16, 16, 46, scale=0.3)),
+        Case("bf16 dO and dS_T: the outputs are still fp32, chunk 16, T = 33",
+             _reverse_pass_inputs(33, 16, 16, 16, 47, grad_dtype=torch.bfloat16)),
+        Case("a strided dO (a transposed [B, T, V, H] tensor), V = 24, chunk 16, T = 30",
+             _reverse_pass_inputs(30, 16, 24, 16, 48, strided_grad_o=True)),
     ]
 
 
+def _kda_inputs(B: int, T: int, K: int, V: int, seed: int, decay: tuple[float, float] = (-1.0, 0.0),
+                dtype: torch.dtype = torch.float32) -> tuple:
+    """Seeded q, k (unit rows), v, g (uniform in ``decay``), β and an initial state for two heads."""
+    gen = _generator(seed)
+    q = torch.randn(B, T, 2, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, 2, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, 2, V, generator=gen)
+    low, high = decay
+    g = low + (high - low) * torch.rand(B, T, 2, K, generator=gen)
+    beta, h0 = torch.rand(B, T, 2, generator=gen), torch.randn(B, 2, K, V, generator=gen)
+    return *(x.to(dtype) for x in (q, k, v, g, beta)), h0
+
+
+def _intra_chunk_cases() -> list[Case]:
+    def case(B, T, K, V, chunk, seed, decay=(-1.0, 0.0), scale=None, dtype=torch.float32):
+        q, k, v, g, beta, _ = _kda_inputs(B, T, K, V, seed, decay, dtype)
+        return q, k, v, g, beta, K ** -0.5 if scale is None else scale, chunk
+    return [
+        Case("T = 32: two chunks of 16, K = V = 16", case(1, 32, 16, 16, 16, 50)),
+        Case("T = 37 (a partial last chunk), batch 2, K = 20, V = 12 (masked)", case(2, 37, 20, 12, 16, 51)),
+        Case("the strongest decay (g ≈ −5), chunk 32, T = 40: e^{−G} overflows fp32",
+             case(1, 40, 16, 16, 32, 52, (-5.0, -4.99))),
+        Case("scale 0.3, not K^-1/2, T = 20", case(1, 20, 16, 16, 16, 53, scale=0.3)),
+        Case("bf16 inputs: the outputs are still fp32, T = 18", case(1, 18, 16, 16, 16, 54, dtype=torch.bfloat16)),
+    ]
+
+
+def _state_pass_inputs(B, T, K, V, chunk, seed, decay=(-1.0, 0.0), initial=True, strided_u=False) -> tuple:
+    """What the state pass reads: k, G, W, U from the package's intra-chunk step on seeded inputs, the initial
+    state (or None) and the chunk size; ``strided_u``: U is a [B, T, V, H] tensor seen as [B, T, H, V]."""
+    q, k, v, g, beta, h0 = _kda_inputs(B, T, K, V, seed, decay)
+    gc, _, w, u = intra_chunk_factors(q, k, v, g, beta, K ** -0.5, chunk)
+    if strided_u:
+        u = u.transpose(2, 3).contiguous().transpose(2, 3)
+    return k, gc, w, u, h0 if initial else None, chunk
+
+
+def _state_pass_cases() -> list[Case]:
+    return [
+        Case("T = 32: two chunks of 16, no initial state (None: zero)", _state_pass_inputs(1, 32, 16, 16, 16, 60,
+                                                                                              initial=False)),
+        Case("T = 37 (a partial last chunk), K = 20, V = 24 (two value blocks), an initial state",
+             _state_pass_inputs(1, 37, 20, 24, 16, 61)),
+        Case("the strongest decay (g ≈ −5), chunk 32, T = 45",
+             _state_pass_inputs(1, 45, 16, 16, 32, 62, (-5.0, -4.99))),
+        Case("batch 2, V = 12 (masked), T = 20", _state_pass_inputs(2, 20, 16, 12, 16, 63)),
+        Case("a strided U (a transposed [B, T, V, H] tensor), T = 30", _state_pass_inputs(1, 30, 16, 16, 16, 64,
+                                                                                           strided_u=True)),
+    ]
+
+
+def _output_inputs(B, T, K, V, chunk, seed, decay=(-1.0, 0.0), scale=None, dtype=torch.float32) -> tuple:
+    """What the output kernel reads: q, G, the states entering each chunk, Ṽ and A_qk (from the package's steps on
+    seeded inputs), and the scale (A_qk scaled alike); q in ``dtype``."""
+    q, k, v, g, beta, h0 = _kda_inputs(B, T, K, V, seed, decay)
+    scale = K ** -0.5 if scale is None else scale
+    gc, aqk, w, u = intra_chunk_factors(q, k, v, g, beta, scale, chunk)
+    states, v_new, _ = state_pass(k, gc, w, u, h0, chunk)
+    return q.to(dtype), gc, states, v_new, aqk, scale
+
+
+def _output_cases() -> list[Case]:
+    return [
+        Case("T = 32: two chunks of 16, K = V = 16", _output_inputs(1, 32, 16, 16, 16, 70)),
+        Case("T = 37 (a partial last chunk), batch 2, K = 20, V = 24", _output_inputs(2, 37, 20, 24, 16, 71)),
+        Case("scale 0.3, not K^-1/2 (A_qk scaled alike)", _output_inputs(1, 20, 16, 16, 16, 72, scale=0.3)),
+        Case("the strongest decay (g ≈ −5), chunk 32, T = 40", _output_inputs(1, 40, 16, 16, 32, 73, (-5.0, -4.99))),
+        Case("bf16 q: the output is still fp32, T = 18", _output_inputs(1, 18, 16, 16, 16, 74, dtype=torch.bfloat16)),
+    ]
+
+
+def kda_chunk_reference(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64,
+                        *, lower_bound=None):
+    """The reference for the three kernels composed: the package's chunk op (chapter 07's torch path)."""
+    return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, lower_bound=lower_bound)
+
+
+def _composed_case(name: str, T: int, K: int, V: int, chunk: int, seed: int, decay=(-1.0, 0.0), **kwargs) -> Case:
+    q, k, v, g, beta, h0 = _kda_inputs(1, T, K, V, seed, decay)
+    return Case(name, (q, k, v, g, beta), {"initial_state": h0, "output_final_state": True, "chunk_size": chunk,
+                                           **kwargs})
+
+
+def _composed_cases() -> list[Case]:
+    return [
+        _composed_case("T = 37 (odd), K = 20, V = 12, an initial state, chunk 16", 37, 20, 12, 16, 80),
+        _composed_case("K3's bounded gate: g down to −6 clamped at −5, scale 0.3, chunk 32, T = 45", 45, 16, 24, 32,
+                       81, (-6.0, 0.0), lower_bound=-5.0, scale=0.3),
+    ]
+
+
+register(Exercise("08.kda_chunk", kda_chunk_reference, _composed_cases, tolerance={"float32": (1e-5, 2e-5)},
+                  isolate=True))
+register(Exercise("08.kda_intra_chunk", intra_chunk_factors, _intra_chunk_cases, forbidden=TORCH_MATH, isolate=True))
+register(Exercise("08.kda_state_pass", state_pass, _state_pass_cases, forbidden=TORCH_MATH, isolate=True))
+register(Exercise("08.kda_chunk_output", output_from_states, _output_cases, forbidden=TORCH_MATH, isolate=True))
 register(Exercise("08.reverse_state_pass", reverse_state_pass, _reverse_pass_cases, forbidden=TORCH_MATH,
                   isolate=True))
 register(Exercise("08.kda_decode", kda_decode_triton, _decode_cases, mutable=("state",), forbidden=TORCH_MATH,

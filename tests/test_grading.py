@@ -45,6 +45,7 @@ TRAINING_PATH = {
     "05.delta_step", "05.gdn_step", "05.gdn_recurrent", "06.kda_step", "06.kda_gate", "06.short_conv",
     "07.decayed_scores", "07.ut_transform", "07.kda_chunk_step", "09.compress_kv", "09.attention_probs",
     "09.absorb_query", "10.depth_attention", "10.block_sources", "10.block_attnres_read", "13.combine",
+    "01.shared_experts", "02.latent_moe_forward", "06.kda_layer_forward", "09.gated_mla_forward", "09.mla_output_gate",
 }  # 13.all_to_all's harness runs its backward on the ranks
 # Chapter-local references with no package function to refuse: torch's softmax (the exercise forbids torch math).
 NO_PACKAGE_FUNCTION = {"08.softmax_rows", "08.softmax_online"}
@@ -270,7 +271,8 @@ def toy_backward():
     """A differentiated toy: its backward case holds an entry (100) whose unclamped e^x overflows float32."""
     cases = lambda: [Case("one entry past e^88", (torch.tensor([-1.0, 0.5, 100.0]),))]  # noqa: E731
     exercises = [Exercise("99.toy_decay", _decays, cases, backward=Backward(("x",))),
-                 Exercise("99.toy_square", torch.square, cases, backward=Backward(finite_differences=True))]
+                 Exercise("99.toy_square", _square_without_autograd, cases,
+                          backward=Backward(finite_differences=True))]
     _EXERCISES.update({exercise.id: exercise for exercise in exercises})
     yield
     for exercise in exercises:
@@ -299,6 +301,11 @@ def test_an_output_without_a_gradient_fails_its_backward_case(toy_backward):
         check("99.toy_decay", detached)
     with pytest.raises(ExerciseFailed, match="your gradient with respect to x: 1 of 3 entries are off"):
         check("99.toy_decay", gradient_through_the_mask_too)
+
+
+def _square_without_autograd(x):
+    """x² computed in NumPy: a reference autograd cannot differentiate."""
+    return torch.from_numpy(x.detach().numpy() ** 2)
 
 
 def test_finite_differences_stand_in_for_a_reference_without_autograd(toy_backward, capsys):

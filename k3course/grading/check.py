@@ -25,6 +25,7 @@ import functools
 import inspect
 import math
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -105,13 +106,19 @@ def _same(before: Any, after: Any) -> bool:
     return before == after
 
 
+def _parameter_names(function: Callable) -> list[str]:
+    """``function``'s parameter names; none for a built-in without a signature (``torch.square``): its inputs are
+    then named by position."""
+    try:
+        return list(inspect.signature(function).parameters)
+    except ValueError:
+        return []
+
+
 def _named_inputs(exercise: Exercise, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The inputs of one call by parameter name (positions named after the reference's signature, or the
     harness's after its first parameter, the answer)."""
-    if exercise.harness is None:
-        names = list(inspect.signature(exercise.reference).parameters)
-    else:
-        names = list(inspect.signature(exercise.harness).parameters)[1:]
+    names = _parameter_names(exercise.reference) if exercise.harness is None else _parameter_names(exercise.harness)[1:]
     named = {names[i] if i < len(names) else f"argument {i + 1}": value for i, value in enumerate(args)}
     return {**named, **kwargs}
 

@@ -37,12 +37,10 @@ class PackageRule:
 
 
 def _code(function: Callable[..., Any]):
-    """The code object a call of ``function`` runs (through decorators' ``__wrapped__``, methods' ``__func__``)."""
+    """The code object a call of ``function`` runs (through decorators' ``__wrapped__``, methods' ``__func__``);
+    None for a built-in (torch's own ``torch.square``: no package code to refuse)."""
     function = inspect.unwrap(getattr(function, "__func__", function))
-    code = getattr(function, "__code__", None)
-    if code is None:
-        raise TypeError(f"package: expected Python functions, got {function!r}")
-    return code
+    return getattr(function, "__code__", None)
 
 
 def package_rule(functions: tuple[Callable[..., Any], ...], may_use: tuple[str, ...] = ()) -> PackageRule:
@@ -50,6 +48,8 @@ def package_rule(functions: tuple[Callable[..., Any], ...], may_use: tuple[str, 
     code = {}
     for function in functions:
         compiled = _code(function)
+        if compiled is None:
+            continue
         name = f"{function.__module__}.{compiled.co_qualname}"
         for file in {compiled.co_filename, os.path.realpath(compiled.co_filename)}:
             code[file, compiled.co_qualname] = name

@@ -287,7 +287,7 @@ def _composed_cases() -> list[Case]:
 
 
 register(Exercise("08.kda_chunk", kda_chunk_reference, _composed_cases, tolerance={"float32": (1e-5, 2e-5)},
-                  isolate=True))
+                  package=(kda_chunk,), isolate=True))
 register(Exercise("08.kda_intra_chunk", intra_chunk_factors, _intra_chunk_cases, forbidden=TORCH_MATH, isolate=True))
 register(Exercise("08.kda_state_pass", state_pass, _state_pass_cases, forbidden=TORCH_MATH, isolate=True))
 register(Exercise("08.kda_chunk_output", output_from_states, _output_cases, forbidden=TORCH_MATH, isolate=True))

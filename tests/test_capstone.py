@@ -177,7 +177,7 @@ def test_the_shipped_model_with_every_solution_part_inside_scores_as_with_the_pa
     assert set(capstone.PART_NAMES) - set(in_model) == {"router_scores", "kda_chunk"}
     assert all(part.whose == "the solution's" for part in parts)
     config, model, windows = capstone.shipped_config(), capstone.shipped_model(), capstone.shipped_windows()[:64]
-    package = train.evaluate(model, windows, config["train"]["batch_size"]) / math.log(2)
+    package = evaluate(model, windows, config["train"]["batch_size"]) / math.log(2)
     with capstone.use_parts(**in_model):
-        solutions = train.evaluate(model, windows, config["train"]["batch_size"]) / math.log(2)
+        solutions = evaluate(model, windows, config["train"]["batch_size"]) / math.log(2)
     assert abs(solutions - package) < 1e-4, (solutions, package)

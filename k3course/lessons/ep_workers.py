@@ -129,22 +129,28 @@ def expert_parallel_steps(rank: int, world_size: int, case: dict) -> dict:
     return {"records": records, "state": gather_state_dict(stepper.model)}
 
 
+def _sharded_stepper(rank: int, world_size: int, case: dict) -> tuple[train.Stepper, object]:
+    """(a Stepper over the model sharded by :func:`k3course.distributed.parallelize` on ``case["mesh"]`` =
+    (dp_shard, ep), each rank reading its 1/N of every micro-batch; that mesh)."""
+    mesh = make_mesh(*case["mesh"])
+    sharded = lambda config, seed, device: parallelize(
+        train.build_model(config, seed, device).to(case.get("dtype", torch.float32)), mesh)
+    stepper = train.Stepper(case["model"], case["train"],
+                            lambda step: rank_shards(case["batches"][step], rank, world_size),
+                            model_factory=sharded)
+    return stepper, mesh
+
+
 def sharded_steps(rank: int, world_size: int, case: dict) -> dict:
     """:func:`expert_parallel_steps` on a 2-D mesh: the model sharded by :func:`k3course.distributed.parallelize`
     over ``case["mesh"]`` = (dp_shard, ep), each rank reading its 1/N of every micro-batch. Returns the per-step
     records, the gathered single-process state dict and "idle_expert": per step, whether some expert received
     no token-slot from this rank in it (read before the bias update)."""
-    model_config, train_config = case["model"], case["train"]
-    mesh = make_mesh(*case["mesh"])
-    sharded = lambda config, seed, device: parallelize(
-        train.build_model(config, seed, device).to(case.get("dtype", torch.float32)), mesh)
-    stepper = train.Stepper(model_config, train_config,
-                            lambda step: rank_shards(case["batches"][step], rank, world_size),
-                            model_factory=sharded)
+    stepper, _ = _sharded_stepper(rank, world_size, case)
     idle = []
     stepper.optimizer.register_step_pre_hook(lambda *_: idle.append(any(
         bool((moe.balancing_statistics()["load"] == 0).any()) for moe in stepper.model.moe_layers())))
-    records = [stepper() for _ in range(train_config.steps)]
+    records = [stepper() for _ in range(case["train"].steps)]
     return {"records": records, "state": gather_state_dict(stepper.model), "idle_expert": idle}
 
 
@@ -169,13 +175,8 @@ def checkpointed_steps(rank: int, world_size: int, case: dict) -> dict:
     """:func:`sharded_steps` that may start from a sharded checkpoint (``case["load"]``: its folder, written on
     any mesh) and write one after step ``case["save_at"]`` into ``case["out"]``; trains to ``case["train"].steps``.
     Returns the gathered single-process state dict at the end."""
-    model_config, train_config = case["model"], case["train"]
-    mesh = make_mesh(*case["mesh"])
-    sharded = lambda config, seed, device: parallelize(
-        train.build_model(config, seed, device).to(case.get("dtype", torch.float32)), mesh)
-    stepper = train.Stepper(model_config, train_config,
-                            lambda step: rank_shards(case["batches"][step], rank, world_size),
-                            model_factory=sharded)
+    train_config = case["train"]
+    stepper, mesh = _sharded_stepper(rank, world_size, case)
     if case.get("load"):
         saved = load_sharded(case["load"], stepper.model, stepper.optimizer, mesh,
                              {"scheduler": stepper.scheduler.state_dict(), "step": 0})

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from k3course.config import (
     value_from_text,
     with_settings,
 )
+from k3course.kernels import BACKENDS, kernel_backend
 
 
 def _is_number(value) -> bool:
@@ -113,12 +114,15 @@ class RunOptions:
 
     ``data``: files, folders and globs of text (``()``: the stdlib corpus); ``val``: validation files (``()``:
     ``data`` is split by file hash, as the stdlib is); ``dtype``: "float32", or "bfloat16" (the forward under
-    autocast; master weights, optimizer state and the KDA recurrent states stay float32).
+    autocast; master weights, optimizer state and the KDA recurrent states stay float32); ``kernels``: the
+    model's kernel backend (:data:`k3course.kernels.BACKENDS`; default: the environment variable
+    ``K3COURSE_KERNELS`` when the options are made, else "auto"), saved with the run and used on resume.
     """
 
     data: tuple[str, ...] = ()
     val: tuple[str, ...] = ()
     dtype: str = "float32"
+    kernels: str = field(default_factory=kernel_backend)
 
     def __post_init__(self) -> None:
         for name in ("data", "val"):
@@ -129,6 +133,8 @@ class RunOptions:
             raise ValueError("val names validation files for your own data: give data too (or neither: the stdlib)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kernels not in BACKENDS:
+            raise ValueError(f"kernels must be one of {', '.join(BACKENDS)}, got {self.kernels!r}")
 
 
 @dataclass(frozen=True)
@@ -138,7 +144,7 @@ class RunConfig:
 
     model: K3Config
     train: TrainConfig
-    run: RunOptions = RunOptions()
+    run: RunOptions = field(default_factory=RunOptions)
 
     def sections(self) -> dict[str, object]:
         return {"model": self.model, "train": self.train, "run": self.run}

@@ -131,13 +131,13 @@ class K3Model(nn.Module):
         FP8 with its scales); the head is untied when the folder stores one that differs from the embedding.
         Parameters in ``dtype`` on ``device``; the MoE selection biases stay fp32. Returned in eval mode.
         """
-        return cls.from_checkpoint(pretrained.Checkpoint(path), device, dtype)
+        return cls.from_checkpoint(pretrained.PretrainedFolder(path), device, dtype)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: pretrained.Checkpoint, device: torch.device | str | None = None,
+    def from_checkpoint(cls, checkpoint: pretrained.PretrainedFolder, device: torch.device | str | None = None,
                         dtype: torch.dtype = torch.float32) -> K3Model:
         """:meth:`from_pretrained` of a folder already opened (and checked) as a
-        :class:`~k3course.pretrained.Checkpoint`: its headers and its head are not read a second time."""
+        :class:`~k3course.pretrained.PretrainedFolder`: its headers and its head are not read a second time."""
         model = cls.from_config(checkpoint.config, device="meta")
         device = torch.device(device or "cpu")
         for part in checkpoint.k3_tensors(dtype):

@@ -26,7 +26,7 @@ function or activation, attention biases, another RoPE type, K3 settings other t
 :class:`UnsupportedCheckpoint` naming it. The way back is :mod:`k3course.pretrained_save`.
 
 This module knows :class:`~k3course.model.K3Model`'s parameter names as strings and never imports the model:
-``K3Model.from_pretrained`` builds it on the meta device and assigns what :meth:`Checkpoint.k3_tensors` yields,
+``K3Model.from_pretrained`` builds it on the meta device and assigns what :meth:`PretrainedFolder.k3_tensors` yields,
 one part at a time, read from memory-mapped files, so the weights are never in memory twice. The names and shapes
 per layer are in :mod:`k3course.layout`.
 """
@@ -398,7 +398,7 @@ def k3_tensors(get: Callable[[str], torch.Tensor], keys, cfg: K3Config, fp8_bloc
     if not cfg.n_shared_experts:
         _no_shared_experts(source, cfg)
     if cfg.tie_embeddings:
-        used.add(HEAD)  # a tied head may be stored too; Checkpoint unties a config whose stored head differs
+        used.add(HEAD)  # a tied head may be stored too; PretrainedFolder unties a config whose stored head differs
     unread = sorted(k for k in keys - used if not _is_mtp(k, cfg.n_layers))
     if unread:
         raise UnsupportedCheckpoint(f"checkpoint: {len(unread)} tensors the course cannot place, e.g. {unread[:4]}")
@@ -423,12 +423,13 @@ def _no_shared_experts(source: _Source, cfg: K3Config) -> None:
                                         "n_shared_experts 0")
 
 
-class Checkpoint:
-    """A checkpoint folder: its :class:`K3Config` (``config``), the raw config.json (``hf_config``) and its tensors,
-    read one at a time from memory-mapped safetensors files (:meth:`k3_tensors`). Checked on opening, before any
-    weight is read: the folder, config.json, the index against its shards, every file's safetensors header, and
-    the head: a stored ``lm_head`` that differs from the embedding is the head, whatever ``tie_word_embeddings``
-    says (a warning says so)."""
+class PretrainedFolder:
+    """A Hugging Face checkpoint folder (a training run's checkpoints are :mod:`k3course.checkpoint`'s): its
+    :class:`K3Config` (``config``), the raw config.json (``hf_config``) and its tensors, read one at a time from
+    memory-mapped safetensors files (:meth:`k3_tensors`). Checked on opening, before any weight is read: the
+    folder, config.json, the index against its shards, every file's safetensors header, and the head: a stored
+    ``lm_head`` that differs from the embedding is the head, whatever ``tie_word_embeddings`` says (a
+    warning says so)."""
 
     def __init__(self, path: str | Path):
         self.path = _checkpoint_folder(Path(path))

@@ -75,7 +75,7 @@ def save_kimi_linear(cfg: K3Config, state: dict[str, torch.Tensor], path: str | 
     ``max_shard_bytes`` a shard unless one part is larger) with an index when there is more than one shard. A tied
     head is written as ``lm_head`` too, a copy of the embedding (safetensors stores no shared tensors):
     transformers' Kimi Linear then has the right head whether or not it ties it, and
-    :class:`~k3course.pretrained.Checkpoint` reads the pair back as tied. Converts one part at a time. Returns the
+    :class:`~k3course.pretrained.PretrainedFolder` reads the pair back as tied. Converts one part at a time. Returns the
     folder."""
     config = kimi_linear_config(cfg, state["embed.weight"].dtype)
     parts = layout.checkpoint_layout(cfg)

@@ -35,6 +35,7 @@ from torch import nn
 
 from k3course import pretrained, pretrained_save
 from k3course.config import K3Config
+from k3course.guards import is_number
 from k3course.layers.kda import KDACache, KimiDeltaAttention
 from k3course.layers.mla import GatedMLA, MLACache
 from k3course.layers.residual import block_attnres_read, make_residual
@@ -314,7 +315,7 @@ class K3Model(nn.Module):
                top_k: int | None = None, seed: int | None = None) -> Iterator[torch.Tensor]:
         """The tokens :meth:`generate` appends, one [B, 1] tensor at a time, each as soon as it is sampled (the
         arguments are checked at the call; the model is in eval mode until the iterator ends)."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if not is_number(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int ≥ 0, got {max_new_tokens!r}")
         if not temperature >= 0:
             raise ValueError(f"temperature must be ≥ 0, got {temperature!r}")

@@ -47,6 +47,7 @@ import torch
 
 from k3course import layout
 from k3course.config import K3Config, layer_schedule
+from k3course.guards import is_number
 
 MODEL_TYPES = ("kimi_linear", "deepseek_v3", "kimi_k2", "kimi_k3")
 # transformers' defaults for keys a config.json may leave out, where the two model types differ
@@ -131,14 +132,10 @@ def fp8_block_size(hf: dict) -> tuple[int, int] | None:
                                     "reads 'fp8' block scales); dequantize the checkpoint to bf16 first")
     block = quantization.get("weight_block_size")
     if quantization.get("fmt", "e4m3") != "e4m3" or not (
-            isinstance(block, list | tuple) and len(block) == 2 and all(_is_positive_int(b) for b in block)):
+            isinstance(block, list | tuple) and len(block) == 2 and all(is_number(b) and b > 0 for b in block)):
         raise UnsupportedCheckpoint(f"quantization_config: expected fmt 'e4m3' and weight_block_size [rows, columns],"
                                     f" got fmt {quantization.get('fmt')!r}, weight_block_size {block!r}")
     return int(block[0]), int(block[1])
-
-
-def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _shared_fields(hf: dict, defaults: dict) -> dict:

@@ -18,6 +18,7 @@ import torch
 
 from k3course import layout
 from k3course.config import K3Config
+from k3course.guards import is_number
 from k3course.pretrained import (
     CONFIG_FILE,
     HEAD,
@@ -168,7 +169,7 @@ def _k3_stored(part: list[layout.Row], state: dict[str, torch.Tensor], cfg: K3Co
 def _write_folder(config: dict, parts: list, sizes: list[int], path: str | Path, max_shard_bytes: int) -> Path:
     """config.json and the tensors of ``parts`` (callables, each giving {name: tensor}; ``sizes`` their bytes)
     in safetensors files, sharded greedily at part boundaries, with an index when there is more than one."""
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+    if not is_number(max_shard_bytes) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -26,11 +26,8 @@ from k3course.config import (
     value_from_text,
     with_settings,
 )
+from k3course.guards import is_number
 from k3course.kernels import BACKENDS, kernel_backend
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
 
 
 @dataclass(frozen=True)
@@ -62,20 +59,20 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_number(value) or value < 1:
                 raise ValueError(f"{name} must be an int ≥ 1, got {value!r}")
         for name in ("warmup_steps", "eval_every", "eval_bytes", "checkpoint_every", "seed"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_number(value) or value < 0:
                 raise ValueError(f"{name} must be an int ≥ 0, got {value!r}")
         for name, low, high, bounds in (("lr", 0, math.inf, "> 0"), ("min_lr_ratio", 0, 1, "in [0, 1]"),
                                         ("weight_decay", 0, math.inf, "≥ 0"), ("grad_clip", 0, math.inf, "> 0"),
                                         ("gate_lr_scale", 0, math.inf, "> 0")):
             value = getattr(self, name)
-            if not _is_number(value) or not low <= value <= high or (bounds == "> 0" and value == 0):
+            if not is_number(value, int | float) or not low <= value <= high or (bounds == "> 0" and value == 0):
                 raise ValueError(f"{name} must be a number {bounds}, got {value!r}")
         if not isinstance(self.betas, tuple) or len(self.betas) != 2 or \
-                not all(_is_number(b) and 0 <= b < 1 for b in self.betas):
+                not all(is_number(b, int | float) and 0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
 
     @property

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from k3course import checkpoint, data, distributed
 from k3course.config import K3Config
 from k3course.debug import progress_bar
+from k3course.guards import is_number
 from k3course.train.config import DTYPES, RunConfig, SavedRun, TrainConfig, read_saved_run, run_corpus
 from k3course.train.step import (
     LN2,
@@ -194,7 +195,7 @@ def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ran
     the model compiled (:func:`compile_for_training`; one process only; the same steps to fp32 rounding, so a
     run may be resumed with or without it).
     """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+    if not is_number(ranks) or ranks < 1:
         raise ValueError(f"ranks must be a number of expert-parallel ranks ≥ 1, got {ranks!r}")
     if ranks > 1 and compile:
         raise ValueError(f"compile: compiles a one-process run; leave it out with {ranks} ranks")

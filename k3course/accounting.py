@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from k3course.config import K3Config
+from k3course.guards import is_number
 from k3course.layers.kda import KimiDeltaAttention
 from k3course.layers.mla import GatedMLA
 from k3course.model import K3Model
@@ -37,7 +38,7 @@ def _require_config(cfg) -> None:
 
 
 def _check_dtype_bytes(dtype_bytes: int) -> None:
-    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
+    if not is_number(dtype_bytes) or dtype_bytes <= 0:
         raise ValueError(f"dtype_bytes must be a positive int (2 for bf16, 4 for fp32), got {dtype_bytes!r}")
 
 
@@ -87,7 +88,7 @@ def recurrent_state_bytes(cfg: K3Config, dtype_bytes: int = 2, state_bytes: int 
 def kv_cache_bytes(cfg: K3Config, context: int, dtype_bytes: int = 2) -> int:
     """Decoding memory for one sequence of ``context`` tokens:
     ``context · kv_cache_bytes_per_token + recurrent_state_bytes`` (growing part + constant part)."""
-    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+    if not is_number(context) or context < 0:
         raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
     return context * kv_cache_bytes_per_token(cfg, dtype_bytes) + recurrent_state_bytes(cfg, dtype_bytes)
 
@@ -101,7 +102,7 @@ def decode_flops_per_token(cfg: K3Config, context: int) -> int:
               576-wide entry (kv_lora + rope) and mixes the kv_lora-wide latents
     KDA       7 · H · K · V per KDA layer: decay, Sᵀk, the rank-1 delta update, Sᵀq; constant in context
     """
-    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+    if not is_number(context) or context < 0:
         raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
     weights = 2 * _multiplied_params(cfg)
     mla = cfg.n_mla_layers * 2 * cfg.mla_n_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * context
@@ -354,7 +355,7 @@ def experts_touched(n_experts: int, top_k: int, batch: int) -> float:
     k at B = 1, rising toward n: K3's 896 experts with k = 16 are about half touched at B = 43.
     """
     for name, value in (("n_experts", n_experts), ("top_k", top_k), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_number(value) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if top_k > n_experts:
         raise ValueError(f"top_k must be at most n_experts = {n_experts}, got {top_k}")
@@ -370,7 +371,7 @@ def decode_weight_params(cfg: K3Config, batch: int) -> float:
     The one convention of the course for the embedding: a lookup reads only its token's row; a tied LM head
     (``tie_embeddings``) still reads the whole table, so then nothing is taken off.
     """
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+    if not is_number(batch) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     count = param_count(cfg)
     table = count.components["embedding"][1]
@@ -408,7 +409,7 @@ def predicted_tpot_s(cfg: K3Config, context: int, batch: int, bandwidth: float, 
 
     (the step streams its bytes and does its FLOPs at once; the slower of the two sets its time).
     """
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+    if not is_number(batch) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     moved = decode_step_bytes(cfg, context, batch, dtype_bytes)
     return max(moved / bandwidth, batch * decode_flops_per_token(cfg, context) / flops_per_s)
@@ -434,7 +435,7 @@ def prefill_flops(cfg: K3Config, context: int) -> int:
     KDA       H · (6·L·d² + 3·L·C·d + L·C²) per KDA layer, the chunked algorithm with chunks of C = KDA_CHUNK
               (head dim d): linear in L
     """
-    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+    if not is_number(context) or context < 0:
         raise ValueError(f"context must be a token count (int ≥ 0), got {context!r}")
     weights = 2 * _multiplied_params(cfg) * context
     head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
@@ -557,7 +558,7 @@ def per_gpu_weight_bytes(cfg: K3Config, gpus: int, batch: int, precision: str = 
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement: must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+    if not is_number(gpus) or gpus < 1:
         raise ValueError(f"gpus must be a positive int, got {gpus!r}")
     _, stored = _gpu_and_precision("H100", precision)
     groups = _weight_groups(cfg, batch)
@@ -579,10 +580,10 @@ def decode_usd_per_million(step_s: float, batch: int, gpus: int, usd_per_gpu_hou
     $ / 1M = 10⁶ · gpus · usd_per_gpu_hour / 3600 · step_s / batch
     """
     for name, value in (("step_s", step_s), ("usd_per_gpu_hour", usd_per_gpu_hour)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        if not is_number(value, int | float) or not value > 0:
             raise ValueError(f"{name} must be a number > 0, got {value!r}")
     for name, value in (("batch", batch), ("gpus", gpus)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_number(value) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     return 1e6 * gpus * usd_per_gpu_hour / 3600 * step_s / batch
 
@@ -628,10 +629,9 @@ def serving_cost(cfg: K3Config, gpu: GPU | str = "B300", precision: str = RELEAS
     Communication (the all-to-all of expert parallelism) is left out: it can overlap with the experts' work.
     """
     gpu, stored = _gpu_and_precision(gpu, precision)
-    if isinstance(utilisation, bool) or not isinstance(utilisation, int | float) or not 0 < utilisation <= 1:
+    if not is_number(utilisation, int | float) or not 0 < utilisation <= 1:
         raise ValueError(f"utilisation must be in (0, 1], got {utilisation!r}")
-    if isinstance(usd_per_gpu_hour, bool) or not isinstance(usd_per_gpu_hour, int | float) \
-            or not 0 < usd_per_gpu_hour < math.inf:
+    if not is_number(usd_per_gpu_hour, int | float) or not 0 < usd_per_gpu_hour < math.inf:
         raise ValueError(f"usd_per_gpu_hour must be a finite number > 0, got {usd_per_gpu_hour!r}")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement: must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
@@ -642,7 +642,7 @@ def serving_cost(cfg: K3Config, gpu: GPU | str = "B300", precision: str = RELEAS
         gpus = next((n for n in range(1, 1 << 16) if held(n) + per_sequence / n <= usable), None)
         if gpus is None:
             raise ValueError(f"placement: {placement} puts more than one {gpu.name} holds on every GPU")
-    elif isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+    elif not is_number(gpus) or gpus < 1:
         raise ValueError(f"gpus must be a positive int or None, got {gpus!r}")
     free = gpus * (usable - held(gpus))
     most = int(free // per_sequence) if free > 0 else 0
@@ -652,7 +652,7 @@ def serving_cost(cfg: K3Config, gpu: GPU | str = "B300", precision: str = RELEAS
                          f"{context}-token sequence")
     if batch is None:
         batch = most
-    elif isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+    elif not is_number(batch) or batch < 1:
         raise ValueError(f"batch must be a positive int or None, got {batch!r}")
     elif batch > most:
         raise ValueError(f"batch: {batch} sequences of {context} tokens do not fit beside the weights; at most {most}")

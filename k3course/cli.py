@@ -88,7 +88,7 @@ def _train_flags(args) -> list[tuple[str, str, object]]:
     """The shorthand options as (flag, section.field, value), applied after --config and before --set."""
     flags = [("--steps", "train.steps", args.steps), ("--seed", "train.seed", args.seed),
              ("--data", "run.data", args.data and tuple(args.data)), ("--val", "run.val", args.val and tuple(args.val)),
-             ("--dtype", "run.dtype", args.dtype)]
+             ("--dtype", "run.dtype", args.dtype), ("--kernels", "run.kernels", args.kernels)]
     return [flag for flag in flags if flag[2] is not None]
 
 
@@ -218,7 +218,8 @@ def _positive_int(text: str) -> int:
     return value
 
 
-TRAIN_EPILOG = """order: the preset, then --config, then --steps/--seed/--data/--val/--dtype, then --set (later wins).
+TRAIN_EPILOG = """order: the preset, then --config, then --steps/--seed/--data/--val/--dtype/--kernels, then --set
+(later wins).
 --resume continues an interrupted run exactly (Ctrl-C or SIGTERM writes a checkpoint at the next step and prints
 the command); --extend-to N trains a finished or interrupted run on to step N on a new schedule tail (not the
 same as a straight N-step run). Every field of the three tables, with the tiny preset's values:
@@ -228,6 +229,7 @@ same as a straight N-step run). Every field of the three tables, with the tiny p
 
 def _add_train(sub) -> None:
     """``k3course train`` and its options; the help lists each option's default and every config field."""
+    from k3course.kernels import BACKENDS
     from k3course.train import RunConfig
     from k3course.train.config import train_preset
 
@@ -249,6 +251,8 @@ def _add_train(sub) -> None:
            help="validation files for --data, instead of the hash split (default: none)")
     option("--dtype", choices=("float32", "bfloat16"), default=None,
            help="bfloat16: autocast forward, fp32 weights and KDA states (default: float32)")
+    option("--kernels", choices=BACKENDS, default=None,
+           help="the model's kernel backend, saved with the run (default: $K3COURSE_KERNELS, else auto)")
     option("--seed", type=int, default=None, help="initialisation and batch seed (default: the preset's, 0)")
     option("--out", default=None, help="run folder for checkpoints and metrics (default: runs/PRESET)")
     option("--resume", action="store_true", help="continue the interrupted run in --out exactly (default: off)")

@@ -17,6 +17,8 @@ import types
 import typing
 from dataclasses import dataclass
 
+from k3course.guards import is_number
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10: the same parser as a package (a dependency there)
@@ -194,10 +196,6 @@ def layer_schedule(n_layers: int, kda_per_mla: int, first_k_dense: int) -> tuple
 
 # --- validation -----------------------------------------------------------------------------------------
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 _POSITIVE = ("vocab_size", "d_model", "n_layers", "kda_n_heads", "kda_head_dim", "kda_conv_size", "mla_n_heads",
              "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "top_k", "expert_dim",
              "dense_ffn_dim", "attnres_block_size", "context_length", "n_expert_groups", "topk_groups",
@@ -213,14 +211,14 @@ def _check_fields(cfg: K3Config) -> None:
         raise TypeError(f"name must be a str, got {type(cfg.name).__name__}")
     for field_name in _POSITIVE + _NON_NEGATIVE:
         value = getattr(cfg, field_name)
-        if not _is_int(value):
+        if not is_number(value):
             raise TypeError(f"{field_name} must be an int, got {value!r}")
         if value < (1 if field_name in _POSITIVE else 0):
             bound = "≥ 1" if field_name in _POSITIVE else "≥ 0"
             raise ValueError(f"{field_name} must be {bound}, got {value}")
     for field_name in ("q_lora_rank", "latent_dim"):
         value = getattr(cfg, field_name)
-        if value is not None and (not _is_int(value) or value < 1):
+        if value is not None and (not is_number(value) or value < 1):
             raise ValueError(f"{field_name} must be None or an int ≥ 1, got {value!r}")
     for field_name, choices in _CHOICES.items():
         if getattr(cfg, field_name) not in choices:
@@ -239,7 +237,7 @@ def _check_fields(cfg: K3Config) -> None:
     if cfg.mla_rope and cfg.qk_rope_head_dim % 2:
         raise ValueError(f"qk_rope_head_dim must be even with mla_rope (RoPE rotates pairs), got "
                          f"{cfg.qk_rope_head_dim}")
-    if cfg.pad_token_id is not None and (not _is_int(cfg.pad_token_id) or not 0 <= cfg.pad_token_id < cfg.vocab_size):
+    if cfg.pad_token_id is not None and (not is_number(cfg.pad_token_id) or not 0 <= cfg.pad_token_id < cfg.vocab_size):
         raise ValueError(f"pad_token_id must be None or a token id in [0, vocab_size = {cfg.vocab_size}), "
                          f"got {cfg.pad_token_id!r}")
     if cfg.first_k_dense > cfg.n_layers:
@@ -250,15 +248,15 @@ def _check_fields(cfg: K3Config) -> None:
     if cfg.mla_layers is not None:
         _check_mla_layers(cfg.mla_layers, cfg.n_layers)
     bound = cfg.kda_lower_bound
-    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int | float) or not bound < 0):
+    if bound is not None and (not is_number(bound, int | float) or not bound < 0):
         raise ValueError(f"kda_lower_bound must be None or a negative number, got {bound!r}")
 
 
 def _check_number(cfg: K3Config, field_name: str, bound: str) -> None:
     """``field_name`` is a real number ``> 0`` or ``≥ 0`` (``bound``)."""
     value = getattr(cfg, field_name)
-    in_range = isinstance(value, int | float) and (value > 0 or bound == "≥ 0" and value == 0)
-    if isinstance(value, bool) or not in_range:
+    in_range = is_number(value, int | float) and (value > 0 or bound == "≥ 0" and value == 0)
+    if not in_range:
         raise ValueError(f"{field_name} must be a number {bound}, got {value!r}")
 
 
@@ -275,7 +273,7 @@ def _check_groups(cfg: K3Config) -> None:
 
 
 def _check_mla_layers(mla_layers, n_layers: int) -> None:
-    if not isinstance(mla_layers, tuple) or not all(_is_int(i) for i in mla_layers):
+    if not isinstance(mla_layers, tuple) or not all(is_number(i) for i in mla_layers):
         raise TypeError(f"mla_layers must be None or a tuple of layer indices, got {mla_layers!r}")
     if any(not 0 <= i < n_layers for i in mla_layers) or len(set(mla_layers)) != len(mla_layers):
         raise ValueError(f"mla_layers must hold distinct indices in [0, n_layers={n_layers}), got {mla_layers}")
@@ -404,7 +402,7 @@ def _convert(annotation, value):
         return tuple(_convert(a, v) for a, v in zip(item_types, value))
     if annotation is bool and isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+    if annotation is float and is_number(value):
         return float(value)
     if type(value) is not annotation:
         raise _Mismatch

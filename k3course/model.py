@@ -35,6 +35,7 @@ from torch import nn
 
 from k3course import pretrained, pretrained_save
 from k3course.config import K3Config
+from k3course.guards import is_number
 from k3course.layers.kda import KDACache, KimiDeltaAttention
 from k3course.layers.mla import GatedMLA, MLACache
 from k3course.layers.residual import block_attnres_read, make_residual
@@ -131,13 +132,13 @@ class K3Model(nn.Module):
         FP8 with its scales); the head is untied when the folder stores one that differs from the embedding.
         Parameters in ``dtype`` on ``device``; the MoE selection biases stay fp32. Returned in eval mode.
         """
-        return cls.from_checkpoint(pretrained.Checkpoint(path), device, dtype)
+        return cls.from_checkpoint(pretrained.PretrainedFolder(path), device, dtype)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: pretrained.Checkpoint, device: torch.device | str | None = None,
+    def from_checkpoint(cls, checkpoint: pretrained.PretrainedFolder, device: torch.device | str | None = None,
                         dtype: torch.dtype = torch.float32) -> K3Model:
         """:meth:`from_pretrained` of a folder already opened (and checked) as a
-        :class:`~k3course.pretrained.Checkpoint`: its headers and its head are not read a second time."""
+        :class:`~k3course.pretrained.PretrainedFolder`: its headers and its head are not read a second time."""
         model = cls.from_config(checkpoint.config, device="meta")
         device = torch.device(device or "cpu")
         for part in checkpoint.k3_tensors(dtype):
@@ -314,7 +315,7 @@ class K3Model(nn.Module):
                top_k: int | None = None, seed: int | None = None) -> Iterator[torch.Tensor]:
         """The tokens :meth:`generate` appends, one [B, 1] tensor at a time, each as soon as it is sampled (the
         arguments are checked at the call; the model is in eval mode until the iterator ends)."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if not is_number(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int ≥ 0, got {max_new_tokens!r}")
         if not temperature >= 0:
             raise ValueError(f"temperature must be ≥ 0, got {temperature!r}")

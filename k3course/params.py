@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from k3course.guards import is_number
+
 
 def no_weight_decay(param: nn.Parameter) -> nn.Parameter:
     """Mark ``param`` as keeping its layer's initial values, without weight decay; returns it."""
@@ -56,7 +58,7 @@ def param_groups(params, weight_decay: float, gate_lr_scale: float = 1.0, lr: fl
     rate it scales is refused). ``gate_lr_scale`` = 1: two groups, the gates among them. Empty groups are left
     out. (TrainConfig.gate_lr_scale sets it for a run; chapter 12's recall experiments, for theirs.)"""
     params = list(params)
-    if not (isinstance(gate_lr_scale, int | float) and not isinstance(gate_lr_scale, bool) and gate_lr_scale > 0):
+    if not (is_number(gate_lr_scale, int | float) and gate_lr_scale > 0):
         raise ValueError(f"gate_lr_scale must be a number > 0, got {gate_lr_scale!r}")
     if gate_lr_scale != 1 and lr is None:
         raise ValueError(f"lr: gate_lr_scale = {gate_lr_scale} scales the learning rate; give lr, the rate it scales")

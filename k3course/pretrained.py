@@ -26,7 +26,7 @@ function or activation, attention biases, another RoPE type, K3 settings other t
 :class:`UnsupportedCheckpoint` naming it. The way back is :mod:`k3course.pretrained_save`.
 
 This module knows :class:`~k3course.model.K3Model`'s parameter names as strings and never imports the model:
-``K3Model.from_pretrained`` builds it on the meta device and assigns what :meth:`Checkpoint.k3_tensors` yields,
+``K3Model.from_pretrained`` builds it on the meta device and assigns what :meth:`PretrainedFolder.k3_tensors` yields,
 one part at a time, read from memory-mapped files, so the weights are never in memory twice. The names and shapes
 per layer are in :mod:`k3course.layout`.
 """
@@ -47,6 +47,7 @@ import torch
 
 from k3course import layout
 from k3course.config import K3Config, layer_schedule
+from k3course.guards import is_number
 
 MODEL_TYPES = ("kimi_linear", "deepseek_v3", "kimi_k2", "kimi_k3")
 # transformers' defaults for keys a config.json may leave out, where the two model types differ
@@ -131,14 +132,10 @@ def fp8_block_size(hf: dict) -> tuple[int, int] | None:
                                     "reads 'fp8' block scales); dequantize the checkpoint to bf16 first")
     block = quantization.get("weight_block_size")
     if quantization.get("fmt", "e4m3") != "e4m3" or not (
-            isinstance(block, list | tuple) and len(block) == 2 and all(_is_positive_int(b) for b in block)):
+            isinstance(block, list | tuple) and len(block) == 2 and all(is_number(b) and b > 0 for b in block)):
         raise UnsupportedCheckpoint(f"quantization_config: expected fmt 'e4m3' and weight_block_size [rows, columns],"
                                     f" got fmt {quantization.get('fmt')!r}, weight_block_size {block!r}")
     return int(block[0]), int(block[1])
-
-
-def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _shared_fields(hf: dict, defaults: dict) -> dict:
@@ -398,7 +395,7 @@ def k3_tensors(get: Callable[[str], torch.Tensor], keys, cfg: K3Config, fp8_bloc
     if not cfg.n_shared_experts:
         _no_shared_experts(source, cfg)
     if cfg.tie_embeddings:
-        used.add(HEAD)  # a tied head may be stored too; Checkpoint unties a config whose stored head differs
+        used.add(HEAD)  # a tied head may be stored too; PretrainedFolder unties a config whose stored head differs
     unread = sorted(k for k in keys - used if not _is_mtp(k, cfg.n_layers))
     if unread:
         raise UnsupportedCheckpoint(f"checkpoint: {len(unread)} tensors the course cannot place, e.g. {unread[:4]}")
@@ -423,12 +420,13 @@ def _no_shared_experts(source: _Source, cfg: K3Config) -> None:
                                         "n_shared_experts 0")
 
 
-class Checkpoint:
-    """A checkpoint folder: its :class:`K3Config` (``config``), the raw config.json (``hf_config``) and its tensors,
-    read one at a time from memory-mapped safetensors files (:meth:`k3_tensors`). Checked on opening, before any
-    weight is read: the folder, config.json, the index against its shards, every file's safetensors header, and
-    the head: a stored ``lm_head`` that differs from the embedding is the head, whatever ``tie_word_embeddings``
-    says (a warning says so)."""
+class PretrainedFolder:
+    """A Hugging Face checkpoint folder (a training run's checkpoints are :mod:`k3course.checkpoint`'s): its
+    :class:`K3Config` (``config``), the raw config.json (``hf_config``) and its tensors, read one at a time from
+    memory-mapped safetensors files (:meth:`k3_tensors`). Checked on opening, before any weight is read: the
+    folder, config.json, the index against its shards, every file's safetensors header, and the head: a stored
+    ``lm_head`` that differs from the embedding is the head, whatever ``tie_word_embeddings`` says (a
+    warning says so)."""
 
     def __init__(self, path: str | Path):
         self.path = _checkpoint_folder(Path(path))

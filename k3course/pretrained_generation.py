@@ -19,7 +19,7 @@ import torch
 
 from k3course import kernels
 from k3course.model import K3Model
-from k3course.pretrained import CONFIG_FILE, Checkpoint, read_json_object
+from k3course.pretrained import CONFIG_FILE, PretrainedFolder, read_json_object
 
 
 def import_transformers():
@@ -68,7 +68,7 @@ def pretrained_text(path: Path | str, prompt: str, max_new_tokens: int = 64, tem
     and decoded with the checkpoint's tokenizer (:func:`load_tokenizer`), or as UTF-8 bytes when it has none and
     its vocabulary holds the 256 byte values (a course model saved with ``save_pretrained``). Yields the prompt,
     then the continuation as it grows (text held back while it ends in an incomplete character, U+FFFD)."""
-    checkpoint = Checkpoint(path)  # the folder, its config and its files checked before any weight is read
+    checkpoint = PretrainedFolder(path)  # the folder, its config and its files checked before any weight is read
     tokenizer = load_tokenizer(path, trust_remote_code)
     vocab = checkpoint.config.vocab_size
     if tokenizer is None and vocab != 256:

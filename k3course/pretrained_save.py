@@ -18,6 +18,7 @@ import torch
 
 from k3course import layout
 from k3course.config import K3Config
+from k3course.guards import is_number
 from k3course.pretrained import (
     CONFIG_FILE,
     HEAD,
@@ -75,7 +76,7 @@ def save_kimi_linear(cfg: K3Config, state: dict[str, torch.Tensor], path: str | 
     ``max_shard_bytes`` a shard unless one part is larger) with an index when there is more than one shard. A tied
     head is written as ``lm_head`` too, a copy of the embedding (safetensors stores no shared tensors):
     transformers' Kimi Linear then has the right head whether or not it ties it, and
-    :class:`~k3course.pretrained.Checkpoint` reads the pair back as tied. Converts one part at a time. Returns the
+    :class:`~k3course.pretrained.PretrainedFolder` reads the pair back as tied. Converts one part at a time. Returns the
     folder."""
     config = kimi_linear_config(cfg, state["embed.weight"].dtype)
     parts = layout.checkpoint_layout(cfg)
@@ -168,7 +169,7 @@ def _k3_stored(part: list[layout.Row], state: dict[str, torch.Tensor], cfg: K3Co
 def _write_folder(config: dict, parts: list, sizes: list[int], path: str | Path, max_shard_bytes: int) -> Path:
     """config.json and the tensors of ``parts`` (callables, each giving {name: tensor}; ``sizes`` their bytes)
     in safetensors files, sharded greedily at part boundaries, with an index when there is more than one."""
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+    if not is_number(max_shard_bytes) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -241,3 +241,13 @@ def test_reference_presets_carry_their_released_settings():
     k3 = K3Config.preset("kimi-k3")
     assert (k3.norm_eps, k3.kda_norm_eps, k3.mla_rope, k3.n_expert_groups, k3.renormalize_top_k) == (1e-5, 1e-5, False,
                                                                                                     1, True)
+
+
+def test_the_number_guard_takes_ints_or_the_given_kind_and_never_a_bool():
+    from k3course.guards import is_number
+
+    assert is_number(3) and is_number(0) and not is_number(3.0) and not is_number("3") and not is_number(None)
+    assert is_number(2.5, int | float) and is_number(2, int | float)
+    assert not any(is_number(flag, kind) for flag in (True, False) for kind in (int, int | float))
+    with pytest.raises(TypeError, match="n_layers must be an int, got True"):
+        K3Config.preset("tiny").replace(n_layers=True)

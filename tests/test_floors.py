@@ -13,18 +13,19 @@ PACKAGE = Path(__file__).resolve().parents[1] / "k3course"
 
 # floor -> the units on it (a unit is a top-level module or a sub-package of k3course)
 FLOORS = {
-    0: {"config", "data", "device", "debug", "layout", "params", "parts", "reference"},
-    1: {"ops", "pretrained"},
-    2: {"kernels", "pretrained_save"},
-    3: {"layers", "moe"},
-    4: {"model"},
-    5: {"accounting", "checkpoint", "pretrained_generation"},
-    6: {"baselines", "distributed"},
-    7: {"train"},
-    8: {"lessons", "runs"},
-    9: {"bench"},
-    10: {"grading", "doctor"},
-    11: {"cli"},
+    0: {"guards"},
+    1: {"config", "data", "device", "debug", "layout", "params", "parts", "reference"},
+    2: {"ops", "pretrained"},
+    3: {"kernels", "pretrained_save"},
+    4: {"layers", "moe"},
+    5: {"model"},
+    6: {"accounting", "checkpoint", "pretrained_generation"},
+    7: {"baselines", "distributed"},
+    8: {"train"},
+    9: {"lessons", "runs"},
+    10: {"bench"},
+    11: {"grading", "doctor"},
+    12: {"cli"},
 }
 FLOOR_OF = {unit: floor for floor, units in FLOORS.items() for unit in units}
 
@@ -134,7 +135,7 @@ def test_the_checks_catch_a_climbing_arrow_and_a_circle():
     """The two checks fail on a graph that breaks them (a config that imports the model, a two-module loop), and the
     reader sees an import inside a function and a module named in a string."""
     broken = {"k3course.config": {"k3course.model"}, "k3course.model": {"k3course.config"}}
-    assert climbing_arrows(broken) == ["k3course.config (floor 0) -> k3course.model (floor 4)"]
+    assert climbing_arrows(broken) == ["k3course.config (floor 1) -> k3course.model (floor 5)"]
     assert circles(broken) == [["k3course.config", "k3course.model"]]
     assert imports_of("k3course.config", "def f():\n    from k3course.model import K3Model\n") == {"k3course.model"}
     assert imports_of("k3course.lessons.parts", "PARTS = {'a': ('k3course.ops.chunk', 'f')}") == {"k3course.ops.chunk"}

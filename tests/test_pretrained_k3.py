@@ -19,7 +19,7 @@ from k3course.cli import main
 from k3course.config import K3Config
 from k3course.lessons.kimi_linear import TINY_K3, beside_the_release, tiny_k3, with_mxfp4_experts
 from k3course.model import K3Model
-from k3course.pretrained import Checkpoint, UnsupportedCheckpoint
+from k3course.pretrained import PretrainedFolder, UnsupportedCheckpoint
 
 TOKENS = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
 
@@ -234,7 +234,7 @@ def test_the_folders_config_beside_the_released_one(saved):
     rows = {key: (ours, released) for key, ours, released in beside_the_release(saved[1])}
     assert rows["rms_norm_eps"] == (1e-5, 1e-5) and rows["intermediate_size"] == (256, 33792)
     assert rows["linear_attn_config.full_attn_layers"][1][-2:] == [92, 93]
-    assert Checkpoint(saved[1]).config.layer_types() == TINY_K3.layer_types()
+    assert PretrainedFolder(saved[1]).config.layer_types() == TINY_K3.layer_types()
 
 
 def test_the_shipped_tiny_checkpoint_loads_as_it_was_trained():

@@ -101,6 +101,12 @@ def test_memory_is_in_binary_units(path):
     assert not decimal, f"decimal memory units {decimal}: write KiB, MiB, GiB"
 
 
+def test_the_lessons_1m_context_is_kimi_k3s_context_length_2_to_the_20():
+    from k3course.config import K3Config
+
+    assert quoted.CONTEXT_1M == 2**20 == K3Config.preset("kimi-k3").context_length
+
+
 def test_lesson_15_quotes_what_kimi_linear_48b_needs_under_its_computation():
     """The bf16 weights, GFLOP and GiB read per decoded token of Kimi-Linear-48B-A3B come from the preset."""
     needed = {"pretrained_weights_gib|.1f", "decode_gflop|.1f", "decode_read_gib|.1f"}

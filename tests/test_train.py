@@ -161,6 +161,23 @@ def test_the_door_refuses_what_it_cannot_do_before_training(tmp_path, corpus):
     assert not (tmp_path / "a").exists()
 
 
+def test_the_runs_kernel_backend_is_built_into_every_layer_saved_and_used_on_resume(tmp_path, corpus,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("K3COURSE_KERNELS", "torch")
+    assert train.RunOptions().kernels == "torch"  # the environment variable is the default
+    config = train.RunConfig(SMALL, dataclasses.replace(FAST, steps=2), train.RunOptions(kernels="loop"))
+    out = tmp_path / "run"
+    backends = lambda model: {type(m).__name__: m.kernels for m in model.modules() if hasattr(m, "kernels")}
+    built_with = {"K3Model": "loop", "KimiDeltaAttention": "loop", "RoutedExperts": "loop"}
+    assert backends(train.train(config, out, corpus=corpus, progress=False)) == built_with
+    saved = read_saved_run(checkpoint.latest_checkpoint(out))
+    assert saved.config.run.kernels == "loop"
+    extended = resolve_config(base=saved.config, sets=["train.steps=3"])
+    assert backends(train.train(extended, out, "extend", corpus=corpus, progress=False)) == built_with
+    with pytest.raises(ValueError, match="kernels must be one of auto, triton, torch, loop, got 'cuda'"):
+        train.RunOptions(kernels="cuda")
+
+
 def test_checkpoint_round_trip_and_clear_errors(tmp_path, corpus):
     model = _run(tmp_path / "run", corpus, config=FAST.replace(steps=1, checkpoint_every=0, eval_every=0))
     folder = checkpoint.step_dir(tmp_path / "run", 1)
@@ -280,6 +297,7 @@ def test_settings_resolve_preset_then_file_then_flags_then_sets(tmp_path):
     (["model.top_k=9"], "--set: model.top_k must be ≤ n_routed_experts (8), got 9"),
     (["train.betas=[0.9]"], "--set train.betas=[0.9]: train.betas expects a list of 2 numbers, got [0.9]"),
     (["run.dtype=float16"], "--set: run.dtype must be one of float32, bfloat16, got 'float16'"),
+    (["run.kernels=cuda"], "--set: run.kernels must be one of auto, triton, torch, loop, got 'cuda'"),
     (["train.min_lr_ratio=2"], "--set: train.min_lr_ratio must be a number in [0, 1], got 2.0"),
     (["nonsense"], "--set nonsense: expected section.field=value"),
 ])
@@ -459,7 +477,7 @@ def test_train_help_lists_every_option_with_its_default_and_every_field(capsys):
     text = capsys.readouterr().out
     (train_parser,) = [p for name, p in parser()._subparsers._group_actions[0].choices.items() if name == "train"]
     options = [a for a in train_parser._actions if a.option_strings and a.dest != "help"]
-    assert len(options) == 16 and all("default" in a.help for a in options), [a.dest for a in options]
+    assert len(options) == 17 and all("default" in a.help for a in options), [a.dest for a in options]
     assert all(a.option_strings[0] in text for a in options)
     for cls in (K3Config, train.TrainConfig, train.RunOptions):
         assert all(f"\n{f.name} = " in text for f in dataclasses.fields(cls)), cls

@@ -15,6 +15,7 @@ import torch
 
 from k3course import accounting
 from k3course.config import K3Config
+from k3course.guards import is_number
 
 NVLINK, NIC = 900e9, 100e9  # bytes/s per GPU and direction: NVLink 5, one 800 Gb/s NIC (assumed, B300-class)
 CLUSTERS = {"DGX B300 (8)": (8, 8), "SuperNode (64)": (64, 8), "NVL72 (72)": (72, 72)}  # (ranks, GPUs per domain)
@@ -81,7 +82,7 @@ def overlapped_seconds(compute_s: float, exchange_s: float, chunks: int) -> floa
     """One MoE layer whose tokens are split into ``chunks`` equal parts, the exchange of one part running while
     another part computes (a two-stage pipeline): the slower stage runs throughout, the faster one shows only for
     the first (or last) part: ``max(c, e) + min(c, e) / chunks``. chunks = 1 is no overlap: c + e."""
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+    if not is_number(chunks) or chunks < 1:
         raise ValueError(f"chunks must be a positive int, got {chunks!r}")
     return max(compute_s, exchange_s) + min(compute_s, exchange_s) / chunks
 
@@ -90,7 +91,7 @@ def weight_bytes_per_rank(cfg: K3Config, ranks: int, dtype_bytes: int = 2) -> di
     """The weights one rank holds when the routed experts are spread over ``ranks`` ranks and everything else is
     replicated: {"experts": the largest block, ⌈n/P⌉ experts of every MoE layer, "replicated": all other
     parameters} in bytes of ``dtype_bytes``."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= cfg.n_routed_experts:
+    if not is_number(ranks) or not 1 <= ranks <= cfg.n_routed_experts:
         raise ValueError(f"ranks must be an int in [1, {cfg.n_routed_experts}], got {ranks!r}")
     count = accounting.param_count(cfg)
     routed_total = count.components["routed_experts"][0]
@@ -121,7 +122,7 @@ def training_bytes_per_rank(cfg: K3Config, dp_shard: int, ep: int, weight_bytes:
     ``state_bytes``: the optimizer's per value (AdamW's two fp32 moments: 8). FSDP's padding of a dimension
     that N does not divide is left out (< one row a tensor)."""
     for name, value in (("dp_shard", dp_shard), ("ep", ep)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_number(value) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if ep > cfg.n_routed_experts:
         raise ValueError(f"ep must be at most the {cfg.n_routed_experts} routed experts, got {ep}")

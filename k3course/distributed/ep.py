@@ -34,6 +34,7 @@ from k3course.distributed.plan import (
     rank_of_expert,
     split_sizes,
 )
+from k3course.guards import is_number
 from k3course.moe.balancing import HISTOGRAM_BINS, expert_load, histogram_quantile_bias
 from k3course.moe.dispatch import sort_by_expert, unsort
 from k3course.moe.experts import RoutedExperts
@@ -119,7 +120,7 @@ class AllToAllDispatch:
                  pool_group=None):
         if not dist.is_initialized():
             raise RuntimeError("expert parallelism needs torch.distributed.init_process_group(...) first")
-        if isinstance(histogram_bins, bool) or not isinstance(histogram_bins, int) or histogram_bins < 1:
+        if not is_number(histogram_bins) or histogram_bins < 1:
             raise ValueError(f"histogram_bins must be a positive int, got {histogram_bins!r}")
         self.n_routed_experts, self.group, self.dedup = n_routed_experts, group, dedup
         self.pool_group = group if pool_group is None else pool_group

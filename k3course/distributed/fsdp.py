@@ -36,6 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from k3course.distributed.ep import expert_parallel_layers, parallelize_experts
+from k3course.guards import is_number
 from k3course.params import carry_marks
 
 MESH_DIMS = ("dp_shard", "ep")
@@ -45,7 +46,7 @@ def make_mesh(dp_shard: int, ep: int, device_type: str = "cpu") -> DeviceMesh:
     """The 2-D mesh ("dp_shard", "ep") of shape [dp_shard, ep] over all ranks of the default group (its size
     must be dp_shard · ep)."""
     for name, value in (("dp_shard", dp_shard), ("ep", ep)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_number(value) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if not dist.is_initialized():
         raise RuntimeError("make_mesh needs torch.distributed.init_process_group(...) first")

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from k3course.guards import is_number
+
 
 class RankFailed(RuntimeError):
     """A rank of :func:`run_ranks` raised; the message holds the traceback of the rank that failed first."""
@@ -82,7 +84,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, collective_t
     Raises :class:`RankFailed` with the traceback of the first rank that raised (the others then fail too: their
     peer is gone), and TimeoutError naming the ranks still running after timeout_s seconds.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not is_number(world_size) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")

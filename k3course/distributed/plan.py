@@ -20,10 +20,12 @@ from itertools import accumulate
 
 import torch
 
+from k3course.guards import is_number
+
 
 def expert_ranges(n_experts: int, world_size: int) -> list[tuple[int, int]]:
     """[start_r, end_r) of each rank's contiguous block of experts; sizes ⌊n/P⌋ + (r < n mod P)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= n_experts:
+    if not is_number(world_size) or not 1 <= world_size <= n_experts:
         raise ValueError(f"world_size must be an int in [1, n_experts = {n_experts}] (every rank holds at least "
                          f"one expert), got {world_size!r}")
     base, extra = divmod(n_experts, world_size)

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from k3course.guards import is_number
+
 # (rtol, atol) by dtype name; integers and booleans must match exactly.
 TOLERANCES: dict[str, tuple[float, float]] = {
     "float64": (1e-7, 1e-9),
@@ -146,10 +148,10 @@ def explain_difference(got: Any, want: Any, tolerance: dict | None = None, where
             return f"{where}: expected {describe(want)}, got {describe(got)}"
         if got == want:
             return None
-        return f"{where}: {_how_far(got, want)}" if isinstance(want, int) and not isinstance(want, bool) and want \
+        return f"{where}: {_how_far(got, want)}" if is_number(want) and want \
             else f"{where}: not the expected value"
     if isinstance(want, float):
-        if not isinstance(got, int | float) or isinstance(got, bool):
+        if not is_number(got, int | float):
             return f"{where}: expected a float, got {describe(got)}"
         rtol, atol = tolerance.get("float64", TOLERANCES["float64"])
         if math.isclose(got, want, rel_tol=rtol, abs_tol=atol):

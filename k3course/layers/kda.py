@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3course.guards import is_number
 from k3course.ops.checks import check_kda_chunk_size, check_mixer_input
 from k3course.ops.chunk import gdn_chunk, gla_chunk, kda_chunk
 from k3course.ops.norm import NORM_EPS, rms_norm
@@ -154,7 +155,7 @@ class _GatedMixer(nn.Module):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim),
                             ("conv_size", conv_size), ("chunk_size", chunk_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_number(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -194,7 +195,7 @@ class _GatedMixer(nn.Module):
         """An empty cache for ``batch`` sequences (zero conv tails; a zero state in fp32, or fp64 for fp64
         activations). ``max_len`` is accepted for the common layer interface and unused: the cache does not grow.
         dtype: the activations' (default: the layer's parameters')."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        if not is_number(batch) or batch < 1:
             raise ValueError(f"batch must be a positive int, got {batch!r}")
         weight = self.q_proj.weight
         device, dtype = device or weight.device, dtype or weight.dtype

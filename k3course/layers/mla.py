@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3course.guards import is_number
 from k3course.ops.checks import check_mixer_input
 from k3course.ops.norm import NORM_EPS
 from k3course.params import no_weight_decay, residual_output
@@ -423,7 +424,7 @@ class GatedMLA(nn.Module):
         """An empty cache for ``batch`` sequences with room for ``max_len`` tokens (it grows if more come).
         device and dtype default to the layer's parameters'."""
         for name, value in (("batch", batch), ("max_len", max_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_number(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         weight = self.kv_down.weight
         return MLACache.empty(batch, max_len, self.kv_lora_rank, self.qk_rope_head_dim, device or weight.device,

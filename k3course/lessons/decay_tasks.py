@@ -26,6 +26,7 @@ from torch import nn
 
 from k3course.data import IGNORE
 from k3course.debug import progress_bar
+from k3course.guards import is_number
 from k3course.layers.kda import GatedDeltaNet, initial_dt_bias
 from k3course.lessons.fit import cross_entropy_at, fit
 from k3course.lessons.recall import RecallModel, train_recall
@@ -33,7 +34,7 @@ from k3course.ops.parallel import decay_attention_parallel
 
 
 def _require_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+    if not is_number(value, int | np.integer) or value < minimum:
         raise ValueError(f"{name} must be an int ≥ {minimum}, got {value!r}")
 
 

@@ -64,6 +64,7 @@ from k3course import accounting
 from k3course.config import K3Config, from_saved_fields
 from k3course.data import mqar
 from k3course.device import interleaved_best_seconds, keep_freed_memory, machine, on_cuda
+from k3course.guards import is_number
 from k3course.lessons import claims, tuning
 from k3course.lessons.fit import cross_entropy_at, fit
 from k3course.lessons.recall import (
@@ -634,7 +635,7 @@ def run_experiment(name: str, jobs: int = 1, budget: str = "default", device: st
     file."""
     if name not in EXPERIMENTS:
         raise ValueError(f"name: unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+    if not is_number(jobs) or jobs < 1:
         raise ValueError(f"jobs must be an int ≥ 1, got {jobs!r}")
     function, _ = EXPERIMENTS[name]
     settings = budget_settings(name, budget)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from k3course.data import IGNORE
+from k3course.guards import is_number
 from k3course.train.step import lr_factor as package_lr_factor
 
 SCHEDULES = ("warmup_cosine", "one_cycle", "constant")
@@ -47,7 +48,7 @@ def fit(optimizer: torch.optim.Optimizer, steps: int, loss_at: Callable[[int], t
     ``schedule_kind``; returns the per-step losses (floats). ``stop_after`` ends the run early without changing
     any earlier step (the schedule is the whole run's); ``at_every(step)`` runs before each step that ``every``
     divides (e.g. a held-out evaluation); ``after_step(step)`` after each optimizer step (e.g. a bias update)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if not is_number(steps) or steps < 1:
         raise ValueError(f"steps must be an int ≥ 1, got {steps!r}")
     if stop_after is not None and not 1 <= stop_after <= steps:
         raise ValueError(f"stop_after must be None or in [1, steps = {steps}], got {stop_after!r}")

@@ -14,6 +14,7 @@ import torch
 
 from k3course import data, train
 from k3course.config import K3Config
+from k3course.guards import is_number
 from k3course.moe.routing import topk_route
 
 
@@ -27,7 +28,7 @@ def probe_run(cfg: K3Config, settings: train.TrainConfig, corpus: data.ByteCorpu
     "score_shift" = mean over experts of |mean over tokens of s − the same at the step before| (from the second
     step on).
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= settings.steps:
+    if not is_number(steps) or not 1 <= steps <= settings.steps:
         raise ValueError(f"steps must be an int in [1, settings.steps = {settings.steps}], got {steps!r}")
     settings = settings.replace(seed=seed, grad_accum=1)  # one micro-batch per step
     stepper = train.Stepper(cfg, settings, train.text_batches(corpus.train, settings))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from k3course.guards import is_number
+
 
 def spread(result: dict, metric: str, key: str = "variant") -> dict[str, dict]:
     """{variant: {"mean", "std", "min", "max", "n"}} of ``metric`` over the seeds of a result's runs, grouped by
@@ -48,7 +50,7 @@ def t_quantile(probability: float, df: int) -> float:
     """The ``probability`` quantile of Student's t with ``df`` degrees of freedom (0.5 < probability < 1), by
     bisection on its CDF, F(t) = 1 − I_{df/(df+t²)}(df/2, 1/2) / 2 (:func:`_incomplete_beta`): t₀.₉₇₅ is 12.706
     at df 1, 4.303 at 2, 2.776 at 4."""
-    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
+    if not is_number(df) or df < 1:
         raise ValueError(f"df must be an int ≥ 1, got {df!r}")
     if not 0.5 < probability < 1:
         raise ValueError(f"probability must be in (0.5, 1), got {probability!r}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from k3course.guards import is_number
 from k3course.train import TrainConfig
 
 LR_GRID = (1e-3, 3e-3, 1e-2)  # one factor of about 3 either side of the course's default 3e-3
@@ -56,7 +57,7 @@ def choose_lr(trials: dict[float, list[float]]) -> float:
 def check_grid(grid) -> tuple[float, ...]:
     """``grid`` as a sorted tuple of distinct positive rates, at least 3 of them (ValueError otherwise)."""
     rates = tuple(sorted(set(grid))) if isinstance(grid, list | tuple) else ()
-    if len(rates) < 3 or not all(isinstance(r, int | float) and not isinstance(r, bool) and r > 0 for r in rates):
+    if len(rates) < 3 or not all(is_number(r, int | float) and r > 0 for r in rates):
         raise ValueError(f"lr_grid must hold at least 3 distinct positive learning rates, got {grid!r}")
     return tuple(float(r) for r in rates)
 

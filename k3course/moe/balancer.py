@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from k3course.config import BALANCING
+from k3course.guards import is_number
 from k3course.moe.balancing import AUX_LOSS_WEIGHT, SIGN_RULE_STEP, router_z_loss, sign_rule_update, switch_aux_loss
 from k3course.moe.stats import load_statistics, load_violation
 
@@ -91,7 +92,7 @@ class Balancer(nn.Module):
     def reserve(self, tokens: int) -> None:
         """Make the quantile record hold ``tokens`` tokens without growing. Recorded rows are kept; a smaller
         ``tokens`` leaves the buffer as it is."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        if not is_number(tokens) or tokens < 0:
             raise ValueError(f"tokens must be an int ≥ 0, got {tokens!r}")
         if self.balancing != "quantile" or tokens <= self.recorded_scores.shape[0]:
             return

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from k3course.guards import is_number
 from k3course.moe.routing import _check_bias, _check_k, _check_scores
 
 SIGN_RULE_STEP = 1e-3  # γ: the sign rule's bias step (DeepSeek-V3's update speed)
@@ -179,7 +180,7 @@ def histogram_quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, bi
     scores [m_r, n] (this holder's, m_r may be 0), bias [n]; tokens: M when already pooled (else one
     sum-reduction of m_r) -> new bias [n] in bias.dtype, on the scores' device.
     """
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+    if not is_number(bins) or bins < 1:
         raise ValueError(f"bins must be a positive int, got {bins!r}")
     if k == scores.shape[-1]:  # every expert takes every token: no margin to read
         return quantile_balance_bias(scores, bias, k)

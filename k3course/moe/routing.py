@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from k3course import debug
+from k3course.guards import is_number
 
 
 def _check_scores(scores: torch.Tensor, name: str = "scores") -> None:
@@ -23,7 +24,7 @@ def _check_scores(scores: torch.Tensor, name: str = "scores") -> None:
 
 
 def _check_k(k: int, n: int, name: str = "k") -> None:
-    if isinstance(k, bool) or not isinstance(k, int):
+    if not is_number(k):
         raise TypeError(f"{name} must be an int, got {type(k).__name__}")
     if not 1 <= k <= n:
         raise ValueError(f"{name} must satisfy 1 <= {name} <= n experts = {n}, got {name} = {k}")

@@ -21,6 +21,7 @@ import math
 import torch
 
 from k3course import debug
+from k3course.guards import is_number
 
 
 def _require_tensor(name: str, x) -> None:
@@ -124,7 +125,7 @@ KDA_CHUNK_SIZES = (16, 32, 64)  # the Triton kernels' tiles (16: the smallest tl
 def check_kda_chunk_size(chunk_size) -> None:
     """``chunk_size`` is one of :data:`KDA_CHUNK_SIZES`: what the KDA layer and its Triton kernels accept, the same
     check (and error) on every device."""
-    if isinstance(chunk_size, bool) or chunk_size not in KDA_CHUNK_SIZES:
+    if not is_number(chunk_size) or chunk_size not in KDA_CHUNK_SIZES:
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
 
 
@@ -132,7 +133,7 @@ def check_lower_bound(lower_bound, g: torch.Tensor) -> None:
     """``lower_bound`` is None or a negative finite number; under the debug switch g must respect it."""
     if lower_bound is None:
         return
-    if isinstance(lower_bound, bool) or not isinstance(lower_bound, int | float) or not -math.inf < lower_bound < 0:
+    if not is_number(lower_bound, int | float) or not -math.inf < lower_bound < 0:
         raise ValueError(f"lower_bound must be None or a negative finite number, got {lower_bound!r}")
     if debug.enabled() and bool((g < lower_bound).any()):
         raise ValueError(f"g has values below lower_bound = {lower_bound}: the gate must satisfy g ≥ lower_bound "

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,10 +26,8 @@ from k3course.config import (
     value_from_text,
     with_settings,
 )
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+from k3course.guards import is_number
+from k3course.kernels import BACKENDS, kernel_backend
 
 
 @dataclass(frozen=True)
@@ -61,20 +59,20 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_number(value) or value < 1:
                 raise ValueError(f"{name} must be an int ≥ 1, got {value!r}")
         for name in ("warmup_steps", "eval_every", "eval_bytes", "checkpoint_every", "seed"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_number(value) or value < 0:
                 raise ValueError(f"{name} must be an int ≥ 0, got {value!r}")
         for name, low, high, bounds in (("lr", 0, math.inf, "> 0"), ("min_lr_ratio", 0, 1, "in [0, 1]"),
                                         ("weight_decay", 0, math.inf, "≥ 0"), ("grad_clip", 0, math.inf, "> 0"),
                                         ("gate_lr_scale", 0, math.inf, "> 0")):
             value = getattr(self, name)
-            if not _is_number(value) or not low <= value <= high or (bounds == "> 0" and value == 0):
+            if not is_number(value, int | float) or not low <= value <= high or (bounds == "> 0" and value == 0):
                 raise ValueError(f"{name} must be a number {bounds}, got {value!r}")
         if not isinstance(self.betas, tuple) or len(self.betas) != 2 or \
-                not all(_is_number(b) and 0 <= b < 1 for b in self.betas):
+                not all(is_number(b, int | float) and 0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
 
     @property
@@ -113,12 +111,15 @@ class RunOptions:
 
     ``data``: files, folders and globs of text (``()``: the stdlib corpus); ``val``: validation files (``()``:
     ``data`` is split by file hash, as the stdlib is); ``dtype``: "float32", or "bfloat16" (the forward under
-    autocast; master weights, optimizer state and the KDA recurrent states stay float32).
+    autocast; master weights, optimizer state and the KDA recurrent states stay float32); ``kernels``: the
+    model's kernel backend (:data:`k3course.kernels.BACKENDS`; default: the environment variable
+    ``K3COURSE_KERNELS`` when the options are made, else "auto"), saved with the run and used on resume.
     """
 
     data: tuple[str, ...] = ()
     val: tuple[str, ...] = ()
     dtype: str = "float32"
+    kernels: str = field(default_factory=kernel_backend)
 
     def __post_init__(self) -> None:
         for name in ("data", "val"):
@@ -129,6 +130,8 @@ class RunOptions:
             raise ValueError("val names validation files for your own data: give data too (or neither: the stdlib)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kernels not in BACKENDS:
+            raise ValueError(f"kernels must be one of {', '.join(BACKENDS)}, got {self.kernels!r}")
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ class RunConfig:
 
     model: K3Config
     train: TrainConfig
-    run: RunOptions = RunOptions()
+    run: RunOptions = field(default_factory=RunOptions)
 
     def sections(self) -> dict[str, object]:
         return {"model": self.model, "train": self.train, "run": self.run}

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from k3course import checkpoint, data, distributed
 from k3course.config import K3Config
 from k3course.debug import progress_bar
+from k3course.guards import is_number
 from k3course.train.config import DTYPES, RunConfig, SavedRun, TrainConfig, read_saved_run, run_corpus
 from k3course.train.step import (
     LN2,
@@ -168,7 +169,7 @@ def _prepare(config: RunConfig, saved: SavedRun | None, corpus: data.ByteCorpus,
 
 def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ranks: int = 1,
           corpus: data.ByteCorpus | None = None, device: torch.device | str = "cpu", progress: bool = True,
-          model_factory: Callable[[K3Config, int, object], torch.nn.Module] = build_model,
+          model_factory: Callable[[K3Config, int, object], torch.nn.Module] | None = None,
           compile: bool = False) -> torch.nn.Module | None:
     """Train the run ``config`` in the folder ``out`` to ``config.train.steps``: metrics every step, evaluations
     and checkpoints on their schedule and at the end (see the module docstring); on SIGINT / SIGTERM a checkpoint
@@ -189,14 +190,16 @@ def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ran
     ``device``) after checking the run here once; ``model_factory`` must then be importable by name.
 
     ``corpus``: the bytes (default: ``config.run``'s, :func:`run_corpus`; not with spawned ranks, which read
-    ``config.run``'s). ``model_factory(model_config, seed, device)`` builds the fresh model. ``compile``: train
+    ``config.run``'s). ``model_factory(model_config, seed, device)`` builds the fresh model (default:
+:func:`build_model` with the kernel backend ``config.run.kernels``). ``compile``: train
     the model compiled (:func:`compile_for_training`; one process only; the same steps to fp32 rounding, so a
     run may be resumed with or without it).
     """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+    if not is_number(ranks) or ranks < 1:
         raise ValueError(f"ranks must be a number of expert-parallel ranks ≥ 1, got {ranks!r}")
     if ranks > 1 and compile:
         raise ValueError(f"compile: compiles a one-process run; leave it out with {ranks} ranks")
+    model_factory = model_factory or functools.partial(build_model, kernels=config.run.kernels)
     out = Path(out)
     saved = _find_start(out, resume)
     if ranks > 1 and not (dist.is_initialized() and dist.get_world_size() == ranks):
@@ -343,7 +346,7 @@ def _checkpoint(stepper: Stepper, out: Path, run_record: dict, config: RunConfig
     if dist.get_rank() != 0:
         return None
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
-        single = build_model(config.model, config.train.seed)
+        single = build_model(config.model, config.train.seed, kernels=config.run.kernels)
     single.load_state_dict(weights)
     optimizer, scheduler = make_optimizer(single, config.train)
     optimizer.load_state_dict(optimizer_state)

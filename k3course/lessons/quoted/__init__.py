@@ -44,8 +44,8 @@ from k3course.lessons.quoted import (  # noqa: F401
     tuning,
 )
 from k3course.lessons.quoted.markers import (
+    CONTEXT_1M,
     MARKER,
-    MILLION,
     QUOTED,
     Mismatch,
     Pair,
@@ -58,7 +58,7 @@ from k3course.lessons.quoted.markers import (
     span,
 )
 
-__all__ = ["MARKER", "MILLION", "QUOTED", "Mismatch", "Pair", "check_text", "evaluate", "normalise", "plus_minus",
+__all__ = ["CONTEXT_1M", "MARKER", "QUOTED", "Mismatch", "Pair", "check_text", "evaluate", "normalise", "plus_minus",
            "quoted", "say", "span"]
 
 

@@ -9,7 +9,7 @@ import json
 from k3course import accounting
 from k3course.config import K3Config
 from k3course.lessons import experiments
-from k3course.lessons.quoted.markers import MILLION, quoted
+from k3course.lessons.quoted.markers import CONTEXT_1M, quoted
 from k3course.lessons.quoted.size import k3_config
 
 
@@ -29,14 +29,14 @@ def cache_gib(name: str, context: int, schedule: str = "hybrid", dtype_bytes: in
 
 
 @quoted
-def cache_saving(name: str = "kimi-k3", context: int = MILLION) -> float:
+def cache_saving(name: str = "kimi-k3", context: int = CONTEXT_1M) -> float:
     """1 − hybrid / all-MLA decoding memory at ``context`` tokens."""
     cfg = K3Config.preset(name)
     return 1 - accounting.kv_cache_bytes(cfg, context) / accounting.kv_cache_bytes(cfg.all_mla(), context)
 
 
 @quoted
-def cache_ratio(name: str = "kimi-k3", context: int = MILLION) -> float:
+def cache_ratio(name: str = "kimi-k3", context: int = CONTEXT_1M) -> float:
     """All-MLA over hybrid decoding memory at ``context`` tokens."""
     return 1 / (1 - cache_saving(name, context))
 
@@ -61,7 +61,7 @@ def crossover(name: str = "kimi-k3", dtype_bytes: int = 2) -> int:
 
 
 @quoted
-def decode_flops_ratio(context: int = MILLION) -> float:
+def decode_flops_ratio(context: int = CONTEXT_1M) -> float:
     """All-MLA over hybrid decode FLOPs per token for K3 at ``context`` tokens."""
     cfg = k3_config()
     return accounting.decode_flops_per_token(cfg.all_mla(), context) / accounting.decode_flops_per_token(cfg, context)
@@ -72,7 +72,7 @@ H200_MEMORY = 141e9  # bytes of HBM on one H200 (assumed, lesson 14)
 
 
 @quoted
-def roofline_tpot_ratio(batch: int, context: int = MILLION, name: str = "kimi-k3") -> float:
+def roofline_tpot_ratio(batch: int, context: int = CONTEXT_1M, name: str = "kimi-k3") -> float:
     """All-MLA over hybrid roofline TPOT on an H200 at ``context`` tokens and ``batch`` sequences."""
     cfg = K3Config.preset(name)
     return (accounting.predicted_tpot_s(cfg.all_mla(), context, batch, *H200)
@@ -85,13 +85,13 @@ def _schedule(name: str, schedule: str) -> K3Config:
 
 
 @quoted
-def max_batch(name: str, schedule: str = "hybrid", context: int = MILLION) -> int:
+def max_batch(name: str, schedule: str = "hybrid", context: int = CONTEXT_1M) -> int:
     """Sequences of ``context`` tokens one H200's memory holds beside the weights (bf16)."""
     return accounting.max_decode_batch(_schedule(name, schedule), context, H200_MEMORY)
 
 
 @quoted
-def capacity_throughput_ratio(name: str = "kimi-linear-48b", context: int = MILLION) -> float:
+def capacity_throughput_ratio(name: str = "kimi-linear-48b", context: int = CONTEXT_1M) -> float:
     """Hybrid over all-MLA roofline throughput (tokens/s) on one H200, each at the largest batch its memory holds."""
     def throughput(cfg: K3Config) -> float:
         batch = accounting.max_decode_batch(cfg, context, H200_MEMORY)
@@ -113,7 +113,7 @@ def weights_gib(name: str = "kimi-linear-48b", dtype_bytes: int = 2) -> float:
 
 
 @quoted
-def prefill_ratio(name: str = "kimi-linear-48b", context: int = MILLION) -> float:
+def prefill_ratio(name: str = "kimi-linear-48b", context: int = CONTEXT_1M) -> float:
     """All-MLA over hybrid prefill FLOPs for one sequence of ``context`` tokens."""
     cfg = K3Config.preset(name)
     return accounting.prefill_flops(cfg.all_mla(), context) / accounting.prefill_flops(cfg, context)
@@ -149,7 +149,7 @@ def mla_step_flops_per_byte() -> float:
 
 
 @quoted
-def mla_over_kda_step_bytes(context: int = MILLION) -> float:
+def mla_over_kda_step_bytes(context: int = CONTEXT_1M) -> float:
     """Bytes one K3 MLA layer's decode step reads at ``context`` over one KDA layer's (bf16 cache, fp32 state)."""
     cfg = k3_config()
     kda = accounting.kda_step_bytes(cfg.kda_n_heads, cfg.kda_head_dim, cfg.kda_head_dim, cfg.kda_conv_size, 2)
@@ -180,7 +180,7 @@ KIMI_LINEAR_TPOT_SPEEDUP = 6.3  # Kimi Linear's published TPOT speed-up over ful
 def published_tpot_gap(against: str = "tpot") -> float:
     """The published 6.3× over the roofline's ratio on Kimi Linear 48B at 1M tokens: ``against`` "tpot" (equal
     batch) or "throughput" (each schedule at the batch its memory holds)."""
-    ratio = roofline_tpot_ratio(1, MILLION, "kimi-linear-48b") if against == "tpot" else capacity_throughput_ratio()
+    ratio = roofline_tpot_ratio(1, CONTEXT_1M, "kimi-linear-48b") if against == "tpot" else capacity_throughput_ratio()
     return KIMI_LINEAR_TPOT_SPEEDUP / ratio
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 MARKER = re.compile(r"<!--q:(?P<body>.*?)-->", re.S)
 QUOTED: dict[str, Callable] = {}
-MILLION = 1 << 20
+CONTEXT_1M = 1 << 20  # the lessons' "1M tokens": 2^20 = 1,048,576, Kimi K3's context length (not 10^6)
 
 
 def quoted(function: Callable) -> Callable:

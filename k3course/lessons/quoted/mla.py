@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from k3course import accounting
 from k3course.config import K3Config
-from k3course.lessons.quoted.markers import MILLION, quoted
+from k3course.lessons.quoted.markers import CONTEXT_1M, quoted
 from k3course.lessons.quoted.size import k3_config
 
 
@@ -36,19 +36,19 @@ def cache_shrink(big: str, small: str) -> float:
 
 
 @quoted
-def all_layers_cache_gib(scheme: str, context: int = MILLION) -> float:
+def all_layers_cache_gib(scheme: str, context: int = CONTEXT_1M) -> float:
     """``scheme`` ("mha", "gqa", "mla") in all of K3's layers: one sequence's cache at ``context``, GiB (bf16)."""
     return context * _per_token_numbers(scheme) * 2 * k3_config().n_layers / 2**30
 
 
 @quoted
-def all_layers_cache_tib(scheme: str, context: int = MILLION) -> float:
+def all_layers_cache_tib(scheme: str, context: int = CONTEXT_1M) -> float:
     """The same in TiB."""
     return all_layers_cache_gib(scheme, context) / 2**10
 
 
 @quoted
-def absorbed_ratio(context: int = MILLION, size: str = "k3") -> float:
+def absorbed_ratio(context: int = CONTEXT_1M, size: str = "k3") -> float:
     """Naive over absorbed multiply-adds of one MLA decode step ("k3" sizes, or lesson 09's "mid" layer)."""
     dims = (dict(n_heads=96, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
             if size == "k3" else dict(n_heads=16, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,

@@ -90,6 +90,11 @@ def test_tuned_lr_trains_every_rate_once_and_picks_the_lowest_tail_diverged_runs
     chosen = experiments.tuned_lr(fake, [1e-2, 1e-3, 3e-3])
     assert trained == [1e-3, 3e-3, 1e-2] and chosen["lr"] == 3e-3 and chosen["lr_grid"] == [1e-3, 3e-3, 1e-2]
     assert [t["tail_loss"] for t in chosen["trials"]] == [2.0, 1.5, math.inf]
+    tails.update({3e-3: 2.5, 3e-4: 1.0})  # 1e-3 wins at the bottom edge: one run at 3e-4, which ends lower
+    trained.clear()
+    chosen = experiments.tuned_lr(fake, [1e-2, 1e-3, 3e-3])
+    assert trained == [1e-3, 3e-3, 1e-2, 3e-4] and chosen["lr"] == 3e-4 and chosen["lr_grid"] == [1e-3, 3e-3, 1e-2]
+    assert [t["lr"] for t in chosen["trials"]] == [3e-4, 1e-3, 3e-3, 1e-2]
     with pytest.raises(ValueError, match="lr_grid must hold at least 3"):
         experiments.tuned_lr(fake, (1e-3, 3e-3))
 

@@ -35,6 +35,18 @@ def test_the_tuning_run_is_seed_0_for_a_quarter_of_the_steps_with_its_warmup_sca
     assert tuning.tuning_settings(TrainConfig(steps=2, warmup_steps=1)).steps == 1
 
 
+def test_an_edge_winner_extends_the_grid_one_step_an_interior_one_does_not():
+    grid = tuning.LR_GRID
+    assert tuning.grid_step(grid) == pytest.approx(10 ** 0.5)
+    assert tuning.extension(grid, {1e-3: [2.0], 3e-3: [1.5], 1e-2: [1.0]}) == 3e-2  # top edge: × √10, one figure
+    assert tuning.extension(grid, {1e-3: [1.0], 3e-3: [1.5], 1e-2: [2.0]}) == 3e-4  # bottom edge: ÷ √10
+    assert tuning.extension(grid, {1e-3: [2.0], 3e-3: [1.0], 1e-2: [1.5]}) is None
+    assert tuning.extension(grid, {1e-3: [1.0], 3e-3: [1.0], 1e-2: [math.nan]}) == 3e-4  # the tie went to 1e-3
+    assert tuning.extension((1e-4, 1e-3, 1e-2, 1e-1), {1e-4: [3.0], 1e-3: [2.0], 1e-2: [1.5], 1e-1: [1.0]}) == 1.0
+    assert "one more run one grid step past it" in tuning.RULE and tuning.RULE.startswith(
+        tuning.RULE_WITHOUT_EXTENSION)
+
+
 def test_the_grid_needs_three_distinct_positive_rates():
     assert tuning.check_grid((1e-2, 1e-3, 3e-3)) == (1e-3, 3e-3, 1e-2)
     for bad in ((1e-3, 3e-3), (1e-3, 1e-3, 3e-3), (1e-3, 0.0, 3e-3), "1e-3", (1e-3, 3e-3, True)):
@@ -58,8 +70,30 @@ def test_tune_learning_rates_applies_the_rule_to_the_trials_it_trains(monkeypatc
     tuned = experiments.tune_learning_rates(variants, TrainConfig(steps=20, warmup_steps=4), "text", tuning.LR_GRID,
                                             jobs=1, device="cpu")
     assert tuned["chosen"] == {"a": 3e-3, "b": 1e-2} and tuned["grid"] == list(tuning.LR_GRID)
-    assert [t["lr"] for t in tuned["trials"]["a"]] == list(tuning.LR_GRID)
+    assert [t["lr"] for t in tuned["trials"]["a"]] == list(tuning.LR_GRID)  # interior winner: no extension
+    # b won at the top edge: one more run at 3e-2, which ends higher, so 1e-2 stays
+    assert [t["lr"] for t in tuned["trials"]["b"]] == [*tuning.LR_GRID, 3e-2] and tuned["extended"] == {"b": 3e-2}
     assert tuned["trials"]["b"][2]["tail_loss"] == 0.0 and tuned["settings"]["steps"] == 5
+
+
+@pytest.mark.parametrize("best, tail_at_the_extension, chosen", [(1e-1, 0.0, 3e-2), (1e-1, math.nan, 1e-2),
+                                                                 (1e-4, 0.0, 3e-4), (1e-4, math.inf, 1e-3)])
+def test_the_extension_wins_when_it_ends_lower_and_never_when_it_diverged(monkeypatch, tmp_path, best,
+                                                                        tail_at_the_extension, chosen):
+    monkeypatch.setattr(experiments, "RESULTS", tmp_path)  # no saved run to copy
+    trained = []
+
+    def fake_train(label, cfg, settings, seed, task, prompt, device, stop_after=None):
+        trained.append(settings.lr)
+        tail = tail_at_the_extension if settings.lr not in tuning.LR_GRID else abs(math.log(settings.lr / best))
+        return {"variant": label, "seed": seed, "losses": [5.0] * 4 + [tail], "seconds": 0.0}
+
+    monkeypatch.setattr(experiments, "_train_variant", fake_train)
+    tuned = experiments.tune_learning_rates({"a": claims.SMALL}, TrainConfig(steps=20, warmup_steps=4), "text",
+                                            tuning.LR_GRID, jobs=1, device="cpu")
+    beyond = 3e-2 if best > 1e-2 else 3e-4
+    assert trained == [*tuning.LR_GRID, beyond] and tuned["extended"] == {"a": beyond}
+    assert tuned["chosen"] == {"a": chosen} and [t["lr"] for t in tuned["trials"]["a"]] == sorted(trained)
 
 
 def test_the_quoted_tuning_loss_is_the_saved_trials_and_names_the_grid_for_a_rate_never_tried():

@@ -30,6 +30,8 @@ mqar-controlled  at the sweep's chosen cell, KDA (three layouts of its starting 
                  (:mod:`k3course.lessons.tuning`); mqar-controlled-8 the same in 8-channel heads.
 mqar-depth       hybrid-mqar's all-KDA K3 at 2 layers and at 8 (the claim "depth"), each at its own tuned rate: where
                  §6.2's all-KDA and §6.3's 2-layer recall model part (its 8-layer runs are hybrid-mqar's, copied).
+tuning-horizon   the tuning rule's short-horizon bias on latent-moe: each variant's full-length seed-0 run at every
+                 rate its quarter-length tuning tried, and which ends lowest.
 
 Every claim at 120 steps of 8 × 64 bytes (the names without "-default") measures how fast a variant starts to
 learn; the "-default" ones decide the four text claims, each verdict by
@@ -489,6 +491,36 @@ def saved_runs() -> dict[str, tuple[dict, str]]:
     return found
 
 
+def tuning_horizon(claim_result: str) -> dict:
+    """The tuning rule's short-horizon bias, checked on the saved claim ``claim_result``: every variant's full-length
+    run (seed 0, the claim's own settings) at every rate its tuning tried, so that the rate the quarter-length runs
+    chose can be set beside the rate that ends lowest at full length (final validation bits/byte, and the mean
+    training loss over the last tenth, the rule's own measure). Runs the claim already holds are copied.
+
+    Returns {"claim_result", "variants": {label: {"chosen": the rule's rate, "full": [{"lr", "val_bpb",
+    "tail_loss"}] by rate, "lowest_val_bpb": its rate, "lowest_tail_loss": its rate}}, "runs": [...],
+    "torch_threads": 1}."""
+    saved = load(claim_result)
+    settings, result = saved["settings"], saved["result"]
+    if "claim" not in settings or "tuning" not in result or settings["task"] != "text":
+        raise ValueError(f"claim_result: {claim_result} is not a tuned text claim")
+    variants = claims.CLAIMS[settings["claim"]]()
+    full = train_config(settings["train"])
+    tried = {label: [trial["lr"] for trial in result["tuning"]["trials"][label]] for label in variants}
+    todo = [(label, cfg, full.replace(lr=lr), 0, None, "cpu", None) for label, cfg in variants.items()
+            for lr in tried[label]]
+    runs = _train_all(todo, 1, "text")
+    records = {}
+    for label in variants:
+        rows = [{"lr": lr, "val_bpb": run["val_bpb"], "tail_loss": tuning.tail_loss(run["losses"])}
+                for lr, run in zip(tried[label], [run for run in runs if run["variant"] == label])]
+        records[label] = {"chosen": result["tuning"]["chosen"][label], "full": rows,
+                          **{f"lowest_{key}": min(rows, key=lambda row: row[key])["lr"]
+                             for key in ("val_bpb", "tail_loss")}}
+    return {"claim_result": claim_result, "variants": records,
+            "runs": [{**run, "lr": todo[index][2].lr} for index, run in enumerate(runs)], "torch_threads": 1}
+
+
 def equal_time_label(variant: str) -> str:
     """The label of ``variant`` trained for the wall time of another: "VARIANT (equal time)"."""
     return f"{variant} (equal time)"
@@ -575,6 +607,7 @@ EXPERIMENTS = {
     "hybrid-ratio-default": (claim_variants, {"claim": "hybrid-ratio", **_DEFAULT_TEXT5}),
     "residuals-default": (claim_variants, {"claim": "residuals", **_DEFAULT_TEXT5}),
     "latent-moe-default": (claim_variants, {"claim": "latent-moe", **_DEFAULT_TEXT5}),
+    "tuning-horizon": (tuning_horizon, {"claim_result": "latent-moe"}),
 }
 
 

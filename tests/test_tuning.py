@@ -110,3 +110,32 @@ def test_the_quoted_tuning_loss_is_the_saved_trials_and_names_the_grid_for_a_rat
     assert two.second < eight.first
     with pytest.raises(KeyError, match="variant: mqar-depth has no runs of 'all-KDA'"):
         quoted_claims.claim_minutes("mqar-depth", "all-KDA")
+
+
+def test_the_saved_horizon_check_trains_each_variant_at_full_length_at_every_rate_its_tuning_tried():
+    """tuning-horizon: per variant of its claim, a seed-0 run of the claim's full settings at each rate the tuning
+    ran at (the one at the chosen rate is the claim's own seed-0 run), and the rates that end lowest, recomputed;
+    its last run replays."""
+    saved = experiments.load("tuning-horizon")
+    result = saved["result"]
+    claim = experiments.load(result["claim_result"])
+    full = experiments.train_config(claim["settings"]["train"])
+    variants = claims.CLAIMS[claim["settings"]["claim"]]()
+    assert list(result["variants"]) == list(variants)
+    for label, record in result["variants"].items():
+        tried = [trial["lr"] for trial in claim["result"]["tuning"]["trials"][label]]
+        runs = [run for run in result["runs"] if run["variant"] == label]
+        assert [run["lr"] for run in runs] == [row["lr"] for row in record["full"]] == tried
+        assert all(run["seed"] == 0 and len(run["losses"]) == full.steps for run in runs)
+        assert [row["val_bpb"] for row in record["full"]] == [run["val_bpb"] for run in runs]
+        assert [row["tail_loss"] for row in record["full"]] == [tuning.tail_loss(run["losses"]) for run in runs]
+        assert record["chosen"] == claim["result"]["tuning"]["chosen"][label]
+        for measure in ("val_bpb", "tail_loss"):
+            assert record[f"lowest_{measure}"] == min(record["full"], key=lambda row: row[measure])["lr"]
+        own = next(run for run in claim["result"]["runs"] if run["variant"] == label and run["seed"] == 0)
+        at_chosen = next(run for run in runs if run["lr"] == record["chosen"])
+        assert at_chosen["losses"] == own["losses"] and at_chosen["val_bpb"] == own["val_bpb"]
+    last = result["runs"][-1]
+    with experiments.torch_threads(result["torch_threads"]):
+        replay = claims.run_variant(variants[last["variant"]], full.replace(lr=last["lr"]), 0, "text", stop_after=2)
+    assert replay["losses"] == pytest.approx(last["losses"][:2], rel=1e-5, abs=0)

@@ -22,6 +22,13 @@ SAVED = [name for name in experiments.EXPERIMENTS if (experiments.RESULTS / f"{n
 REPLAY_STEPS = 2
 
 
+@pytest.fixture(autouse=True)
+def _own_finished_runs(tmp_path, monkeypatch):
+    """Each test keeps the runs it trains in its own folder (an experiment's finished runs are taken back by the
+    next invocation: a test must not take another's)."""
+    monkeypatch.setattr(experiments, "FINISHED_RUNS", tmp_path / "finished-runs")
+
+
 def _same_except(configs: dict[str, K3Config], allowed: set[str]) -> None:
     """Every config equals the first one in every field outside ``allowed`` (and ``name``)."""
     first, *rest = configs.values()
@@ -267,6 +274,34 @@ def test_a_saved_run_is_found_by_everything_it_is_a_function_of_and_nothing_else
     residuals = experiments.load("residuals-default")["result"]["runs"]
     copied = [r for r in residuals if r["variant"] == "Block AttnRes"]
     assert all(r.get("reused_from") == "hybrid-ratio-default: 3:1" for r in copied) and len(copied) == 3
+
+
+def test_an_interrupted_experiment_takes_back_its_finished_runs_and_trains_only_the_rest(monkeypatch):
+    """Runs are kept as they finish: stopped after two of its three runs, a claim trains only the third when called
+    again, and returns what one uninterrupted call returns."""
+    budget = dataclasses.asdict(train.TrainConfig(steps=2, batch_size=2, seq_len=16, warmup_steps=1, eval_every=0,
+                                                  eval_bytes=256, checkpoint_every=0))
+    trained, train_variant = [], experiments._train_variant
+
+    def stopped_after_two(*job):
+        if len(trained) == 2:
+            raise KeyboardInterrupt  # as Ctrl-C would stop it
+        trained.append(job[0])
+        return train_variant(*job)
+
+    monkeypatch.setattr(experiments, "_train_variant", stopped_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        experiments.claim_variants("balancing", (0,), "text", budget)
+    labels = list(claims.balancing_variants())
+    assert trained == labels[:2] and len(list(experiments.FINISHED_RUNS.glob("*.json"))) == 2
+    trained.clear()
+    resumed = experiments.claim_variants("balancing", (0,), "text", budget)
+    assert trained == labels[2:]
+    monkeypatch.setattr(experiments, "_train_variant", train_variant)
+    monkeypatch.setattr(experiments, "FINISHED_RUNS", experiments.FINISHED_RUNS.parent / "elsewhere")
+    straight = experiments.claim_variants("balancing", (0,), "text", budget)
+    drop_time = lambda result: [{k: v for k, v in run.items() if k != "seconds"} for run in result["runs"]]
+    assert drop_time(resumed) == drop_time(straight)
 
 
 def test_a_copied_run_is_not_trained_again(monkeypatch, tmp_path):

@@ -10,6 +10,13 @@ from k3course.lessons import claims, experiments, tuning
 from k3course.train import TrainConfig
 
 
+@pytest.fixture(autouse=True)
+def _own_finished_runs(tmp_path, monkeypatch):
+    """Each test keeps the runs it trains in its own folder (an experiment's finished runs are taken back by the
+    next invocation: a test must not take another's)."""
+    monkeypatch.setattr(experiments, "FINISHED_RUNS", tmp_path / "finished-runs")
+
+
 def test_the_rule_picks_the_lowest_mean_loss_over_the_last_tenth_not_the_last_step():
     # 20 steps: the tail is the last 2. 1e-2 ends lowest on its very last step but higher on average.
     trials = {1e-3: [3.0] * 18 + [2.0, 2.0], 3e-3: [3.0] * 18 + [1.9, 1.95], 1e-2: [3.0] * 18 + [2.5, 1.0]}

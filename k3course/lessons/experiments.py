@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import multiprocessing
 import sys
@@ -64,7 +65,7 @@ import torch
 
 from k3course import accounting
 from k3course.config import K3Config, from_saved_fields
-from k3course.data import mqar
+from k3course.data import cache_dir, mqar
 from k3course.device import interleaved_best_seconds, keep_freed_memory, machine, on_cuda
 from k3course.guards import is_number
 from k3course.lessons import claims, tuning
@@ -338,20 +339,59 @@ def _train_variant(label: str, cfg, settings: TrainConfig, seed: int, task: str,
     return run
 
 
+def _train_job(job: tuple) -> dict:
+    """:func:`_train_variant` of one job tuple (a pool's ``imap`` hands one argument)."""
+    return _train_variant(*job)
+
+
+# Where each run is kept once it has trained, until its experiment saves it (outside the package: an interrupted
+# experiment's finished runs, not a result).
+FINISHED_RUNS = cache_dir() / "finished-runs"
+
+
+def _finished_path(key: str) -> Path:
+    """The file of the run with :func:`run_key` ``key`` in :data:`FINISHED_RUNS`: SHA256(key).json."""
+    return FINISHED_RUNS / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def _finished_run(key: str) -> dict | None:
+    """The run of ``key`` trained by an earlier, interrupted invocation of an experiment (None: not trained)."""
+    path = _finished_path(key)
+    if not path.exists():
+        return None
+    kept = json.loads(path.read_text())
+    return kept["run"] if kept["key"] == key else None
+
+
+def _keep_finished(key: str, run: dict) -> dict:
+    """Write ``run`` to :func:`_finished_path` (atomically) as soon as it has trained; returns it."""
+    path = _finished_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps({"key": key, "run": run}))
+    partial.replace(path)
+    return run
+
+
 def _train_all(todo: list[tuple], jobs: int, task: str) -> list[dict]:
     """:func:`_train_variant` of every job (label, cfg, settings, seed, prompt, device, stop_after), ``jobs`` at a
-    time in spawned processes; a job whose run is already saved (:func:`saved_runs`) is copied, not trained."""
+    time in spawned processes; a job whose run is already saved (:func:`saved_runs`) is copied, not trained. Each
+    run is kept as it finishes (:func:`_keep_finished`), so an experiment stopped half-way starts again where it
+    stopped: its finished runs are taken back as they were, the same runs as an uninterrupted invocation's."""
     saved = saved_runs()
     keys = [run_key(cfg, settings, seed, task, device, stop_after)
             for _, cfg, settings, seed, _, device, stop_after in todo]
-    fresh = [(label, cfg, settings, seed, task, prompt, device, stop_after)
-             for (label, cfg, settings, seed, prompt, device, stop_after), key in zip(todo, keys) if key not in saved]
+    finished = {key: run for key in keys if key not in saved and (run := _finished_run(key)) is not None}
+    fresh = [((label, cfg, settings, seed, task, prompt, device, stop_after), key)
+             for (label, cfg, settings, seed, prompt, device, stop_after), key in zip(todo, keys)
+             if key not in saved and key not in finished]
     if jobs > 1 and len(fresh) > 1:
         with multiprocessing.get_context("spawn").Pool(jobs, initializer=keep_freed_memory) as pool:
-            trained = iter(pool.starmap(_train_variant, fresh))
+            runs = pool.imap(_train_job, [job for job, _ in fresh])  # in order, each as soon as it is done
+            finished.update((key, _keep_finished(key, run)) for (_, key), run in zip(fresh, runs))
     else:
-        trained = iter([_train_variant(*job) for job in fresh])
-    return [{**saved[key][0], "variant": job[0], "reused_from": saved[key][1]} if key in saved else next(trained)
+        finished.update((key, _keep_finished(key, _train_variant(*job))) for job, key in fresh)
+    return [{**saved[key][0], "variant": job[0], "reused_from": saved[key][1]} if key in saved else finished[key]
             for job, key in zip(todo, keys)]
 
 

@@ -618,7 +618,7 @@ SEEDS = (0, 1, 2)
 # Five seeds where three left a verdict of chapter 12's rule within reach (|t| ≥ 2 and the 95% interval still
 # holding 0): every variant of the 120-step hybrid-ratio, residuals, balancing and expert-count claims. The
 # default-budget pairs within reach (3:1 vs all-KDA, Full vs Block AttnRes, latent-wider vs full width) need two more
-# seeds of every variant of hybrid-ratio-default, residuals-default and latent-moe-default (about 1.7 CPU-hours at
+# seeds of every variant of hybrid-ratio-default, residuals-default and latent-moe-default (about 2.1 CPU-hours at
 # their saved runs' speeds, quoted.more_seeds_cpu_hours) and stay at three until those run. dense-baseline-default
 # needs none: at equal steps the tiny K3's lead is outside the noise at three seeds, and at equal time the mean
 # difference (−0.003, s = 0.020) is so far inside it that two more seeds could not decide it.

@@ -116,7 +116,8 @@ class K3Model(nn.Module):
                     kernels: str | None = None) -> K3Model:
         """Build on ``device`` (``"meta"``: shapes only, no memory, seconds even for the full K3) with the kernel
         backend ``kernels`` (:data:`k3course.kernels.BACKENDS`; None: the environment variable
-        ``K3COURSE_KERNELS``, default "auto"): chosen once here, read by every KDA layer, expert bank and residual read."""
+        ``K3COURSE_KERNELS``, default "auto"): chosen once here, read by every KDA layer, expert bank and residual
+        read."""
         with torch.device(device or "cpu"):
             return cls(cfg, kernels)
 

@@ -145,13 +145,14 @@ def test_histogram_kernel_edges_ties_strides_and_no_tokens():
         assert torch.equal(margin_histogram_triton(view.to(DEVICE), edges.to(DEVICE)),
                            margin_histogram(margins.to(DEVICE), edges.to(DEVICE)))
     uneven = torch.tensor([-1.0, 0.1, 0.3, 2.0], dtype=torch.float64, device=DEVICE)  # not evenly spaced
-    assert torch.equal(margin_histogram_triton(margins.to(DEVICE), uneven), margin_histogram(margins.to(DEVICE), uneven))
+    margins = margins.to(DEVICE)
+    assert torch.equal(margin_histogram_triton(margins, uneven), margin_histogram(margins, uneven))
     empty = margin_histogram_triton(torch.zeros(0, 4, dtype=torch.float64, device=DEVICE), edges.to(DEVICE))
     assert empty.shape == (4, 4) and not empty.any()
     with pytest.raises(ValueError, match="edges must be"):
-        margin_histogram_triton(margins, edges[:1])
+        margin_histogram_triton(margins, edges[:1].to(DEVICE))
     with pytest.raises(ValueError, match="margins must be"):
-        margin_histogram_triton(margins.half(), edges)
+        margin_histogram_triton(margins.half(), edges.to(DEVICE))
 
 
 def test_quantile_step_reads_the_kernels_histogram_with_the_triton_backend():

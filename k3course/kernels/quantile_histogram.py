@@ -57,7 +57,8 @@ def margin_histogram_triton(margins: torch.Tensor, edges: torch.Tensor) -> torch
     device -> counts [n, bins] int64. Compared in float64, as torch.bucketize on float64 margins does.
     """
     if not isinstance(margins, torch.Tensor) or margins.dim() != 2 or margins.dtype not in MARGIN_DTYPES:
-        what = f"{tuple(margins.shape)} {margins.dtype}" if isinstance(margins, torch.Tensor) else type(margins).__name__
+        what = (f"{tuple(margins.shape)} {margins.dtype}" if isinstance(margins, torch.Tensor)
+                else type(margins).__name__)
         raise ValueError(f"margins must be a [m, n] tensor of {MARGIN_DTYPES}, got {what}")
     if not isinstance(edges, torch.Tensor) or edges.dim() != 1 or edges.numel() < 2:
         what = tuple(edges.shape) if isinstance(edges, torch.Tensor) else type(edges).__name__

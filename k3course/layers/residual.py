@@ -52,10 +52,11 @@ def depth_attention(query: torch.Tensor, sources: torch.Tensor,
 def depth_attention_for(device: torch.device | str, kernels: str):
     """The depth read for the kernel backend ``kernels`` on ``device``: the Triton kernels' op
     (:func:`k3course.kernels.depth_attention.depth_attention_triton`) where :func:`k3course.kernels.use_triton`
-    says so, else :func:`depth_attention`. Both take (query [D], sources [N, B, T, D], eps) -> (h, weights)."""
+    says so and the call is not being compiled (torch.compile fuses the torch op itself), else
+    :func:`depth_attention`. Both take (query [D], sources [N, B, T, D], eps) -> (h, weights)."""
     from k3course.kernels import use_triton  # imported here: the residual schemes do not depend on the kernels
 
-    if use_triton(device, kernels):
+    if use_triton(device, kernels) and not torch.compiler.is_compiling():
         from k3course.kernels.depth_attention import depth_attention_triton
 
         return depth_attention_triton

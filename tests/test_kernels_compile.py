@@ -22,7 +22,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from k3course.kernels import TRITON_MODE, basics, flash_mla, grouped_gemm, kda_chunk, kda_chunk_backward, kda_decode
+from k3course.kernels import (TRITON_MODE, basics, flash_mla, grouped_gemm, kda_chunk, kda_chunk_backward, kda_decode,
+                              worked_attention)
 
 assert TRITON_MODE == "native", TRITON_MODE
 TARGET = GPUTarget("cuda", 90, 32)
@@ -79,6 +80,7 @@ for dtype in ("fp32", "bf16"):
                                        num_stages=config.num_stages))
 results.append(compile_one(basics._decayed_kk_tile_kernel, "fp32", {"BC": 16, "BK": 128}))
 results.append(compile_one(basics._matmul_kernel, "fp32", {"BM": 16, "BN": 16, "BK": 16}))
+results.append(compile_one(worked_attention._one_query_kernel, "fp32", {"BS": 16, "BD": 128, "BDV": 128}))
 print(json.dumps(results))
 '''
 
@@ -99,7 +101,8 @@ def test_every_kernel_compiles_to_a_cubin_for_sm90(compiled):
     names = {row["kernel"] for row in compiled}
     assert {"_chunk_cumsum_kernel", "_intra_chunk_kernel", "_wy_kernel", "_state_kernel", "_output_kernel",
             "_reverse_state_kernel", "_chunk_gradient_kernel", "_decode_kernel", "_grouped_gemm_kernel",
-            "_grouped_weight_grad_kernel", "_forward_kernel", "_key_grad_kernel", "_query_grad_kernel"} <= names
+            "_grouped_weight_grad_kernel", "_forward_kernel", "_key_grad_kernel", "_query_grad_kernel",
+            "_one_query_kernel"} <= names
     assert all(row["cubin"] for row in compiled)
 
 

@@ -154,3 +154,18 @@ def test_flash_mla_bf16_at_k3_head_widths_is_close_to_fp32():
     for got, want in zip((out, *grads), (expected, *expected_grads)):
         assert got.dtype == torch.bfloat16
         assert (got.float() - want).abs().max() <= 0.02 * want.abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("S, D, DV", [(1, 16, 16), (37, 20, 12), (70, 8, 24)])
+def test_lesson_09s_one_query_kernel_equals_torch_softmax_attention(S, D, DV):
+    """The lesson's neighbouring kernel (one query per head, online softmax over key blocks) against torch;
+    large scores so that the running max changes from block to block."""
+    from k3course.kernels.worked_attention import attend_one_query
+
+    gen = torch.Generator().manual_seed(S)
+    q, k = 10 * torch.randn(2, 3, D, generator=gen), torch.randn(2, S, 3, D, generator=gen)
+    v = torch.randn(2, S, 3, DV, generator=gen)
+    weights = torch.softmax(0.3 * torch.einsum("bhd,bshd->bhs", q, k), dim=-1)
+    expected = torch.einsum("bhs,bshv->bhv", weights, v)
+    torch.testing.assert_close(attend_one_query(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), 0.3).cpu(), expected,
+                               rtol=1e-5, atol=1e-5)

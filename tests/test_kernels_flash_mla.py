@@ -169,3 +169,18 @@ def test_lesson_09s_one_query_kernel_equals_torch_softmax_attention(S, D, DV):
     expected = torch.einsum("bhs,bshv->bhv", weights, v)
     torch.testing.assert_close(attend_one_query(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), 0.3).cpu(), expected,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_flash_mla_kernels_compute_offsets_in_int64():
+    """Each kernel casts its batch·head program id to int64 before forming offsets, and forms the outputs' offsets
+    from it (``tile_offsets``): at K3's size (T = 1M, H = 96, v = 128) an element offset passes 2^31. Checked on
+    the code; the kernels run at small sizes above."""
+    import inspect
+
+    kernels = [flash_module._forward_kernel, flash_module._key_grad_kernel, flash_module._query_grad_kernel]
+    for kernel in kernels:
+        source = inspect.getsource(kernel.fn)
+        cast, split = source.find("tl.program_id(1).to(tl.int64)"), source.find("b, h = bh // H, bh % H")
+        assert 0 <= cast < split, f"{kernel.fn.__name__}: program id not cast to int64 before the offsets"
+        assert "T * H" not in source and "S * H" not in source, f"{kernel.fn.__name__}: an int32 size product"
+    assert 96 * 128 * (1 << 20) > 2 ** 31

@@ -39,26 +39,34 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from torch.autograd.function import once_differentiable  # noqa: E402
 
-from k3course.kernels.chunk_tiles import block_width, dot_fp32, low_precision  # noqa: E402
+from k3course.kernels.chunk_tiles import block_width, dot_fp32, low_precision, tile_offsets  # noqa: E402
 
 ATTENTION_STAGES = 2  # software-pipelining depth on a GPU: shared memory stays under sm_90's 227 KB in fp32
 
 
 @triton.jit
 def _tile(ptr, stride_b, stride_t, stride_h, b, h, rows, n_rows, cols, width):
-    """Load the tile rows × cols of a [B, ·, H, width] tensor (last axis contiguous) for batch b, head h as fp32
-    (stride_h = 0 for a tensor without a head axis); rows past n_rows and columns past width read 0."""
+    """Load the tile rows × cols of an input [B, ·, H, width] (last axis contiguous, the others at the strides
+    given; stride_h = 0 for a tensor without a head axis) for batch b (int64), head h, in the input's dtype;
+    rows past n_rows and columns past width read 0."""
     offsets = b * stride_b + rows[:, None].to(tl.int64) * stride_t + h * stride_h + cols[None, :]
     mask = (rows[:, None] < n_rows) & (cols[None, :] < width)
     return tl.load(ptr + offsets, mask=mask, other=0.0)
 
 
 @triton.jit
-def _store_tile(ptr, tile, stride_b, stride_t, stride_h, b, h, rows, n_rows, cols, width):
-    """Store ``tile`` at rows × cols of a [B, ·, H, width] tensor, the inverse of :func:`_tile`."""
-    offsets = b * stride_b + rows[:, None].to(tl.int64) * stride_t + h * stride_h + cols[None, :]
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < width)
+def _store_tile(ptr, tile, b, h, rows, n_rows, H, cols, width):
+    """Store ``tile`` at rows × cols of a contiguous [B, n_rows, H, width] output, offsets in int64 (b is): at
+    K3's size (T = 1M, H = 96, v = 128) they pass 2^31."""
+    offsets, mask = tile_offsets(b, h, n_rows, H, rows, cols, width)
     tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_contiguous(ptr, b, h, rows, n_rows, H, cols, width):
+    """Load rows × cols of a contiguous [B, n_rows, H, width] tensor (the upstream gradient), int64 offsets."""
+    offsets, mask = tile_offsets(b, h, n_rows, H, rows, cols, width)
+    return tl.load(ptr + offsets, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -98,7 +106,7 @@ def _forward_kernel(qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, o_ptr, lse_ptr, scale
         values = _tile(v_ptr, sv_b, sv_t, sv_h, b, h, k_rows, S, vals, V)
         acc = acc * rescale[:, None] + dot_fp32(p, values, LOW_PRECISION)
         row_max = new_max
-    _store_tile(o_ptr, acc / row_sum[:, None], T * H * V, H * V, V, b, h, q_rows, T, vals, V)
+    _store_tile(o_ptr, acc / row_sum[:, None], b, h, q_rows, T, H, vals, V)
     tl.store(lse_ptr + bh * T + q_rows, row_max + tl.log(row_sum), mask=q_rows < T)
 
 
@@ -125,7 +133,7 @@ def _key_grad_kernel(qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, do_ptr, lse_ptr, del
         q_rows = m0 + tl.arange(0, BM)
         q_nope = _tile(qn_ptr, sqn_b, sqn_t, sqn_h, b, h, q_rows, T, nope, N)
         q_rope = _tile(qr_ptr, sqr_b, sqr_t, sqr_h, b, h, q_rows, T, rope, E)
-        grad_o = _tile(do_ptr, T * H * V, H * V, V, b, h, q_rows, T, vals, V)
+        grad_o = _load_contiguous(do_ptr, b, h, q_rows, T, H, vals, V)
         lse = tl.load(lse_ptr + bh * T + q_rows, mask=q_rows < T, other=float("inf"))  # rows past T: p = 0
         delta = tl.load(delta_ptr + bh * T + q_rows, mask=q_rows < T, other=0.0)
         p = tl.exp(_scores(q_nope, q_rope, k_nope, k_rope, scale, q_rows, k_rows, S, start, LOW_PRECISION)
@@ -134,9 +142,9 @@ def _key_grad_kernel(qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, do_ptr, lse_ptr, del
         grad_x = p * (dot_fp32(grad_o, tl.trans(values), LOW_PRECISION) - delta[:, None]) * scale
         grad_k_nope += dot_fp32(tl.trans(grad_x), q_nope, LOW_PRECISION)
         grad_k_rope += dot_fp32(tl.trans(grad_x), q_rope, LOW_PRECISION)
-    _store_tile(dkn_ptr, grad_k_nope, S * H * N, H * N, N, b, h, k_rows, S, nope, N)
-    _store_tile(dkr_ptr, grad_k_rope, S * H * E, H * E, E, b, h, k_rows, S, rope, E)
-    _store_tile(dv_ptr, grad_v, S * H * V, H * V, V, b, h, k_rows, S, vals, V)
+    _store_tile(dkn_ptr, grad_k_nope, b, h, k_rows, S, H, nope, N)
+    _store_tile(dkr_ptr, grad_k_rope, b, h, k_rows, S, H, rope, E)
+    _store_tile(dv_ptr, grad_v, b, h, k_rows, S, H, vals, V)
 
 
 @triton.jit
@@ -152,7 +160,7 @@ def _query_grad_kernel(qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, do_ptr, lse_ptr, d
     nope, rope, vals = tl.arange(0, BDN), tl.arange(0, BDE), tl.arange(0, BDV)
     q_nope = _tile(qn_ptr, sqn_b, sqn_t, sqn_h, b, h, q_rows, T, nope, N)
     q_rope = _tile(qr_ptr, sqr_b, sqr_t, sqr_h, b, h, q_rows, T, rope, E)
-    grad_o = _tile(do_ptr, T * H * V, H * V, V, b, h, q_rows, T, vals, V)
+    grad_o = _load_contiguous(do_ptr, b, h, q_rows, T, H, vals, V)
     lse = tl.load(lse_ptr + bh * T + q_rows, mask=q_rows < T, other=float("inf"))
     delta = tl.load(delta_ptr + bh * T + q_rows, mask=q_rows < T, other=0.0)
     grad_q_nope = tl.zeros([BM, BDN], dtype=tl.float32)
@@ -168,8 +176,8 @@ def _query_grad_kernel(qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, do_ptr, lse_ptr, d
         grad_x = p * (dot_fp32(grad_o, tl.trans(values), LOW_PRECISION) - delta[:, None]) * scale
         grad_q_nope += dot_fp32(grad_x, k_nope, LOW_PRECISION)
         grad_q_rope += dot_fp32(grad_x, k_rope, LOW_PRECISION)
-    _store_tile(dqn_ptr, grad_q_nope, T * H * N, H * N, N, b, h, q_rows, T, nope, N)
-    _store_tile(dqr_ptr, grad_q_rope, T * H * E, H * E, E, b, h, q_rows, T, rope, E)
+    _store_tile(dqn_ptr, grad_q_nope, b, h, q_rows, T, H, nope, N)
+    _store_tile(dqr_ptr, grad_q_rope, b, h, q_rows, T, H, rope, E)
 
 
 def _check_inputs(q_nope, q_rope, k_nope, k_rope, values, start) -> None:

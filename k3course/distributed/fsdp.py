@@ -81,7 +81,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     for layer in model.layers:
         fully_shard(layer.mixer, mesh=world)
         fully_shard(layer.ffn, mesh=world, ignored_params=whole_experts)
-    fully_shard(model, mesh=world, ignored_params=whole_experts)
+    # the root too frees its gathered weights after each forward (torch keeps the root's for the backward it
+    # expects): after an evaluation, which has none, every weight is a shard again (what a checkpoint reads)
+    fully_shard(model, mesh=world, ignored_params=whole_experts, reshard_after_forward=True)
     for name, param in model.named_parameters():
         carry_marks(marks[name], param)
     return model

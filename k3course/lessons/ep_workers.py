@@ -147,10 +147,13 @@ def sharded_steps(rank: int, world_size: int, case: dict) -> dict:
     records, the gathered single-process state dict and "idle_expert": per step, whether some expert received
     no token-slot from this rank in it (read before the bias update)."""
     stepper, _ = _sharded_stepper(rank, world_size, case)
-    idle = []
-    stepper.optimizer.register_step_pre_hook(lambda *_: idle.append(any(
-        bool((moe.balancing_statistics()["load"] == 0).any()) for moe in stepper.model.moe_layers())))
-    records = [stepper() for _ in range(case["train"].steps)]
+    loads = {}  # per MoE layer, its record after its last forward (the step's bias hook then clears it)
+    for moe in stepper.model.moe_layers():
+        moe.register_forward_hook(lambda moe, *_: loads.update({moe: moe.balancing_statistics()["load"]}))
+    idle, records = [], []
+    for _ in range(case["train"].steps):
+        records.append(stepper())
+        idle.append(any(bool((load == 0).any()) for load in loads.values()))
     return {"records": records, "state": gather_state_dict(stepper.model), "idle_expert": idle}
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -166,9 +165,7 @@ def bytes_held(rank: int, world_size: int, case: dict) -> dict[str, int]:
     model = parallelize(train.build_model(model_config, train_config.seed), mesh)
     optimizer, scheduler = make_optimizer(model, train_config)
     inputs, targets = rank_shards(case["batches"][0], rank, world_size)[0]
-    with warnings.catch_warnings():  # FSDP notes that units return views; tests/test_fsdp.py shows whole gradients
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        model(inputs, targets=targets)[1].backward()
+    model(inputs, targets=targets)[1].backward()
     local = lambda tensor: tensor.to_local() if isinstance(tensor, DTensor) else tensor
     nbytes = lambda tensors: sum(local(t).numel() * t.element_size() for t in tensors)
     held = {"weights": nbytes(model.parameters()), "gradients": nbytes(p.grad for p in model.parameters())}

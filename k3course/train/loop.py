@@ -210,6 +210,9 @@ def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ran
         raise ValueError(f"compile: compiles a one-process run; leave it out with {ranks} ranks")
     if not is_number(dp_shard) or dp_shard < 1 or ranks % dp_shard:
         raise ValueError(f"dp_shard must be a positive int dividing the {ranks} ranks, got {dp_shard!r}")
+    if config.train.batch_size % ranks:
+        raise ValueError(f"train.batch_size {config.train.batch_size} must be a multiple of the {ranks} ranks "
+                         "(each reads its share of every micro-batch)")
     model_factory = model_factory or functools.partial(build_model, kernels=config.run.kernels)
     out = Path(out)
     saved = _find_start(out, resume)

@@ -515,7 +515,7 @@ def test_train_help_lists_every_option_with_its_default_and_every_field(capsys):
     text = capsys.readouterr().out
     (train_parser,) = [p for name, p in parser()._subparsers._group_actions[0].choices.items() if name == "train"]
     options = [a for a in train_parser._actions if a.option_strings and a.dest != "help"]
-    assert len(options) == 17 and all("default" in a.help for a in options), [a.dest for a in options]
+    assert len(options) == 18 and all("default" in a.help for a in options), [a.dest for a in options]
     assert all(a.option_strings[0] in text for a in options)
     for cls in (K3Config, train.TrainConfig, train.RunOptions):
         assert all(f"\n{f.name} = " in text for f in dataclasses.fields(cls)), cls

@@ -172,7 +172,6 @@ KNOWN = {
     "07_chunkwise": f"{_SHOWN} 07.kda_chunk_step, decayed_scores, ut_transform",
     "11_model": f"{_SHOWN} 11.layer_schedule",
     "12_train": f"{_SHOWN} 12.train_step (its step_on_device)",
-    "13_expert_parallel": f"{_SHOWN} 13.dispatch_permutation",
     "14_decoding": f"{_SHOWN} 14.predicted_tpot",
 }
 

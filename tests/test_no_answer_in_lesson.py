@@ -163,7 +163,6 @@ def leaks(path: Path) -> list[str]:
 # start to pass when its lesson is cleaned (strict), and then leave this table.
 _SHOWN = "its lesson show_source()s the package reference of"
 KNOWN = {
-    "02_latent_moe": f"{_SHOWN} 02.situ_glu, latent_combine",
     "03_quantile_routing": f"{_SHOWN} 03.token_cutoffs, quantile_balance_bias, bias_from_histogram",
     "04_decay_gates": f"{_SHOWN} 04.decay_step, gla_recurrent",
     "05_gated_deltanet": f"{_SHOWN} 05.delta_step, gdn_step (and 06.kda_step, the same one line)",

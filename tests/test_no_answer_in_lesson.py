@@ -164,7 +164,6 @@ def leaks(path: Path) -> list[str]:
 _SHOWN = "its lesson show_source()s the package reference of"
 KNOWN = {
     "03_quantile_routing": f"{_SHOWN} 03.token_cutoffs, quantile_balance_bias, bias_from_histogram",
-    "07_chunkwise": f"{_SHOWN} 07.kda_chunk_step, decayed_scores, ut_transform",
     "09_gated_mla": f"{_SHOWN} 09.compress_kv, attention_probs, absorb_query",
     "10_residuals": f"{_SHOWN} 10.depth_attention",
     "11_model": f"{_SHOWN} 11.layer_schedule",

@@ -168,7 +168,6 @@ KNOWN = {
     "10_residuals": f"{_SHOWN} 10.depth_attention",
     "12_train": f"{_SHOWN} 12.train_step (its step_on_device)",
     "13_expert_parallel": f"{_SHOWN} 13.dispatch_permutation",
-    "14_decoding": f"{_SHOWN} 14.predicted_tpot",
 }
 
 

@@ -164,7 +164,6 @@ def leaks(path: Path) -> list[str]:
 _SHOWN = "its lesson show_source()s the package reference of"
 KNOWN = {
     "03_quantile_routing": f"{_SHOWN} 03.token_cutoffs, quantile_balance_bias, bias_from_histogram",
-    "09_gated_mla": f"{_SHOWN} 09.compress_kv, attention_probs, absorb_query",
     "10_residuals": f"{_SHOWN} 10.depth_attention",
     "12_train": f"{_SHOWN} 12.train_step (its step_on_device)",
     "13_expert_parallel": f"{_SHOWN} 13.dispatch_permutation",

@@ -163,16 +163,7 @@ def leaks(path: Path) -> list[str]:
 # start to pass when its lesson is cleaned (strict), and then leave this table.
 _SHOWN = "its lesson show_source()s the package reference of"
 KNOWN = {
-    "00_tour": f"{_SHOWN} 00.moe_layer_params",
-    "01_sparse_moe": f"{_SHOWN} 01.topk_route, sort_by_expert, unsort, switch_aux_loss, sign_rule_update",
-    "02_latent_moe": f"{_SHOWN} 02.situ_glu, latent_combine",
-    "04_decay_gates": f"{_SHOWN} 04.decay_step, gla_recurrent",
-    "05_gated_deltanet": f"{_SHOWN} 05.delta_step, gdn_step (and 06.kda_step, the same one line)",
-    "06_kda": f"{_SHOWN} 06.kda_gate, kda_step (and 05.gdn_step)",
-    "07_chunkwise": f"{_SHOWN} 07.kda_chunk_step, decayed_scores, ut_transform",
-    "11_model": f"{_SHOWN} 11.layer_schedule",
     "12_train": f"{_SHOWN} 12.train_step (its step_on_device)",
-    "14_decoding": f"{_SHOWN} 14.predicted_tpot",
 }
 
 

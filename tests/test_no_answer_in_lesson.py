@@ -158,16 +158,8 @@ def leaks(path: Path) -> list[str]:
     return found
 
 
-# Lessons where this test found answers printed (``show_source`` of exercises' package references, and the solution
-# regions they contain) when it was written, left to each chapter's owner: each is an expected failure that must
-# start to pass when its lesson is cleaned (strict), and then leave this table.
-KNOWN: dict[str, str] = {}
-
-
 @pytest.mark.parametrize("path", notebooks("notebooks"), ids=lambda p: p.name)
-def test_no_answer_printed_in_lesson(path, request):
-    if path.stem in KNOWN:
-        request.applymarker(pytest.mark.xfail(reason=KNOWN[path.stem], strict=True))
+def test_no_answer_printed_in_lesson(path):
     found = leaks(path)
     assert not found, f"{path.name} prints {len(found)} answer(s):\n" + "\n".join(found[:12])
 

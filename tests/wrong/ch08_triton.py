@@ -67,11 +67,39 @@ def matmul_in_torch(a, b, block=16):
     return a @ b
 
 
-def decode_returns_a_new_state(q, k, v, g, beta, state, scale=None):
-    """The right outputs and state, but advanced on a copy: the caller's state never moves."""
-    from k3course.kernels.kda_decode import kda_decode_triton
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, scale, T, H, K, V, BK: tl.constexpr,
+                   BV: tl.constexpr):
+    """KDA's recurrence for the T tokens of one call, the state [K, V] of one (batch, head) in registers."""
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    rows, cols = tl.arange(0, BK), tl.arange(0, BV)
+    mask_k, mask_v = rows < K, cols < V
+    offsets = bh * K * V + rows[:, None] * V + cols[None, :]
+    mask = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(state_ptr + offsets, mask=mask, other=0.0)
+    for t in range(T):
+        token = (b * T + t) * H + h
+        q = tl.load(q_ptr + token * K + rows, mask=mask_k, other=0.0)
+        k = tl.load(k_ptr + token * K + rows, mask=mask_k, other=0.0)
+        g = tl.load(g_ptr + token * K + rows, mask=mask_k, other=0.0)
+        v = tl.load(v_ptr + token * V + cols, mask=mask_v, other=0.0)
+        state = state * tl.exp(g)[:, None]
+        state += k[:, None] * (tl.load(beta_ptr + token) * (v - tl.sum(k[:, None] * state, axis=0)))[None, :]
+        tl.store(o_ptr + token * V + cols, tl.sum((q * scale)[:, None] * state, axis=0), mask=mask_v)
+    tl.store(state_ptr + offsets, state, mask=mask)
 
-    return kda_decode_triton(q, k, v, g, beta, state.clone(), scale)
+
+def decode_returns_a_new_state(q, k, v, g, beta, state, scale=None):
+    """The right kernel, launched on a copy of the state: right outputs, but the caller's state never moves
+    (decoding then forgets every token)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    new_state, o = state.clone(), torch.empty_like(v)
+    _decode_kernel[(B * H,)](q, k, v, g, beta, new_state, o, K ** -0.5 if scale is None else scale, T, H, K, V,
+                             BK=max(16, triton.next_power_of_2(K)), BV=max(16, triton.next_power_of_2(V)))
+    return o, new_state
 
 
 def decode_in_torch(q, k, v, g, beta, state, scale=None):

@@ -287,14 +287,17 @@ def _composed_cases() -> list[Case]:
 
 
 register(Exercise("08.kda_chunk", kda_chunk_reference, _composed_cases, tolerance={"float32": (1e-5, 2e-5)},
-                  package=(kda_chunk,), isolate=True))
-register(Exercise("08.kda_intra_chunk", intra_chunk_factors, _intra_chunk_cases, forbidden=TORCH_MATH, isolate=True))
-register(Exercise("08.kda_state_pass", state_pass, _state_pass_cases, forbidden=TORCH_MATH, isolate=True))
-register(Exercise("08.kda_chunk_output", output_from_states, _output_cases, forbidden=TORCH_MATH, isolate=True))
+                  package=(kda_chunk,), isolate=True, guard_bands=True))
+register(Exercise("08.kda_intra_chunk", intra_chunk_factors, _intra_chunk_cases, forbidden=TORCH_MATH, isolate=True,
+                  guard_bands=True))
+register(Exercise("08.kda_state_pass", state_pass, _state_pass_cases, forbidden=TORCH_MATH, isolate=True,
+                  guard_bands=True))
+register(Exercise("08.kda_chunk_output", output_from_states, _output_cases, forbidden=TORCH_MATH, isolate=True,
+                  guard_bands=True))
 register(Exercise("08.reverse_state_pass", reverse_state_pass, _reverse_pass_cases, forbidden=TORCH_MATH,
-                  isolate=True))
+                  isolate=True, guard_bands=True))
 register(Exercise("08.kda_decode", kda_decode_triton, _decode_cases, mutable=("state",), forbidden=TORCH_MATH,
-                  isolate=True))
+                  isolate=True, guard_bands=True))
 for exercise_id, reference, cases in (("08.scale_add", scale_add, _scale_add_cases),
                                       ("08.l2norm_rows", l2norm_rows, _l2norm_cases),
                                       ("08.softmax_rows", softmax_rows, _softmax_cases),
@@ -302,4 +305,4 @@ for exercise_id, reference, cases in (("08.scale_add", scale_add, _scale_add_cas
                                       ("08.matmul", matmul, _matmul_cases),
                                       ("08.chunk_cumsum", chunk_local_cumsum, _cumsum_cases),
                                       ("08.kk_tile", decayed_kk_tile, _tile_cases)):
-    register(Exercise(exercise_id, reference, cases, forbidden=TORCH_MATH, isolate=True))
+    register(Exercise(exercise_id, reference, cases, forbidden=TORCH_MATH, isolate=True, guard_bands=True))

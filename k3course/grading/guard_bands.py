@@ -5,9 +5,11 @@ into whatever memory follows, which may be another tensor (a wrong value far awa
 (a crash, now or when that memory is freed). While a Triton exercise's answer runs, every tensor it is given and
 every tensor its own code allocates (``torch.empty``, ``empty_like``, ``zeros``, ``new_empty``, ``clone``, ...)
 lives inside a larger buffer: the tensor's elements keep their shape and strides, and every other byte of the
-buffer — a band before the tensor, one after it, and the gaps between a strided view's rows — holds a sentinel
-(0xFF bytes: NaN in a float tensor, so a load from there poisons what it touches). After the call, a sentinel
-byte that changed is a write outside the tensor, reported with the tensor, the side and how far.
+buffer — a band before the tensor, one after it, and the gaps between a strided view's rows — holds a sentinel:
+in a float tensor a NaN with a payload of its own (a load from a band poisons what it touches, and a value
+computed from one tensor's band and stored into another's still differs from the sentinel there), in an integer
+tensor a negative number of its own. After the call, a sentinel that changed is a write outside the tensor,
+reported with the tensor, the side and how far.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from torch.overrides import TorchFunctionMode
 
 from k3course.grading.forbid import GRADER_DIR, _package_dir
 
-SENTINEL = 0xFF  # every byte of a band: NaN for fp32 / bf16 / fp16, −1 for an integer
 MIN_BAND = 1024  # elements on each side, at least; a band is as long as the tensor's span when that is longer
 ALLOCATORS = frozenset({"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
                         "full_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "clone"})
@@ -32,22 +33,37 @@ class OutsideWrite(Exception):
     """The answer (its kernel) wrote into a guard band: outside a tensor it was given or allocated."""
 
 
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each element size
+QUIET_NAN = {torch.float32: 0x7FC00000, torch.float64: 0x7FF8000000000000, torch.bfloat16: 0x7FC0,
+             torch.float16: 0x7E00}  # a quiet NaN's bits, payload 0 (the NaN arithmetic makes; ours add 1 + i)
+
+
+def _sentinel(dtype: torch.dtype, index: int) -> int:
+    """The bits the bands of the ``index``-th banded tensor of a call hold (as an integer of the element's size):
+    a quiet NaN whose payload is 1 + index (up to 62: bf16 has 6 payload bits), or −(1 + index) for an integer
+    tensor (0xFF for a byte-sized one)."""
+    if dtype in QUIET_NAN:
+        return QUIET_NAN[dtype] + 1 + index % 62
+    return 0xFF if dtype.itemsize == 1 else -(1 + index)
+
+
 @dataclass(frozen=True)
 class _Guarded:
     """One tensor in its banded buffer: ``inside`` marks the buffer's elements that are the tensor's own, which
-    lie between elements ``first`` and ``last`` (inclusive)."""
+    lie between elements ``first`` and ``last`` (inclusive); every other element holds the bits ``sentinel``."""
 
     what: str
     buffer: torch.Tensor  # flat, the tensor's dtype
     inside: torch.Tensor  # bool, one per element of the buffer
     first: int
     last: int
+    sentinel: int
 
     def outside_write(self) -> str | None:
         """How many sentinels changed and the farthest of them ('3 element(s) past its end'), or None when every
         band is intact."""
-        changed = self.buffer.view(torch.uint8).view(self.buffer.numel(), -1) != SENTINEL
-        touched = (changed.any(1) & ~self.inside).nonzero().flatten()
+        changed = self.buffer.view(BITS[self.buffer.element_size()]) != self.sentinel
+        touched = (changed & ~self.inside).nonzero().flatten()
         if touched.numel() == 0:
             return None
         before, after = self.first - int(touched[0]), int(touched[-1]) - self.last
@@ -92,12 +108,14 @@ class GuardBands:
         span = _span(tensor)
         band = max(MIN_BAND, span)
         buffer = torch.empty(band + span + band, dtype=tensor.dtype, device=tensor.device)
-        buffer.view(torch.uint8).fill_(SENTINEL)
+        sentinel = _sentinel(tensor.dtype, len(self._guarded))
+        buffer.view(BITS[tensor.element_size()]).fill_(sentinel)
         view = buffer.as_strided(tensor.shape, tensor.stride(), band)
         view.copy_(tensor)
         inside = torch.zeros(buffer.numel(), dtype=torch.bool, device=tensor.device)
         inside.as_strided(tensor.shape, tensor.stride(), band).fill_(True)
-        self._guarded.append(_Guarded(f"{what} ({_describe(tensor)})", buffer, inside, band, band + span - 1))
+        self._guarded.append(_Guarded(f"{what} ({_describe(tensor)})", buffer, inside, band, band + span - 1,
+                                      sentinel))
         return view
 
     def inputs(self, args: tuple, kwargs: dict, names: list[str]) -> tuple[tuple, dict]:

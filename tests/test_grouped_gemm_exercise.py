@@ -45,3 +45,16 @@ def test_the_solved_kernel_equals_the_package_op_and_runs_as_the_experts_part():
             got = layer(tokens)
     assert len(calls) == 2  # the bank's two products: gate-up, then down
     assert relative(got, want) <= 1e-5
+
+
+def test_lesson_08_does_not_print_the_packages_grouped_gemm_kernel():
+    """The exercise's reference is the grader's torch loop, so the answer-in-lesson test does not reach the
+    package's kernel: it is checked here, as a token run of the same length (test_no_answer_in_lesson)."""
+    from test_no_answer_in_lesson import LONG_RUN, _body, _ngrams, code_tokens, lesson_streams
+
+    from k3course.kernels import grouped_gemm
+
+    kernel = _ngrams(code_tokens(_body(grouped_gemm._grouped_gemm_kernel.fn.fn)), LONG_RUN)
+    printed = {gram for _, stream in lesson_streams(ROOT / "notebooks" / "08_triton.ipynb")
+               for gram in _ngrams(stream, LONG_RUN)}
+    assert len(kernel) > 0 and not kernel & printed

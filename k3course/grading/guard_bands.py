@@ -84,10 +84,10 @@ def _span(tensor: torch.Tensor) -> int:
 
 
 def _can_band(tensor: torch.Tensor) -> bool:
-    """A tensor that can move into a banded buffer unchanged: no element shared (stride 0 over a size > 1), no
-    autograd history to keep."""
-    return not tensor.requires_grad and all(stride > 0 or size <= 1 for size, stride in zip(tensor.shape,
-                                                                                              tensor.stride()))
+    """A tensor that can move into a banded buffer unchanged: an element size with an integer view (:data:`BITS`),
+    no element shared (stride 0 over a size > 1), no autograd history to keep."""
+    return (tensor.element_size() in BITS and not tensor.requires_grad
+            and all(stride > 0 or size <= 1 for size, stride in zip(tensor.shape, tensor.stride())))
 
 
 def _describe(tensor: torch.Tensor) -> str:

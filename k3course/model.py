@@ -76,7 +76,7 @@ class DecoderLayer(nn.Module):
         self.mixer_kind, self.ffn_kind = cfg.layer_types()[index], cfg.ffn_types()[index]
         self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mixer = (KimiDeltaAttention.from_config(cfg, kernels=kernels) if self.mixer_kind == "kda"
-                      else GatedMLA.from_config(cfg))
+                      else GatedMLA.from_config(cfg, kernels=kernels))
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         for norm in (self.mixer_norm, self.ffn_norm):
             no_weight_decay(norm.weight)

@@ -30,9 +30,10 @@ def test_without_a_gpu_it_prints_its_plan_and_writes_nothing(tmp_path, capsys):
     assert all(budget > 0 for budget in budgets) and budgets[-1] == sum(budgets[:-1]) <= 480  # ≤ 8 minutes
     rows = "\n".join(plan)
     assert "test_kernels_backward.py" in rows and "test_grouped_gemm_backward.py" in rows
+    assert "test_kernels_flash_mla.py" in rows
     for T in (4096, 8192):
         assert f"KDA fwd+bwd T={T}: ours vs fla chunk_kda" in rows
-        assert f"MLA attention fwd+bwd T={T}: SDPA vs hand-written softmax" in rows
+        assert f"MLA attention fwd+bwd T={T}: ours vs SDPA vs hand-written softmax" in rows
     assert "grouped GEMM fwd+bwd E=64 top-8: ours vs torch._grouped_mm" in rows and "fused_recurrent_kda" in rows
     steps = [line for line in plan if "training step" in line]
     assert len(steps) == 2 * 2 * 2 * 2  # tiny and small, K3 and dense, T = 512 and 4096, eager and compiled
@@ -79,11 +80,12 @@ def test_every_piece_runs_under_the_interpreter_and_round_trips(tmp_path, capsys
                      "MLA attention fwd+bwd T=64"}
     assert {case for case in cases if "step" in case} == {f"KDA fwd T=64 step {s}" for s in ("1", "2,6", "3,4",
                                                                                                "5,8", "7")}
-    ours = [row for row in rows if row["impl"].startswith(("ours", "SDPA")) or "step" in row["case"]]
+    ours = [row for row in rows if row["impl"].startswith("ours") or "step" in row["case"]]
     assert len(ours) == len(cases) and all(row["ms"] > 0 for row in ours)  # our kernels all ran
     attention = [row for row in rows if row["case"] == "MLA attention fwd+bwd T=64"]
-    assert [row["impl"] for row in attention] == ["SDPA (attend_sdpa)", "hand-written softmax"]
-    assert attention[1]["vs_ours"] > 0
+    assert [row["impl"] for row in attention] == ["ours (Triton flash_mla)", "SDPA (attend_sdpa)",
+                                                  "hand-written softmax"]
+    assert attention[1]["vs_ours"] > 0 and attention[2]["vs_ours"] > 0
     assert results["accuracy"]["error_ratio"] < 1e-4  # fp32 kernel vs fp32 torch path
     assert results["workload"]["dtype"] == "float32" and results["tests"]["summary"].startswith("not run")
     assert set(results["machine"]) >= {"gpu", "driver", "cuda", "torch", "triton"}

@@ -122,11 +122,11 @@ def test_the_gpu_budget_needs_a_gpu_or_a_device_named_and_checks_the_device(monk
 
 def test_the_gpu_budget_smoke_tested_on_the_cpu_for_two_steps(tmp_path, monkeypatch):
     """Every GPU-budget claim, in the order a GPU would run them (residuals copies hybrid-ratio's 3:1 runs), for 4
-    steps of GPU_TEXT_TRAIN's batches on the CPU (tuning runs of 1): each run trains, evaluates and is saved as
-    NAME-gpu.json."""
+    steps on the CPU (tuning runs of 1) of batches 4 × 64 (GPU_TEXT_TRAIN's 32 × 256 cost minutes here and test
+    nothing more): each run trains, evaluates and is saved as NAME-gpu.json."""
     monkeypatch.setattr(experiments, "RESULTS", tmp_path)
-    monkeypatch.setattr(experiments, "GPU_TEXT_TRAIN", experiments.GPU_TEXT_TRAIN.replace(steps=4, warmup_steps=2,
-                                                                                         eval_bytes=2048))
+    monkeypatch.setattr(experiments, "GPU_TEXT_TRAIN", experiments.GPU_TEXT_TRAIN.replace(
+        steps=4, warmup_steps=2, eval_bytes=2048, batch_size=4, seq_len=64))
     for name in ("hybrid-ratio-default", "residuals-default", "latent-moe-default", "dense-baseline-default"):
         settings = {**experiments.EXPERIMENTS[name][1], "seeds": (0,)}
         monkeypatch.setitem(experiments.EXPERIMENTS, name, (experiments.claim_variants, settings))

@@ -22,14 +22,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from k3course.kernels import TRITON_MODE, basics, grouped_gemm, kda_chunk, kda_chunk_backward, kda_decode
+from k3course.kernels import (TRITON_MODE, basics, flash_mla, grouped_gemm, kda_chunk, kda_chunk_backward, kda_decode,
+                              worked_attention)
 
 assert TRITON_MODE == "native", TRITON_MODE
 TARGET = GPUTarget("cuda", 90, 32)
 
 
 def pointer_type(name, dtype, kernel):
-    data = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr", "do_ptr", "x_ptr", "out_ptr", "y_ptr"}
+    data = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr", "do_ptr", "x_ptr", "out_ptr", "y_ptr",
+            "qn_ptr", "qr_ptr", "kn_ptr", "kr_ptr"}
     if kernel is grouped_gemm._grouped_gemm_kernel.fn:
         data.add("w_ptr")  # the expert weights; in the KDA kernels w is an fp32 intermediate
     if kernel is grouped_gemm._grouped_weight_grad_kernel.fn:
@@ -66,6 +68,10 @@ for dtype in ("fp32", "bf16"):
     results.append(compile_one(kda_chunk_backward._chunk_gradient_kernel, dtype, dict(
         chunk, BK=kda_chunk_backward.GRADIENT_KEY_BLOCK), num_stages=backward_stages))
     results.append(compile_one(kda_decode._decode_kernel, dtype, {"BK": 128, "BV": 32}))
+    attention = {"BM": 64 if low else 32, "BN": 64 if low else 32, "BDN": 128, "BDE": 64, "BDV": 128,
+                 "LOW_PRECISION": low}  # K3's heads: 128 NoPE + 64 rope, values 128; the launcher's tiles
+    for kernel in (flash_mla._forward_kernel, flash_mla._key_grad_kernel, flash_mla._query_grad_kernel):
+        results.append(compile_one(kernel, dtype, attention, num_stages=flash_mla.ATTENTION_STAGES))
     grouped = ((grouped_gemm._grouped_gemm_kernel, {"BM": 64}), (grouped_gemm._grouped_weight_grad_kernel, {}))
     for kernel, tile in grouped:
         for config in kernel.configs if low else kernel.configs[:1]:  # every autotune config in bf16, one in fp32
@@ -74,6 +80,7 @@ for dtype in ("fp32", "bf16"):
                                        num_stages=config.num_stages))
 results.append(compile_one(basics._decayed_kk_tile_kernel, "fp32", {"BC": 16, "BK": 128}))
 results.append(compile_one(basics._matmul_kernel, "fp32", {"BM": 16, "BN": 16, "BK": 16}))
+results.append(compile_one(worked_attention._one_query_kernel, "fp32", {"BS": 16, "BD": 128, "BDV": 128}))
 print(json.dumps(results))
 '''
 
@@ -94,7 +101,8 @@ def test_every_kernel_compiles_to_a_cubin_for_sm90(compiled):
     names = {row["kernel"] for row in compiled}
     assert {"_chunk_cumsum_kernel", "_intra_chunk_kernel", "_wy_kernel", "_state_kernel", "_output_kernel",
             "_reverse_state_kernel", "_chunk_gradient_kernel", "_decode_kernel", "_grouped_gemm_kernel",
-            "_grouped_weight_grad_kernel"} <= names
+            "_grouped_weight_grad_kernel", "_forward_kernel", "_key_grad_kernel", "_query_grad_kernel",
+            "_one_query_kernel"} <= names
     assert all(row["cubin"] for row in compiled)
 
 

@@ -9,9 +9,19 @@ import pytest
 import torch
 
 from k3course.data import IGNORE, mqar
-from k3course.layers.kda import DECAY_INITS, DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
+from k3course.layers.kda import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
 from k3course.lessons import claims, experiments, tuning
-from k3course.lessons.recall import RecallModel, recall_by_pair
+from k3course.lessons.recall import DECAY_INITS, RecallModel, recall_by_pair
+
+
+def _kda_starting_decays(n_heads: int, head_dim: int, lower_bound: float | None = -5.0,
+                         decay_init: str | None = None) -> torch.Tensor:
+    """The starting decays of a recall model's KDA layers laid out by ``decay_init`` (None: the layer's own)."""
+    options = {} if decay_init is None else {"decay_init": decay_init}
+    model = RecallModel(64, "KDA", d_model=n_heads * head_dim, n_layers=2, n_heads=n_heads, lower_bound=lower_bound,
+                        **options)
+    assert torch.equal(model.mixers[0].dt_bias, model.mixers[1].dt_bias)
+    return model.mixers[1].starting_decays()
 
 CONTROLLED = ("mqar-controlled", "mqar-controlled-8")
 REPLAY_STEPS = 2
@@ -27,9 +37,8 @@ def _replayed(losses: list[float], saved: list[float]) -> None:
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("n_heads, head_dim", [(1, 8), (2, 16), (4, 8)])
 def test_per_head_kda_starts_every_channel_at_gdns_decay_for_that_head(n_heads, head_dim, lower_bound):
-    kda = KimiDeltaAttention(8, n_heads, head_dim, lower_bound=lower_bound, decay_init="per_head")
     gdn = GatedDeltaNet(8, n_heads, head_dim)
-    ours, theirs = kda.starting_decays(), gdn.starting_decays()
+    ours, theirs = _kda_starting_decays(n_heads, head_dim, lower_bound, "per_head"), gdn.starting_decays()
     assert ours.shape == theirs.shape == (n_heads, head_dim)
     assert torch.equal(ours, ours[:, :1].expand_as(ours))  # one value per head
     # the same −g (softplus of the same bias, or −5·σ(logit(−g/5)) for K3's bounded gate) to float32 rounding
@@ -41,12 +50,13 @@ def test_per_head_kda_starts_every_channel_at_gdns_decay_for_that_head(n_heads, 
 
 
 def test_within_heads_spans_the_whole_range_in_every_head_and_across_heads_is_the_default():
-    within = KimiDeltaAttention(8, 2, 16, decay_init="within_heads").starting_decays()
+    within = _kda_starting_decays(2, 16, decay_init="within_heads")
     assert torch.equal(within[0], within[1])
     assert within[0, 0].item() == pytest.approx(0.01, rel=1e-6) and within[0, -1].item() == pytest.approx(0.5, rel=1e-6)
     assert torch.all(within[:, 1:] > within[:, :-1])
     default = KimiDeltaAttention(8, 2, 16).starting_decays()  # K3's layer: the shipped checkpoint starts here
-    assert torch.equal(default, KimiDeltaAttention(8, 2, 16, decay_init="across_heads").starting_decays())
+    assert torch.equal(default, _kda_starting_decays(2, 16, decay_init="across_heads"))
+    assert torch.equal(default, _kda_starting_decays(2, 16))
     assert default[0].max() < default[1].min()  # head 0 all slow, head 1 all fast
     assert torch.all(default.flatten()[1:] > default.flatten()[:-1])
     assert DECAY_INITS == ("across_heads", "per_head", "within_heads")
@@ -54,7 +64,7 @@ def test_within_heads_spans_the_whole_range_in_every_head_and_across_heads_is_th
 
 def test_bad_decay_init_is_a_clear_error():
     with pytest.raises(ValueError, match="decay_init must be one of"):
-        KimiDeltaAttention(8, 2, 4, decay_init="per_channel")
+        RecallModel(64, "KDA", d_model=16, decay_init="per_channel")
     with pytest.raises(ValueError, match="kda_options .decay_init. apply to KDA only"):
         RecallModel(64, "GDN", d_model=16, decay_init="per_head")
     with pytest.raises(ValueError, match="kda_options must be decay_init or lower_bound"):

@@ -171,7 +171,6 @@ KNOWN = {
     "05_gated_deltanet": f"{_SHOWN} 05.delta_step, gdn_step (and 06.kda_step, the same one line)",
     "06_kda": f"{_SHOWN} 06.kda_gate, kda_step (and 05.gdn_step)",
     "07_chunkwise": f"{_SHOWN} 07.kda_chunk_step, decayed_scores, ut_transform",
-    "09_gated_mla": f"{_SHOWN} 09.compress_kv, attention_probs, absorb_query",
     "10_residuals": f"{_SHOWN} 10.depth_attention",
     "11_model": f"{_SHOWN} 11.layer_schedule",
     "12_train": f"{_SHOWN} 12.train_step (its step_on_device)",

@@ -8,8 +8,8 @@ The check is a plan of pieces, each with a time budget (:func:`plan`), run in or
 3. KDA chunk forward at T = 8192 with the kernel-by-kernel breakdown, forward + backward at T = 4096 and 8192
    (ours vs fla's ``chunk_kda`` vs the torch chunked path), the decode step at batch 1, 16 and 64 (vs fla's
    ``fused_recurrent_kda``), the MoE grouped GEMM forward + backward (vs ``torch._grouped_mm``), and MLA's causal
-   attention forward + backward through SDPA vs the hand-written softmax; each with ms, TFLOP/s, % of the
-   roofline and peer/ours (``--full``: every length of ``bench kernels``).
+   attention forward + backward, our Triton kernels (``k3course.kernels.flash_mla``) vs SDPA vs the hand-written
+   softmax; each with ms, TFLOP/s, % of the roofline and peer/ours (``--full``: every length of ``bench kernels``).
 4. Training steps: tiny and small K3 beside their dense baselines at T = 512 and 4096 (the same bytes per step),
    eager and compiled: ms per step, and from ``torch.profiler`` the host time, the kernel time, the kernels and
    launch calls, the host reads and syncs per step.
@@ -43,7 +43,7 @@ from k3course.train import TrainConfig
 
 RESULTS_FILE = Path(__file__).resolve().parents[1] / "results" / "gpu.json"
 KERNEL_TESTS = ("test_kernels.py", "test_kernels_basics.py", "test_kernels_compile.py", "test_kernels_layers.py",
-                "test_kernels_backward.py", "test_grouped_gemm_backward.py")
+                "test_kernels_backward.py", "test_grouped_gemm_backward.py", "test_kernels_flash_mla.py")
 TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"  # present in a source checkout, not in a wheel
 QUICK = kernels.Workload(seq_lens=(4096, 8192))
 BUDGET_S = 480  # the whole check on one H100/H200-class GPU
@@ -53,7 +53,7 @@ TRAIN_TOKENS = 16384  # bytes per step at every length: 32 × 512, 4 × 4096
 TRAIN_MODES = ("eager", "compiled")
 # seconds each piece may take on the GPU (estimates; a compiled step includes its compilation)
 PIECE_BUDGET_S = {"kernel tests": 120, "accuracy": 5, "KDA forward": 8, "KDA breakdown": 8, "KDA fwd+bwd": 11,
-                  "KDA decode": 4, "grouped GEMM fwd+bwd": 10, "MLA attention fwd+bwd": 10, "step eager": 6,
+                  "KDA decode": 4, "grouped GEMM fwd+bwd": 10, "MLA attention fwd+bwd": 14, "step eager": 6,
                   "step compiled": 24}
 
 
@@ -138,8 +138,11 @@ def attention_inputs(shape: AttentionShape, T: int, dtype: torch.dtype, device: 
 
 
 def attention_rows(work: kernels.Workload, shape: AttentionShape, T: int, gpu: str) -> list[dict]:
-    """MLA's causal attention (prefill, no cache) forward + backward at length T: ``attend_sdpa`` (fused kernels)
-    vs ``attend_softmax`` (the [B, H, T, T] scores built and kept). FLOPs ≈ 3 × 2·B·H·(T²/2)·(n + e + v)."""
+    """MLA's causal attention (prefill, no cache) forward + backward at length T: ours, the FlashAttention-style
+    Triton kernels (``flash_mla_attention``: the two-part head unpadded, the shared rope key read, not expanded),
+    vs ``attend_sdpa`` (torch's fused kernels on a zero-padded head) vs ``attend_softmax`` (the [B, H, T, T] scores
+    built and kept). FLOPs ≈ 3 × 2·B·H·(T²/2)·(n + e + v)."""
+    from k3course.kernels.flash_mla import flash_mla_attention
     from k3course.layers.mla import attend_sdpa, attend_softmax
 
     inputs = attention_inputs(shape, T, work.dtype, work.device, requires_grad=True)
@@ -151,7 +154,8 @@ def attention_rows(work: kernels.Workload, shape: AttentionShape, T: int, gpu: s
             attend(*inputs, scale).float().sum().backward()
         return run
 
-    contenders = [("SDPA (attend_sdpa)", call(attend_sdpa)), ("hand-written softmax", call(attend_softmax))]
+    contenders = [("ours (Triton flash_mla)", call(flash_mla_attention)), ("SDPA (attend_sdpa)", call(attend_sdpa)),
+                  ("hand-written softmax", call(attend_softmax))]
     return kernels.measure(f"MLA attention fwd+bwd T={T}", contenders, flops, None, gpu, work.device)
 
 
@@ -209,7 +213,7 @@ def kernel_pieces(work: kernels.Workload, gpu: str, attention: AttentionShape) -
                    kernels.decode_rows, batch, gpu) for batch in work.decode_batches]
     pieces += [row(f"grouped GEMM fwd+bwd E={E} top-{k}: ours vs torch._grouped_mm vs per-expert loop",
                    "grouped GEMM fwd+bwd", kernels.grouped_gemm_rows, E, k, gpu, True) for E, k in work.gemm_experts]
-    pieces += [row(f"MLA attention fwd+bwd T={T}: SDPA vs hand-written softmax", "MLA attention fwd+bwd",
+    pieces += [row(f"MLA attention fwd+bwd T={T}: ours vs SDPA vs hand-written softmax", "MLA attention fwd+bwd",
                    attention_rows, attention, T, gpu) for T in work.seq_lens]
     return pieces
 

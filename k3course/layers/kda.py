@@ -108,26 +108,6 @@ def initial_dt_bias(count: int, lower_bound: float | None, slowest=0.01, fastest
     return torch.logit(target / -lower_bound)  # lower_bound · σ(dt_bias) = g
 
 
-# How KDA's starting decays (−g at z = 0) are laid out over its H·K channels, each spread geometrically from
-# 0.01 to 0.5 (:func:`initial_dt_bias`):
-#   across_heads  over all H·K channels in order (K3's layer, the default): head 0 the slowest, the last the fastest
-#   per_head      one value per head on all its channels: GDN's head h starts at the same −g (H values)
-#   within_heads  over each head's own K channels: every head spans 0.01 to 0.5
-DECAY_INITS = ("across_heads", "per_head", "within_heads")
-
-
-def kda_initial_dt_bias(n_heads: int, head_dim: int, lower_bound: float | None,
-                        decay_init: str = "across_heads") -> torch.Tensor:
-    """KDA's dt_bias ``[H, K]`` laid out by ``decay_init`` (one of :data:`DECAY_INITS`)."""
-    if decay_init == "across_heads":
-        return initial_dt_bias(n_heads * head_dim, lower_bound).view(n_heads, head_dim)
-    if decay_init == "per_head":
-        return initial_dt_bias(n_heads, lower_bound)[:, None].repeat(1, head_dim)
-    if decay_init == "within_heads":
-        return initial_dt_bias(head_dim, lower_bound).repeat(n_heads, 1)
-    raise ValueError(f"decay_init must be one of {DECAY_INITS}, got {decay_init!r}")
-
-
 class ShortConv(nn.Module):
     """The weight ``[channels, kernel_size]`` of a depthwise causal conv (followed by SiLU in the layer, which runs
     its q, k and v convolutions as one: :meth:`_GatedMixer.short_convs`)."""
@@ -284,10 +264,10 @@ class KimiDeltaAttention(_GatedMixer):
 
     ``lower_bound=-5.0`` is K3's bounded gate g = −5·σ(e^{A_log}(z + dt_bias)); ``lower_bound=None`` is
     Kimi Linear's g = −e^{A_log}·softplus(z + dt_bias). The defaults are K3's (bounded gate, full-rank output
-    gate); Kimi Linear is ``lower_bound=None, output_gate="low_rank"``. ``decay_init``: how the starting decays
-    are laid out over the channels (:data:`DECAY_INITS`; default "across_heads", K3's layer, the one K3Model
-    builds; the others are the research knob of chapter 12's controlled recall runs, which build this layer with
-    them: :data:`k3course.lessons.experiments.CONTROLLED_VARIANTS`). Other options: see the shared body.
+    gate); Kimi Linear is ``lower_bound=None, output_gate="low_rank"``. The starting decays (−g at z = 0) are
+    spread geometrically from 0.01 to 0.5 over all H·K channels in order (:func:`initial_dt_bias`): head 0 the
+    slowest, the last the fastest (chapter 12's controlled recall runs lay them out other ways:
+    :func:`k3course.lessons.recall.decay_layout`). Other options: see the shared body.
     ``kernels``: the backend (:func:`k3course.kernels.kernel_backend`; None: ``K3COURSE_KERNELS``, default "auto"),
     chosen here once. On CUDA (or with "triton") the op is chapter 08's Triton kernels, on the same path (``mode``)
     with the same ``chunk_size`` and ``lower_bound``: the chunk kernels, or the fused recurrent kernel (decoding).
@@ -295,7 +275,7 @@ class KimiDeltaAttention(_GatedMixer):
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, lower_bound: float | None = KDA_LOWER_BOUND,
-                 decay_init: str = "across_heads", kernels: str | None = None, **kwargs):
+                 kernels: str | None = None, **kwargs):
         super().__init__(d_model, n_heads, head_dim, **kwargs)
         check_kda_chunk_size(self.chunk_size)
         from k3course.kernels import kernel_backend  # imported here: the attention ops do not depend on the kernels
@@ -309,7 +289,7 @@ class KimiDeltaAttention(_GatedMixer):
         for weight in (self.f_proj[0].weight, self.f_proj[1].weight):
             forget_gate(weight)
         self.A_log = forget_gate(no_weight_decay(nn.Parameter(torch.zeros(n_heads))))
-        dt_bias = kda_initial_dt_bias(n_heads, head_dim, lower_bound, decay_init)
+        dt_bias = initial_dt_bias(n_heads * head_dim, lower_bound).view(n_heads, head_dim)
         self.dt_bias = forget_gate(no_weight_decay(nn.Parameter(dt_bias)))
 
     @staticmethod

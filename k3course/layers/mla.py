@@ -320,14 +320,20 @@ class GatedMLA(nn.Module):
     (:func:`attend_sdpa`); False runs the written-out softmax (:func:`attend_softmax`), the lesson's rung. The
     absorbed path always uses the written-out softmax: it serves decoding, a few queries per step against the
     shared latent, where the score matrix [B, H, T, S] is small.
+    ``kernels``: the backend (:func:`k3course.kernels.kernel_backend`; None: ``K3COURSE_KERNELS``, default "auto"),
+    chosen here once. On CUDA (or with "triton") the naive path attends through lesson 09's Triton kernels
+    (:func:`k3course.kernels.flash_mla.flash_mla_attention`, forward and backward), whatever ``sdpa`` says.
     """
 
     def __init__(self, d_model: int, n_heads: int, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, gated: bool = True, use_rope: bool = False,
                  rope_theta: float = 10000.0, max_cache_len: int | None = None, absorbed: bool | None = None,
                  eps: float = NORM_EPS, device=None, dtype=None, rope_interleaved: bool = False,
-                 yarn: YaRN | None = None, sdpa: bool = True):
+                 yarn: YaRN | None = None, sdpa: bool = True, kernels: str | None = None):
         super().__init__()
+        from k3course.kernels import kernel_backend  # imported here: the attention ops do not depend on the kernels
+
+        self.kernels = kernel_backend(kernels)
         sizes = dict(d_model=d_model, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
                      v_head_dim=v_head_dim, q_lora_rank=1 if q_lora_rank is None else q_lora_rank)
         for name, value in sizes.items():
@@ -404,11 +410,17 @@ class GatedMLA(nn.Module):
         return q_nope, q_rope
 
     def attend_naive(self, q_nope, q_rope, cache: MLACache, start: int) -> torch.Tensor:
-        """Up-project the whole cache to per-head keys and values, then attend (:func:`attend_sdpa`, or the
-        written-out :func:`attend_softmax` when ``sdpa`` is off). Returns o [B, T, H, v]."""
+        """Up-project the whole cache to per-head keys and values, then attend (the Triton kernels when the
+        backend says so, else :func:`attend_sdpa`, or the written-out :func:`attend_softmax` when ``sdpa`` is off).
+        Returns o [B, T, H, v]."""
+        from k3course.kernels import use_triton  # imported here: the attention ops do not depend on the kernels
+
         k_nope = torch.einsum("bsr,hnr->bshn", cache.latent, self.k_up)     # [B, S, H, nope]
         values = torch.einsum("bsr,hvr->bshv", cache.latent, self.v_up)     # [B, S, H, v]
-        attend = attend_sdpa if self.sdpa else attend_softmax
+        if use_triton(q_nope.device, self.kernels):
+            from k3course.kernels.flash_mla import flash_mla_attention as attend
+        else:
+            attend = attend_sdpa if self.sdpa else attend_softmax
         return attend(q_nope, q_rope, k_nope, cache.rope_key, values, self.scale, start)
 
     def attend_absorbed(self, q_nope, q_rope, cache: MLACache, start: int) -> torch.Tensor:

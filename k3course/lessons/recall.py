@@ -11,10 +11,28 @@ import torch
 from torch import nn
 
 from k3course.data import IGNORE, mqar
-from k3course.layers.kda import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
+from k3course.layers.kda import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention, initial_dt_bias
 from k3course.lessons.fit import cross_entropy_at, fit
 
 MIXERS = {"decayed linear": DecayedLinearAttention, "GDN": GatedDeltaNet, "KDA": KimiDeltaAttention}
+
+# How the controlled runs lay KDA's starting decays (−g at z = 0, each spread geometrically from 0.01 to 0.5 by
+# :func:`~k3course.layers.kda.initial_dt_bias`) over its H·K channels:
+#   across_heads  over all H·K channels in order: K3's layer as built, head 0 the slowest, the last the fastest
+#   per_head      one value per head on all its channels: GDN's head h starts at the same −g (H values)
+#   within_heads  over each head's own K channels: every head spans 0.01 to 0.5
+DECAY_INITS = ("across_heads", "per_head", "within_heads")
+
+
+def decay_layout(n_heads: int, head_dim: int, lower_bound: float | None, decay_init: str) -> torch.Tensor:
+    """KDA's dt_bias ``[H, K]`` laid out by ``decay_init`` (one of :data:`DECAY_INITS`)."""
+    if decay_init == "across_heads":
+        return initial_dt_bias(n_heads * head_dim, lower_bound).view(n_heads, head_dim)
+    if decay_init == "per_head":
+        return initial_dt_bias(n_heads, lower_bound)[:, None].repeat(1, head_dim)
+    if decay_init == "within_heads":
+        return initial_dt_bias(head_dim, lower_bound).repeat(n_heads, 1)
+    raise ValueError(f"decay_init must be one of {DECAY_INITS}, got {decay_init!r}")
 
 
 def decay_ranges(decays) -> list[list[float]]:
@@ -25,9 +43,9 @@ def decay_ranges(decays) -> list[list[float]]:
 class RecallModel(nn.Module):
     """Embedding -> ``n_layers`` × (mixer, MLP) -> norm -> logits ``[B, T, vocab]``.
 
-    ``kda_options`` (KDA only): :class:`~k3course.layers.kda.KimiDeltaAttention`'s ``decay_init`` (how its
-    starting decays are laid out) and ``lower_bound`` (K3's bounded gate, or None: Kimi Linear's softplus gate);
-    left out, the layer's defaults (K3's)."""
+    ``kda_options`` (KDA only): ``decay_init`` (how the starting decays are laid out, :func:`decay_layout`; left
+    out, the layer's own: "across_heads") and :class:`~k3course.layers.kda.KimiDeltaAttention`'s ``lower_bound``
+    (K3's bounded gate, or None: Kimi Linear's softplus gate); left out, the layer's defaults (K3's)."""
 
     def __init__(self, vocab_size: int, mixer: str, d_model: int = 64, n_layers: int = 2, n_heads: int = 2,
                  chunk_size: int = 32, **kda_options):
@@ -38,10 +56,16 @@ class RecallModel(nn.Module):
             raise ValueError(f"kda_options ({', '.join(kda_options)}) apply to KDA only, got them for {mixer!r}")
         if not set(kda_options) <= {"decay_init", "lower_bound"}:
             raise ValueError(f"kda_options must be decay_init or lower_bound, got {sorted(kda_options)}")
+        decay_init = kda_options.pop("decay_init", None)
         self.embed = nn.Embedding(vocab_size, d_model)
         head_dim = d_model // n_heads
         self.mixers = nn.ModuleList(MIXERS[mixer](d_model, n_heads, head_dim, chunk_size=chunk_size, **kda_options)
                                     for _ in range(n_layers))
+        if decay_init is not None:
+            layout = decay_layout(n_heads, head_dim, self.mixers[0].lower_bound, decay_init)
+            with torch.no_grad():
+                for layer in self.mixers:
+                    layer.dt_bias.copy_(layout)
         self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(),
                                                 nn.Linear(2 * d_model, d_model)) for _ in range(n_layers))
         self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(2 * n_layers + 1))

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def _swap_in(temporary: Path, final: Path) -> None:
 
 def read_config(folder: Path) -> dict:
     """The checkpoint's config.json, with ``model`` turned back into a :class:`K3Config`."""
-    folder = _require_complete(Path(folder), WEIGHTS)
+    folder = _require_complete(Path(folder), ("config.json",))
     try:
         config = json.loads((folder / "config.json").read_text())
         config["model"] = K3Config.from_dict(config["model"])  # fields added since it was saved: defaults
@@ -118,7 +119,11 @@ def read_config(folder: Path) -> dict:
 
 def load_weights(folder: Path, model: torch.nn.Module) -> None:
     """Load model.safetensors into ``model`` (strict: every name and shape must match); the folder needs no
-    state.pt (a model shipped for generation holds only its weights and config)."""
+    state.pt (a model shipped for generation holds only its weights and config). A sharded checkpoint (DCP's
+    pieces, :mod:`k3course.distributed.sharded_checkpoint`) is read in this process into the plain model."""
+    if (Path(folder) / ".metadata").is_file():
+        _load_sharded_weights(Path(folder), model)
+        return
     folder = _require_complete(Path(folder), WEIGHTS)
     try:
         missing, unexpected = safetensors.torch.load_model(model, str(folder / "model.safetensors"), strict=False,
@@ -128,6 +133,20 @@ def load_weights(folder: Path, model: torch.nn.Module) -> None:
     if missing or unexpected:
         raise CheckpointError(f"checkpoint: {folder} was saved from another model: missing {sorted(missing)}, "
                               f"unexpected {sorted(unexpected)}")
+
+
+def _load_sharded_weights(folder: Path, model: torch.nn.Module) -> None:
+    """The weights and persistent buffers of a sharded checkpoint ("model.NAME" in DCP's files) into ``model``,
+    in place, without a process group (every piece is read; nothing else of the run is)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, checkpoint_id=folder, no_dist=True)
+    except (RuntimeError, OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"checkpoint: {folder} (sharded) does not fit this model: {error}") from error
 
 
 def load_state(folder: Path, optimizer, scheduler, shard: Callable[[dict], dict] | None = None) -> None:

@@ -102,8 +102,10 @@ def _train(args) -> int:
     from k3course.train.launch import configure, warmup_warning
 
     _set_threads(args)
-    if args.ep > 1 and args.compile:
-        print(f"--compile: compiles a one-process run; leave it out with --ep {args.ep}", file=sys.stderr)
+    ranks = args.dp_shard * args.ep
+    if ranks > 1 and args.compile:
+        print(f"--compile: compiles a one-process run; leave it out with {ranks} ranks (--dp-shard × --ep)",
+              file=sys.stderr)
         return 2
     try:
         config, out, resume, saved = configure(args.preset, args.out, args.config, _train_flags(args), args.set,
@@ -119,7 +121,7 @@ def _train(args) -> int:
                   f"learning rate follows the warmup + cosine of a {args.extend_to}-step run); not the same as a "
                   f"straight {args.extend_to}-step run")
         began = time.perf_counter()
-        train(config, out, resume, ranks=args.ep, device=args.device, compile=args.compile)
+        train(config, out, resume, ranks=ranks, dp_shard=args.dp_shard, device=args.device, compile=args.compile)
     except TrainingInterrupted as stopped:
         print(stopped, file=sys.stderr)
         return 128 + stopped.signum
@@ -131,8 +133,9 @@ def _train(args) -> int:
         print(f"{out} is finished (step {final['step']}): nothing to resume; --extend-to N trains it further")
         return 0
     trigram = data.baselines(run_corpus(config.run))["trigram"]
-    ranks = f" on {args.ep} expert-parallel ranks" if args.ep > 1 else ""
-    print(f"step {final['step']}{ranks}: validation {final['val_bpb']:.3f} bits/byte (byte trigram {trigram:.3f}) "
+    layout = "" if ranks == 1 else f" on {args.ep} expert-parallel ranks" if args.dp_shard == 1 else \
+        f" on {ranks} ranks ({args.dp_shard} × {args.ep}, FSDP2 × EP)"
+    print(f"step {final['step']}{layout}: validation {final['val_bpb']:.3f} bits/byte (byte trigram {trigram:.3f}) "
           f"in {(time.perf_counter() - began) / 60:.1f} min; checkpoints, metrics.jsonl and loss.png in {out}")
     return 0
 
@@ -265,6 +268,9 @@ def _add_train(sub) -> None:
                                                   "CPU), later steps run the compiled graphs (default: off)")
     option("--ep", type=_positive_int, default=1, help="expert-parallel ranks: spawn P local processes, gloo on the "
                                                        "CPU, NCCL for --device cuda (default: 1)")
+    option("--dp-shard", type=_positive_int, default=1, metavar="N",
+           help="FSDP2 × EP: spawn N × P ranks on a mesh of N × P (\"dp_shard\", \"ep\"), every weight sharded, "
+                "sharded (DCP) checkpoints; 1: all but the experts copied on every rank (default: 1)")
     train.set_defaults(run=_train)
 
 

@@ -105,7 +105,7 @@ class K3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.kernels) for i in range(cfg.n_layers))
         block_size = cfg.attnres_block_size if cfg.residual == "block_attnres" else None
         self.residual = make_residual(cfg.residual, 2 * cfg.n_layers, cfg.d_model, block_size, cfg.norm_eps,
-                                      cfg.attnres_key_weight)
+                                      cfg.attnres_key_weight, self.kernels)
         self.final_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         no_weight_decay(self.final_norm.weight)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -116,7 +116,8 @@ class K3Model(nn.Module):
                     kernels: str | None = None) -> K3Model:
         """Build on ``device`` (``"meta"``: shapes only, no memory, seconds even for the full K3) with the kernel
         backend ``kernels`` (:data:`k3course.kernels.BACKENDS`; None: the environment variable
-        ``K3COURSE_KERNELS``, default "auto"): chosen once here, read by every KDA layer and expert bank."""
+        ``K3COURSE_KERNELS``, default "auto"): chosen once here, read by every KDA layer, expert bank and residual
+        read."""
         with torch.device(device or "cpu"):
             return cls(cfg, kernels)
 

@@ -35,6 +35,7 @@ def test_without_a_gpu_it_prints_its_plan_and_writes_nothing(tmp_path, capsys):
         assert f"KDA fwd+bwd T={T}: ours vs fla chunk_kda" in rows
         assert f"MLA attention fwd+bwd T={T}: ours vs SDPA vs hand-written softmax" in rows
     assert "grouped GEMM fwd+bwd E=64 top-8: ours vs torch._grouped_mm" in rows and "fused_recurrent_kda" in rows
+    assert "AttnRes depth read fwd+bwd T=8192: ours vs torch" in rows and "quantile histogram m=8192" in rows
     steps = [line for line in plan if "training step" in line]
     assert len(steps) == 2 * 2 * 2 * 2  # tiny and small, K3 and dense, T = 512 and 4096, eager and compiled
     for preset in ("tiny", "small"):
@@ -78,6 +79,7 @@ def test_every_piece_runs_under_the_interpreter_and_round_trips(tmp_path, capsys
     cases = {row["case"] for row in rows}
     assert cases >= {"KDA forward T=64", "KDA fwd+bwd T=64", "KDA decode batch=2", "grouped GEMM fwd+bwd E=4 top-2",
                      "MLA attention fwd+bwd T=64"}
+    assert cases >= {"AttnRes depth read fwd+bwd T=64", "quantile histogram m=64 n=896"}  # K3's d and experts
     assert {case for case in cases if "step" in case} == {f"KDA fwd T=64 step {s}" for s in ("1", "2,6", "3,4",
                                                                                                "5,8", "7")}
     ours = [row for row in rows if row["impl"].startswith("ours") or "step" in row["case"]]

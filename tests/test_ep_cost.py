@@ -9,6 +9,7 @@ import torch
 from k3course import accounting
 from k3course.config import K3Config
 from k3course.distributed import cost, run_ranks
+from k3course.distributed.exchange import pad_blocks, unpad_blocks
 from k3course.lessons.ep_balance import expert_loads
 from k3course.lessons.ep_workers import exchange_labels
 
@@ -81,3 +82,44 @@ def test_a_forked_exchange_delivers_each_block_to_its_rank_in_source_order():
     assert received[2] == [(1, 0), (1, 1), (1, 2), (2, 3)]
     with pytest.raises(ValueError, match="start_method"):
         run_ranks(exchange_labels, 2, counts, start_method="forkserver")
+
+
+# a rank that sends and receives nothing (rank 1), and empty blocks between the others
+EMPTY_RANK = [[1, 0, 2], [0, 0, 0], [2, 0, 1]]
+EMPTY_RANK_RECEIVES = [[(0, 0), (2, 0), (2, 1)], [], [(0, 1), (0, 2), (2, 2)]]
+
+
+def test_the_guard_pads_every_block_by_one_row_and_drops_it_again():
+    rows = torch.arange(10.0).reshape(5, 2)
+    padded = pad_blocks(rows, [2, 0, 3])
+    assert padded.shape == (8, 2) and padded[[0, 3, 4]].abs().sum() == 0  # a zero row in front of each block
+    assert torch.equal(padded[[1, 2, 5, 6, 7]], rows) and torch.equal(unpad_blocks(padded, [2, 0, 3]), rows)
+    assert unpad_blocks(pad_blocks(rows[:0], [0, 0]), [0, 0]).shape == (0, 2)
+
+
+def test_the_guarded_exchange_on_gloo_delivers_what_the_plain_one_does_also_to_and_from_an_empty_rank():
+    """NCCL's exchanges are guarded (no empty split, no empty buffer); the guard's logic runs on gloo here."""
+    assert run_ranks(exchange_labels, 3, EMPTY_RANK, True, start_method="fork", timeout_s=60) == EMPTY_RANK_RECEIVES
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs (NCCL)")
+def test_the_exchange_on_nccl_with_an_empty_rank():
+    assert run_ranks(exchange_labels, 3, EMPTY_RANK, backend="nccl", timeout_s=120) == EMPTY_RANK_RECEIVES
+
+
+def test_what_a_k3_rank_holds_and_moves_in_each_layout():
+    """Replicated DP × EP holds every non-expert weight; FSDP2 × EP and FSDP2 alone hold 1/N of everything and
+    differ in bytes moved: FSDP2 alone all-gathers the experts, FSDP2 × EP moves tokens. One rank moves nothing."""
+    k3 = K3Config.preset("kimi-k3")
+    assert cost.replicated_training_bytes_per_rank(k3, 1) == cost.training_bytes_per_rank(k3, 1, 1)
+    assert cost.step_collective_bytes(k3, 1, 1, 4096) == {"all-gather": 0, "reduce-scatter": 0, "all-to-all": 0}
+    fsdp, fsdp_ep = cost.training_bytes_per_rank(k3, 256, 1), cost.training_bytes_per_rank(k3, 4, 64)
+    assert fsdp == pytest.approx(fsdp_ep) and sum(fsdp.values()) < sum(
+        cost.replicated_training_bytes_per_rank(k3, 64).values()) / 9
+    alone, mesh = cost.step_collective_bytes(k3, 256, 1, 4096), cost.step_collective_bytes(k3, 4, 64, 4096)
+    assert alone["all-to-all"] == 0 and alone["all-gather"] > 30 * mesh["all-gather"]
+    assert mesh["all-gather"] == 2 * mesh["reduce-scatter"]  # bf16 both ways; gathered twice, reduced once
+    latent_rows = 2 * k3.n_moe_layers * 4096 * cost.bytes_per_token(k3.latent_dim, k3.top_k, k3.n_routed_experts, 64)
+    assert mesh["all-to-all"] == latent_rows
+    with pytest.raises(ValueError, match="tokens must be a positive int"):
+        cost.step_collective_bytes(k3, 1, 1, 0)

@@ -99,7 +99,8 @@ def test_a_sharded_checkpoint_resumes_exactly_and_on_other_meshes(tmp_path):
     written by one rank resumes on 4 × 1 as well."""
     straight = _checkpointed((2, 2), out=str(tmp_path / "four"), save_at=2)
     saved = step_folder(tmp_path / "four", 2)
-    assert sorted(path.name for path in saved.iterdir()) == [".metadata", *(f"__{r}_0.distcp" for r in range(4))]
+    assert sorted(path.name for path in saved.iterdir()) == [".metadata", *(f"__{r}_0.distcp" for r in range(4)),
+                                                             "config.json"]
     again = _checkpointed((2, 2), load=saved)
     assert all(torch.equal(again[name], tensor) for name, tensor in straight.items())
     for mesh in [(1, 2), (1, 1)]:

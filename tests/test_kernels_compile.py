@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 
 from k3course.kernels import (TRITON_MODE, basics, flash_mla, grouped_gemm, kda_chunk, kda_chunk_backward, kda_decode,
                               worked_attention)
+from k3course.kernels import depth_attention, quantile_histogram
 
 assert TRITON_MODE == "native", TRITON_MODE
 TARGET = GPUTarget("cuda", 90, 32)
@@ -38,6 +39,10 @@ def pointer_type(name, dtype, kernel):
         data.update({"dy_ptr", "dw_ptr"})  # the upstream gradient and the weights' gradient
     if name in {"group_start_ptr", "group_end_ptr", "tile_expert_ptr", "tile_first_ptr"}:
         return "*i64"
+    if kernel in (depth_attention._depth_forward_kernel.fn, depth_attention._depth_backward_kernel.fn):
+        data.update({"w_ptr", "h_ptr", "dh_ptr", "dv_ptr"})  # the query, the output and their gradients
+    if kernel is quantile_histogram._histogram_kernel.fn:  # fp64 margins and edges, int32 counts
+        return {"counts_ptr": "*i32"}.get(name, "*fp64")
     return f"*{dtype}" if name in data else "*fp32"
 
 
@@ -78,6 +83,10 @@ for dtype in ("fp32", "bf16"):
             constexprs = dict(config.kwargs, **tile, EXACT_FP32=not low)
             results.append(compile_one(kernel.fn, dtype, constexprs, num_warps=config.num_warps,
                                        num_stages=config.num_stages))
+    for width, tokens, warps in ((8192, 1, 8), (1024, 2, 4)):  # K3's D = 7168; a course preset's
+        for kernel in (depth_attention._depth_forward_kernel, depth_attention._depth_backward_kernel):
+            results.append(compile_one(kernel, dtype, {"BT": tokens, "BD": width}, num_warps=warps))
+results.append(compile_one(quantile_histogram._histogram_kernel, "fp64", {"BM": 32, "BN": 64, "SEARCH_STEPS": 9}))
 results.append(compile_one(basics._decayed_kk_tile_kernel, "fp32", {"BC": 16, "BK": 128}))
 results.append(compile_one(basics._matmul_kernel, "fp32", {"BM": 16, "BN": 16, "BK": 16}))
 results.append(compile_one(worked_attention._one_query_kernel, "fp32", {"BS": 16, "BD": 128, "BDV": 128}))
@@ -102,7 +111,7 @@ def test_every_kernel_compiles_to_a_cubin_for_sm90(compiled):
     assert {"_chunk_cumsum_kernel", "_intra_chunk_kernel", "_wy_kernel", "_state_kernel", "_output_kernel",
             "_reverse_state_kernel", "_chunk_gradient_kernel", "_decode_kernel", "_grouped_gemm_kernel",
             "_grouped_weight_grad_kernel", "_forward_kernel", "_key_grad_kernel", "_query_grad_kernel",
-            "_one_query_kernel"} <= names
+            "_one_query_kernel", "_depth_forward_kernel", "_depth_backward_kernel", "_histogram_kernel"} <= names
     assert all(row["cubin"] for row in compiled)
 
 

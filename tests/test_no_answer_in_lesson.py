@@ -166,15 +166,12 @@ KNOWN = {
     "00_tour": f"{_SHOWN} 00.moe_layer_params",
     "01_sparse_moe": f"{_SHOWN} 01.topk_route, sort_by_expert, unsort, switch_aux_loss, sign_rule_update",
     "02_latent_moe": f"{_SHOWN} 02.situ_glu, latent_combine",
-    "03_quantile_routing": f"{_SHOWN} 03.token_cutoffs, quantile_balance_bias, bias_from_histogram",
     "04_decay_gates": f"{_SHOWN} 04.decay_step, gla_recurrent",
     "05_gated_deltanet": f"{_SHOWN} 05.delta_step, gdn_step (and 06.kda_step, the same one line)",
     "06_kda": f"{_SHOWN} 06.kda_gate, kda_step (and 05.gdn_step)",
     "07_chunkwise": f"{_SHOWN} 07.kda_chunk_step, decayed_scores, ut_transform",
-    "10_residuals": f"{_SHOWN} 10.depth_attention",
     "11_model": f"{_SHOWN} 11.layer_schedule",
     "12_train": f"{_SHOWN} 12.train_step (its step_on_device)",
-    "13_expert_parallel": f"{_SHOWN} 13.dispatch_permutation",
     "14_decoding": f"{_SHOWN} 14.predicted_tpot",
 }
 

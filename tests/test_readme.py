@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 
@@ -86,7 +87,9 @@ def shortened(argv: list[str]) -> list[str] | None:
         argv[argv.index("--device") + 1] = "cpu"
     if argv[0] == "train":
         named = {"--steps", "--extend-to", "--resume", "--print-config"} & set(argv)
-        argv += SHORT + ([] if named else ["--steps", "2"])
+        ranks = math.prod(int(argv[argv.index(flag) + 1]) for flag in ("--ep", "--dp-shard") if flag in argv)
+        argv += SHORT + ([f"train.batch_size={max(2, ranks)}"] if ranks > 2 else [])  # a row per rank at least
+        argv += [] if named else ["--steps", "2"]
     return argv
 
 

@@ -23,9 +23,17 @@ from k3course import checkpoint, data, train
 from k3course.cli import main, parser
 from k3course.config import K3Config
 from k3course.layers.kda import KDACache
+from k3course.moe.stats import load_violation
 from k3course.train.config import TRAIN_PRESETS, read_saved_run, resolve_config, train_preset
 from k3course.train.generate import generate_text, load_model
-from k3course.train.step import compile_for_training, forward_precision, lr_factor, make_optimizer, train_step
+from k3course.train.step import (
+    balance_experts,
+    compile_for_training,
+    forward_precision,
+    lr_factor,
+    make_optimizer,
+    train_step,
+)
 
 # Two layers: KDA + dense FFN, then MLA + latent MoE (the tiny preset's kinds, at a quarter of its width).
 SMALL = K3Config.preset("tiny").replace(
@@ -109,6 +117,36 @@ def test_a_step_updates_weights_and_the_balancing_bias(corpus):
     assert moe.bias.abs().sum() > 0  # quantile balancing moved it
     assert optimizer.param_groups[0]["weight_decay"] == FAST.weight_decay
     assert optimizer.param_groups[1]["weight_decay"] == 0.0
+
+
+def test_the_bias_moves_in_the_optimizers_pre_step_hook_once_from_every_micro_batch(corpus):
+    """make_optimizer's AdamW moves each MoE bias inside step(), before the weights, from the routing of all the
+    step's micro-batches: two accumulated micro-batches leave it where one forward of both then update_bias()
+    puts it; forwards and backwards alone never move it, and balance_experts after the step adds no second move."""
+    first, second = train.text_batches(corpus.train, FAST, "cpu")(0)
+    model = train.build_model(SMALL, seed=0)
+    optimizer, _ = make_optimizer(model, FAST)
+    whole = train.build_model(SMALL, seed=0)
+    for inputs, targets in (first, second):
+        model(inputs, targets=targets)[1].backward()
+    assert all(moe.bias.abs().sum() == 0 for moe in model.moe_layers())  # not per micro-batch
+    whole(torch.cat([first[0], second[0]]))
+    for moe in whole.moe_layers():
+        moe.update_bias()
+    optimizer.step()
+    moved = [moe.bias.clone() for moe in model.moe_layers()]
+    assert all(torch.equal(got, want.bias) and got.abs().sum() > 0 for got, want in zip(moved, whole.moe_layers()))
+    assert balance_experts(model)["max_violation_per_layer"] == [
+        float(load_violation(moe.load_statistics()["load"])) for moe in _recorded(first, second)]
+    assert all(torch.equal(got, moe.bias) for got, moe in zip(moved, model.moe_layers()))  # no second move
+
+
+def _recorded(first, second):
+    """The MoE layers of a fresh seed-0 model (the bias before any step) after forwards of both micro-batches."""
+    fresh = train.build_model(SMALL, seed=0)
+    for inputs, _ in (first, second):
+        fresh(inputs)
+    return fresh.moe_layers()
 
 
 def test_resume_from_the_middle_checkpoint_is_exact(tmp_path, corpus):
@@ -477,7 +515,7 @@ def test_train_help_lists_every_option_with_its_default_and_every_field(capsys):
     text = capsys.readouterr().out
     (train_parser,) = [p for name, p in parser()._subparsers._group_actions[0].choices.items() if name == "train"]
     options = [a for a in train_parser._actions if a.option_strings and a.dest != "help"]
-    assert len(options) == 17 and all("default" in a.help for a in options), [a.dest for a in options]
+    assert len(options) == 18 and all("default" in a.help for a in options), [a.dest for a in options]
     assert all(a.option_strings[0] in text for a in options)
     for cls in (K3Config, train.TrainConfig, train.RunOptions):
         assert all(f"\n{f.name} = " in text for f in dataclasses.fields(cls)), cls

@@ -138,3 +138,61 @@ def test_torchrun_ranks_run_the_same_loop_and_extend_a_run(tmp_path, run_toml):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in records if "val_bpb" in r] == [2, 4, 6]
     assert [step for step, _ in checkpoint.checkpoints(out)] == [2, 4, 6]
+
+
+def _up_to(run, copy, step: int):
+    """``copy``: the run folder ``run`` with its checkpoints after ``step`` left out."""
+    shutil.copytree(run, copy)
+    for later, folder in checkpoint.checkpoints(copy):
+        if later > step:
+            shutil.rmtree(folder)
+    return copy
+
+
+def _close(got: dict, want: dict, weights: float, bias: float) -> bool:
+    """Every tensor within ``weights`` of ``want`` (max |difference| / max |want|), the MoE biases within ``bias``."""
+    relative = lambda name: float((got[name] - want[name]).abs().max() / want[name].abs().max().clamp_min(1e-30))
+    return got.keys() == want.keys() and all(
+        relative(name) <= (bias if name.endswith("ffn.bias") else weights) for name in want)
+
+
+def test_a_dp_shard_by_ep_run_writes_sharded_checkpoints_that_resume_on_2_ranks_1_process_and_back(
+        tmp_path, run_toml):
+    """``--dp-shard 2 --ep 2``: four ranks on the FSDP2 × EP mesh, every rank writing its own pieces of each
+    checkpoint (DCP). Its step-2 checkpoint resumes on two ranks (a 2 × 1 mesh) to the four ranks' step-3
+    weights, and on one process, which goes on writing sharded checkpoints; one of those resumes on four ranks
+    again (extended by a step) as on one process. Float32: the ranks sum in other orders (≤ 1e-5); one process
+    reads the quantile bias exactly, the ranks off pooled histograms (the bias ≤ 0.1, within a bin)."""
+    four = tmp_path / "four"
+    assert main(["train", "--dp-shard", "2", "--ep", "2", "--threads", "1", "--config", str(run_toml), "--out",
+                 str(four), "--set", "batch_size=4", "steps=3", "checkpoint_every=1"]) == 0
+    assert sorted(path.name for path in checkpoint.step_dir(four, 2).iterdir()) == [
+        ".metadata", *(f"__{rank}_0.distcp" for rank in range(4)), "config.json"]
+    straight = load_model(four).state_dict()  # the plain model reads a sharded checkpoint in one process
+    assert main(["train", "--dp-shard", "2", "--threads", "1", "--out", str(_up_to(four, tmp_path / "two", 2)),
+                 "--resume"]) == 0
+    assert _close(load_model(tmp_path / "two").state_dict(), straight, 1e-5, 1e-5)
+    one = _up_to(four, tmp_path / "one", 2)
+    assert main(["train", "--threads", "1", "--out", str(one), "--resume"]) == 0
+    assert sorted(path.name for path in checkpoint.step_dir(one, 3).iterdir()) == [
+        ".metadata", "__0_0.distcp", "config.json"]
+    assert _close(load_model(one).state_dict(), straight, 1e-5, 0.1)
+    back = _up_to(one, tmp_path / "back", 3)
+    assert main(["train", "--dp-shard", "2", "--ep", "2", "--threads", "1", "--out", str(back), "--extend-to",
+                 "4"]) == 0
+    assert main(["train", "--threads", "1", "--out", str(one), "--extend-to", "4"]) == 0
+    assert _close(load_model(back).state_dict(), load_model(one).state_dict(), 1e-5, 0.1)
+    losses = lambda out: [record["loss"] for record in checkpoint.read_metrics(out)]
+    assert losses(back) == pytest.approx(losses(one), rel=1e-5)
+    assert losses(back)[:3] == pytest.approx(losses(four), rel=1e-6)
+
+
+def test_the_mesh_is_checked_before_any_rank_starts(tmp_path, run_toml):
+    config = resolve_config(config_file=run_toml)
+    with pytest.raises(ValueError, match="dp_shard must be a positive int dividing the 4 ranks, got 3"):
+        train.train(config, tmp_path / "a", ranks=4, dp_shard=3)
+    assert main(["train", "--threads", "1", "--config", str(run_toml), "--out", str(tmp_path / "b"), "--set",
+                 "steps=1"]) == 0
+    with pytest.raises(ValueError, match="one-process checkpoint; it resumes on one process or on 4 ranks with"):
+        train.train(resolve_config(config_file=run_toml, sets=["steps=2"]), tmp_path / "b", "extend", ranks=4,
+                    dp_shard=2)

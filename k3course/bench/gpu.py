@@ -9,7 +9,9 @@ The check is a plan of pieces, each with a time budget (:func:`plan`), run in or
    (ours vs fla's ``chunk_kda`` vs the torch chunked path), the decode step at batch 1, 16 and 64 (vs fla's
    ``fused_recurrent_kda``), the MoE grouped GEMM forward + backward (vs ``torch._grouped_mm``), and MLA's causal
    attention forward + backward, our Triton kernels (``k3course.kernels.flash_mla``) vs SDPA vs the hand-written
-   softmax; each with ms, TFLOP/s, % of the roofline and peer/ours (``--full``: every length of ``bench kernels``).
+   softmax, Block AttnRes's depth read forward + backward and quantile balancing's margin histogram (Triton vs
+   torch, at K3's width and expert count); each with ms, TFLOP/s, % of the roofline and peer/ours (``--full``:
+   every length of ``bench kernels``).
 4. Training steps: tiny and small K3 beside their dense baselines at T = 512 and 4096 (the same bytes per step),
    eager and compiled: ms per step, and from ``torch.profiler`` the host time, the kernel time, the kernels and
    launch calls, the host reads and syncs per step.
@@ -54,7 +56,8 @@ TRAIN_MODES = ("eager", "compiled")
 # seconds each piece may take on the GPU (estimates; a compiled step includes its compilation)
 PIECE_BUDGET_S = {"kernel tests": 120, "accuracy": 5, "KDA forward": 8, "KDA breakdown": 8, "KDA fwd+bwd": 11,
                   "KDA decode": 4, "grouped GEMM fwd+bwd": 10, "MLA attention fwd+bwd": 14, "step eager": 6,
-                  "step compiled": 24}
+                  "step compiled": 24,
+                  "AttnRes depth read fwd+bwd": 4, "quantile histogram": 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +162,44 @@ def attention_rows(work: kernels.Workload, shape: AttentionShape, T: int, gpu: s
     return kernels.measure(f"MLA attention fwd+bwd T={T}", contenders, flops, None, gpu, work.device)
 
 
+def depth_read_rows(work: kernels.Workload, T: int, gpu: str) -> list[dict]:
+    """Block AttnRes's depth read forward + backward at K3's last read (N = 1 + ⌈2·93 / 24⌉ = 9 sources of width
+    d = 7168) over T tokens: the one-pass Triton kernels vs the torch op. Bytes ≈ (4N + 2)·T·d elements (forward:
+    the sources once, h out; backward: the sources twice, ∂h in, ∂sources out); FLOPs ≈ 22·N·T·d."""
+    from k3course.kernels.depth_attention import depth_attention_triton
+    from k3course.layers.residual import depth_attention
+
+    cfg = K3Config.preset("kimi-k3")
+    N, D, gen = 1 + -(-2 * cfg.n_layers // cfg.attnres_block_size), cfg.d_model, kernels.seeded(work.device, 4)
+    sources = torch.randn(N, 1, T, D, device=work.device, generator=gen).to(work.dtype).requires_grad_()
+    query = torch.randn(D, device=work.device, generator=gen).to(work.dtype).requires_grad_()
+
+    def call(read):
+        def run():
+            read(query, sources)[0].float().sum().backward()
+        return run
+
+    element = torch.finfo(work.dtype).bits // 8
+    contenders = [("ours (Triton, one pass)", call(depth_attention_triton)),
+                  ("torch depth_attention", call(depth_attention))]
+    return kernels.measure(f"AttnRes depth read fwd+bwd T={T}", contenders, 22 * N * T * D,
+                           (4 * N + 2) * T * D * element, gpu, work.device)
+
+
+def histogram_rows(work: kernels.Workload, tokens: int, gpu: str) -> list[dict]:
+    """Quantile balancing's margin histogram of ``tokens`` tokens over K3's 896 experts into 256 bins: the Triton
+    kernel (binary search, atomics) vs torch (bucketize + bincount). Timed for where the time goes (no FLOPs)."""
+    from k3course.kernels.quantile_histogram import margin_histogram_triton
+    from k3course.moe.balancing import HISTOGRAM_BINS, margin_histogram
+
+    n = K3Config.preset("kimi-k3").n_routed_experts
+    margins = torch.randn(tokens, n, device=work.device, dtype=torch.float64, generator=kernels.seeded(work.device, 5))
+    edges = torch.linspace(-4.0, 4.0, HISTOGRAM_BINS + 1, dtype=torch.float64, device=work.device)
+    contenders = [("ours (Triton, atomics)", functools.partial(margin_histogram_triton, margins, edges)),
+                  ("torch bucketize + bincount", functools.partial(margin_histogram, margins, edges))]
+    return kernels.measure(f"quantile histogram m={tokens} n={n}", contenders, None, None, gpu, work.device)
+
+
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
@@ -198,7 +239,7 @@ def train_step_row(name: str, cfg: K3Config, train: TrainConfig, mode: str, devi
 
 def kernel_pieces(work: kernels.Workload, gpu: str, attention: AttentionShape) -> list[Piece]:
     """The kernel rows, each a piece: KDA forward and fwd+bwd at each length, the breakdown, decode, grouped GEMM
-    fwd+bwd, MLA attention fwd+bwd."""
+    fwd+bwd, MLA attention fwd+bwd; at the longest length the depth read fwd+bwd and the margin histogram."""
 
     def row(name: str, kind: str, fn: Callable, *args) -> Piece:
         return Piece(name, "rows", PIECE_BUDGET_S[kind], functools.partial(fn, work, *args))
@@ -215,6 +256,11 @@ def kernel_pieces(work: kernels.Workload, gpu: str, attention: AttentionShape) -
                    "grouped GEMM fwd+bwd", kernels.grouped_gemm_rows, E, k, gpu, True) for E, k in work.gemm_experts]
     pieces += [row(f"MLA attention fwd+bwd T={T}: ours vs SDPA vs hand-written softmax", "MLA attention fwd+bwd",
                    attention_rows, attention, T, gpu) for T in work.seq_lens]
+    T = max(work.seq_lens)
+    pieces.append(row(f"AttnRes depth read fwd+bwd T={T}: ours vs torch", "AttnRes depth read fwd+bwd",
+                      depth_read_rows, T, gpu))
+    pieces.append(row(f"quantile histogram m={T}: ours vs torch bucketize", "quantile histogram", histogram_rows, T,
+                      gpu))
     return pieces
 
 

@@ -132,3 +132,46 @@ def training_bytes_per_rank(cfg: K3Config, dp_shard: int, ep: int, weight_bytes:
     per_rank = (count.total - routed) / (dp_shard * ep) + routed * block / cfg.n_routed_experts / dp_shard
     return {"weights": per_rank * weight_bytes, "gradients": per_rank * grad_bytes,
             "optimizer": per_rank * state_bytes}
+
+
+def replicated_training_bytes_per_rank(cfg: K3Config, ep: int, weight_bytes: int = 2, grad_bytes: int = 2,
+                                       state_bytes: int = 8) -> dict[str, float]:
+    """:func:`training_bytes_per_rank` for replicated data parallelism × EP
+    (:func:`k3course.distributed.parallelize_experts`: every weight but the routed experts whole on every rank,
+    with its gradient and optimizer state; the largest block of ⌈n/ep⌉ experts whole):
+
+        P_rank = (P_total − P_routed)  +  P_routed · ⌈n/ep⌉ / n"""
+    held = weight_bytes_per_rank(cfg, ep, dtype_bytes=1)
+    per_rank = held["experts"] + held["replicated"]
+    return {"weights": per_rank * weight_bytes, "gradients": per_rank * grad_bytes, "optimizer": per_rank * state_bytes}
+
+
+def step_collective_bytes(cfg: K3Config, dp_shard: int, ep: int, tokens: int, weight_bytes: int = 2,
+                          grad_bytes: int = 2) -> dict[str, float]:
+    """The bytes one rank of FSDP2 × EP (N = dp_shard · ep ranks) receives in the collectives of one optimizer
+    step over ``tokens`` tokens a rank (one micro-batch), ring algorithms, uniform routing:
+
+        all-gather       2 · w · (P_rest (N − 1)/N + P_block (D − 1)/D)   each weight before its forward and again
+                                                                          before its backward (freed in between)
+        reduce-scatter   g · (P_rest (N − 1)/N + P_block (D − 1)/D)       each gradient, summed, 1/N (1/D) kept
+        all-to-all       2 · L · tokens · bytes_per_token                 dispatch + combine per MoE layer, forward
+                                                                          and backward (latent rows, bf16)
+
+    P_rest: the non-expert parameters, P_block: a rank's ⌈n/ep⌉ experts of every layer, D = dp_shard, L: MoE
+    layers, w / g: bytes per weight / gradient value. (Replicated DP's all-reduce of the same gradients is a
+    reduce-scatter plus one all-gather: FSDP moves one all-gather more, 1.5× the bytes, for 1/N of the memory.)
+    The scalars (the gradient norm, the loss, the balancing histograms) are a few KiB and left out."""
+    for name, value in (("dp_shard", dp_shard), ("ep", ep), ("tokens", tokens)):
+        if not is_number(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if ep > cfg.n_routed_experts:
+        raise ValueError(f"ep must be at most the {cfg.n_routed_experts} routed experts, got {ep}")
+    count = accounting.param_count(cfg)
+    routed = count.components["routed_experts"][0]
+    ranks = dp_shard * ep
+    block = routed * -(-cfg.n_routed_experts // ep) / cfg.n_routed_experts
+    sharded = (count.total - routed) * (ranks - 1) / ranks + block * (dp_shard - 1) / dp_shard
+    width = cfg.latent_dim or cfg.d_model
+    exchange = bytes_per_token(width, cfg.top_k, cfg.n_routed_experts, ep) if ep > 1 else 0.0
+    return {"all-gather": 2 * weight_bytes * sharded, "reduce-scatter": grad_bytes * sharded,
+            "all-to-all": 2 * cfg.n_moe_layers * tokens * exchange}

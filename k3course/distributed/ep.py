@@ -65,7 +65,8 @@ def parallelize_experts(module: nn.Module, group=None, dedup: bool = False,
     if expert_parallel_layers(module):
         raise ValueError("module: its experts are already expert-parallel")
     for layer in layers:
-        dispatcher = AllToAllDispatch(layer.n_routed_experts, group, dedup, histogram_bins, pool_group)
+        dispatcher = AllToAllDispatch(layer.n_routed_experts, group, dedup, histogram_bins, pool_group,
+                                      layer.experts.kernels)
         keep_experts(layer.experts, *dispatcher.local_expert_range)
         layer.dispatcher = dispatcher
         layer.balancer.pooled = None  # counts pooled by the old dispatcher: this process's only
@@ -108,7 +109,8 @@ class AllToAllDispatch:
     ``local_expert_range`` is this rank's (the experts its bank holds). ``expert_outputs`` equals the
     single-process layer on this rank's tokens; ``pool_counts`` all-reduces M and the load over
     ``pool_group`` (default ``group``: the ranks that route, which may be more than those sharing the experts);
-    ``quantile_bias`` reads the quantile off margin histograms all-reduced there (``histogram_bins`` bins).
+    ``quantile_bias`` reads the quantile off margin histograms all-reduced there (``histogram_bins`` bins, made by
+    the MoE's kernel backend ``kernels``: :func:`~k3course.moe.balancing.margin_histogram_for`).
     ``dedup=True`` sends each token once per destination rank (not once per expert) plus a 4-byte index per
     slot; results are identical. After each forward ``last_traffic`` holds the bytes that this rank's tokens
     moved between ranks: dispatch (sent), combine (received back) and metadata (split sizes and dedup
@@ -117,14 +119,14 @@ class AllToAllDispatch:
     """
 
     def __init__(self, n_routed_experts: int, group=None, dedup: bool = False, histogram_bins: int = HISTOGRAM_BINS,
-                 pool_group=None):
+                 pool_group=None, kernels: str = "auto"):
         if not dist.is_initialized():
             raise RuntimeError("expert parallelism needs torch.distributed.init_process_group(...) first")
         if not is_number(histogram_bins) or histogram_bins < 1:
             raise ValueError(f"histogram_bins must be a positive int, got {histogram_bins!r}")
         self.n_routed_experts, self.group, self.dedup = n_routed_experts, group, dedup
         self.pool_group = group if pool_group is None else pool_group
-        self.histogram_bins = histogram_bins
+        self.histogram_bins, self.kernels = histogram_bins, kernels
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.expert_ranges = expert_ranges(n_routed_experts, self.world_size)
         self.local_expert_range = self.expert_ranges[self.rank]
@@ -162,7 +164,7 @@ class AllToAllDispatch:
         rank's scores [m_r, n]: :func:`~k3course.moe.balancing.histogram_quantile_bias` with all-reduces, within
         one bin width of the exact step on the concatenated scores and equal on every rank."""
         pooled = all_reduce_over(self.pool_group)
-        return histogram_quantile_bias(scores, bias, k, self.histogram_bins, pooled, tokens)
+        return histogram_quantile_bias(scores, bias, k, self.histogram_bins, pooled, tokens, self.kernels)
 
     def _dispatch(self, z: torch.Tensor, expert_idx: torch.Tensor, order: torch.Tensor):
         """Exchange split sizes, then send every slot's row to the rank owning its expert.

@@ -28,6 +28,8 @@ copied: the same steps), E = 1 plain FSDP (every rank holds every expert's 1/N).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,6 +69,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     if mesh.size() != dist.get_world_size():
         raise ValueError(f"mesh: spans {mesh.size()} of the {dist.get_world_size()} ranks; it must span them all")
     marks = dict(model.named_parameters())
+    # torch warns at every forward that a unit returns a view (an in-place write into it would skip the unit's
+    # backward all-gather); nothing in the model writes into a unit's output in place: tests/test_fsdp.py's
+    # gradients equal one process's to 1e-12
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     parallelize_experts(model, group=mesh.get_group("ep"), pool_group=dist.group.WORLD)
     world = init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("dp",))
     whole_experts = {param for layer in expert_parallel_layers(model) for param in layer.experts.parameters()}
@@ -81,7 +87,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     for layer in model.layers:
         fully_shard(layer.mixer, mesh=world)
         fully_shard(layer.ffn, mesh=world, ignored_params=whole_experts)
-    fully_shard(model, mesh=world, ignored_params=whole_experts)
+    # the root too frees its gathered weights after each forward (torch keeps the root's for the backward it
+    # expects): after an evaluation, which has none, every weight is a shard again (what a checkpoint reads)
+    fully_shard(model, mesh=world, ignored_params=whole_experts, reshard_after_forward=True)
     for name, param in model.named_parameters():
         carry_marks(marks[name], param)
     return model

@@ -12,12 +12,18 @@ and likewise AdamW's two moments of every weight. DCP writes the pieces and a me
 views; a load reads, for each tensor of the loading ranks' layout, whichever saved pieces overlap it. Nothing is
 gathered on one rank. The checkpoint is written into a hidden temporary folder and renamed to ``step-NNNNNN``
 once every rank has written (a rename is atomic), so an interrupted run leaves the complete checkpoint or the
-previous one.
+previous one. The folder also holds the run's config.json (the step among it), as a one-process checkpoint
+does, so a run folder lists, reads and resumes either kind.
+
+On one process (``mesh`` None, a plain model: every view the whole tensor) the same files are written and read
+without a process group: a run that began sharded keeps its format when it goes on at one process.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -55,7 +61,7 @@ def _expert_view(local: torch.Tensor, n_experts: int, mesh: DeviceMesh) -> DTens
                               run_check=False)
 
 
-def _global_views(model: nn.Module, mesh: DeviceMesh) -> dict[int, object]:
+def _global_views(model: nn.Module, mesh: DeviceMesh | None) -> dict[int, object]:
     """{id(param): fn(tensor of param's layout) -> its global view} for every parameter of ``model``."""
     views = {id(param): lambda tensor: tensor for param in model.parameters()}
     for layer in expert_parallel_layers(model):
@@ -65,12 +71,17 @@ def _global_views(model: nn.Module, mesh: DeviceMesh) -> dict[int, object]:
     return views
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, extra: dict) -> dict:
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None, extra: dict) -> dict:
     """The dict DCP saves and loads in place: {"model": {name: global view}, "optimizer": {name: {"step",
     "exp_avg", "exp_avg_sq"}}, "param_groups": the optimizer's settings per group (its learning rates among
-    them), "extra": ``extra``}; the views share storage with the model and optimizer."""
+    them), "extra": ``extra``}; the views share storage with the model and optimizer (whose state is made
+as AdamW's first step makes it for a weight that has none yet: step 0, zero moments)."""
     views = _global_views(model, mesh)
     names = dict(model.named_parameters())
+    for param in names.values():  # AdamW's state as its first step makes it (a weight that had no gradient yet)
+        if not optimizer.state[param]:
+            optimizer.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                                          exp_avg_sq=torch.zeros_like(param))
     weights = {name: views[id(param)](param.detach()) for name, param in names.items()}
     persistent = model.state_dict().keys()
     weights.update({name: buffer for name, buffer in model.named_buffers() if name in persistent})
@@ -82,35 +93,53 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh,
     return {"model": weights, "optimizer": moments, "param_groups": groups, "extra": extra}
 
 
+def is_sharded_checkpoint(folder: Path | str) -> bool:
+    """Whether ``folder`` is a checkpoint of :func:`save_sharded` (it holds DCP's .metadata)."""
+    return (Path(folder) / ".metadata").is_file()
+
+
+def _dcp(operation, state: dict, folder: Path, mesh: DeviceMesh | None) -> None:
+    """``dcp.save`` / ``dcp.load`` of ``state`` at ``folder``: collectively over the ranks, or (``mesh`` None) in
+    this process alone (DCP's note that it then assumes one process is the point, so it is not shown)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        operation(state, checkpoint_id=folder, no_dist=mesh is None)
+
+
+def _barrier(mesh: DeviceMesh | None) -> None:
+    if mesh is not None:
+        dist.barrier()
+
+
 def save_sharded(out: Path | str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 mesh: DeviceMesh, extra: dict | None = None) -> Path:
-    """Write ``step``'s sharded checkpoint into out/step-NNNNNN (every rank calls it; see the module docstring);
-    ``extra`` (e.g. the scheduler's state_dict) is saved as it is. Returns the folder."""
+                 mesh: DeviceMesh | None, extra: dict | None = None, record: dict | None = None) -> Path:
+    """Write ``step``'s sharded checkpoint into out/step-NNNNNN (every rank of ``mesh`` calls it; None: one
+    process, a plain model; see the module docstring); ``extra`` (e.g. the scheduler's state_dict) is saved as it
+    is, ``record`` (the run's settings) as config.json with the step added. Returns the folder."""
     final = step_folder(out, step)
     temporary = final.with_name(f".{final.name}.partial")
-    if dist.get_rank() == 0:
+    writer = mesh is None or dist.get_rank() == 0
+    if writer:
         shutil.rmtree(temporary, ignore_errors=True)  # left by a run interrupted while writing
-        temporary.parent.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dcp.save(_state(model, optimizer, mesh, extra or {}), checkpoint_id=temporary)
-    dist.barrier()  # every rank's pieces are on disk
-    if dist.get_rank() == 0:
+        temporary.mkdir(parents=True)
+    _barrier(mesh)
+    _dcp(dcp.save, _state(model, optimizer, mesh, extra or {}), temporary, mesh)
+    _barrier(mesh)  # every rank's pieces are on disk
+    if writer:
+        (temporary / "config.json").write_text(json.dumps({**(record or {}), "step": step}, indent=1))
+        shutil.rmtree(final, ignore_errors=True)  # the same step written again (a resumed run's last step)
         temporary.rename(final)
-    dist.barrier()
+    _barrier(mesh)
     return final
 
 
-def load_sharded(folder: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh,
+def load_sharded(folder: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None,
                  extra: dict | None = None) -> dict:
-    """Load a checkpoint of :func:`save_sharded`, written on any mesh, into ``model`` and ``optimizer``
-    (parallelized on ``mesh``; the optimizer's moments are made if it has not stepped yet), in place. Returns
-    the saved ``extra``, read into a dict of the same keys as ``extra``."""
-    for param in model.parameters():
-        if not optimizer.state[param]:
-            optimizer.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
-                                          exp_avg_sq=torch.zeros_like(param))
+    """Load a checkpoint of :func:`save_sharded`, written on any mesh or one process, into ``model`` and
+    ``optimizer`` (parallelized on ``mesh``; None: a plain model in one process), in place. Returns the saved
+    ``extra``, read into a dict of the same keys as ``extra``."""
     state = _state(model, optimizer, mesh, dict(extra or {}))
-    dcp.load(state, checkpoint_id=Path(folder))
+    _dcp(dcp.load, state, Path(folder), mesh)
     for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
         group.update(saved)
     return state["extra"]

@@ -21,6 +21,9 @@ the sources, no 1/√d. With ``key_weight`` each read also has a learned key-nor
 (w ⊙ g)·RMSNorm(v), so it changes the parameters and their training, not what a read can compute. Without it the
 keys are parameter-free (the course's presets as trained).
 With ``record=True`` a stream keeps the depth-attention weights of each read, for plotting.
+The attention schemes take the model's kernel backend (``kernels``, :func:`k3course.kernels.kernel_backend`): where
+:func:`k3course.kernels.use_triton` says so, every read runs the one-pass Triton kernel of
+:mod:`k3course.kernels.depth_attention` (forward and backward), else :func:`depth_attention`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,20 @@ def depth_attention(query: torch.Tensor, sources: torch.Tensor,
     wide = torch.promote_types(sources.dtype, torch.float32)
     h, weights = _DepthAttention.apply(query.to(wide), sources.to(wide), eps)
     return h.to(sources.dtype), weights
+
+
+def depth_attention_for(device: torch.device | str, kernels: str):
+    """The depth read for the kernel backend ``kernels`` on ``device``: the Triton kernels' op
+    (:func:`k3course.kernels.depth_attention.depth_attention_triton`) where :func:`k3course.kernels.use_triton`
+    says so and the call is not being compiled (torch.compile fuses the torch op itself), else
+    :func:`depth_attention`. Both take (query [D], sources [N, B, T, D], eps) -> (h, weights)."""
+    from k3course.kernels import use_triton  # imported here: the residual schemes do not depend on the kernels
+
+    if use_triton(device, kernels) and not torch.compiler.is_compiling():
+        from k3course.kernels.depth_attention import depth_attention_triton
+
+        return depth_attention_triton
+    return depth_attention
 
 
 class _DepthAttention(torch.autograd.Function):
@@ -173,9 +190,13 @@ class _StandardStream(_Stream):
         return self.hidden
 
 
-def _add_queries(scheme: nn.Module, key_weight: bool) -> None:
+def _add_queries(scheme: nn.Module, key_weight: bool, kernels: str | None) -> None:
     """The depth-attention parameters of ``scheme``: ``queries`` [n_sublayers + 1, d_model] at zero and, with
-    ``key_weight``, ``key_norms`` of the same shape at one (both without weight decay); else ``key_norms`` None."""
+    ``key_weight``, ``key_norms`` of the same shape at one (both without weight decay); else ``key_norms`` None.
+    Also its kernel backend ``kernels`` (:func:`k3course.kernels.kernel_backend`), chosen here once."""
+    from k3course.kernels import kernel_backend  # imported here: the residual schemes do not depend on the kernels
+
+    scheme.kernels = kernel_backend(kernels)
     shape = (scheme.n_sublayers + 1, scheme.d_model)
     scheme.queries = no_weight_decay(nn.Parameter(torch.zeros(shape)))
     scheme.key_norms = no_weight_decay(nn.Parameter(torch.ones(shape))) if key_weight else None
@@ -185,14 +206,16 @@ class FullAttnRes(nn.Module):
     """Full Attention Residuals: each read attends over the embedding and every earlier sub-layer output.
 
     queries: [n_sublayers + 1, d_model], zero at init (row n_sublayers is the final aggregation); key_norms (with
-    ``key_weight``): the key-norm weight of each read, same shape, one at init.
+    ``key_weight``): the key-norm weight of each read, same shape, one at init; kernels: the kernel backend of
+    the reads (see the module docstring).
     """
 
-    def __init__(self, n_sublayers: int, d_model: int, eps: float = NORM_EPS, key_weight: bool = False):
+    def __init__(self, n_sublayers: int, d_model: int, eps: float = NORM_EPS, key_weight: bool = False,
+                 kernels: str | None = None):
         super().__init__()
         _check_sizes(n_sublayers, d_model)
         self.n_sublayers, self.d_model, self.eps = n_sublayers, d_model, eps
-        _add_queries(self, key_weight)
+        _add_queries(self, key_weight, kernels)
 
     def begin(self, embedding: torch.Tensor, record: bool = False) -> _FullStream:
         _check_embedding(embedding, self.d_model)
@@ -210,11 +233,13 @@ class _DepthStream(_Stream):
         raise NotImplementedError
 
     def _attend(self, index: int) -> torch.Tensor:
-        attend = part("depth_attention", depth_attention)  # a learner's, while k3course.parts holds one
+        sources = self.sources()
+        # a learner's, while k3course.parts holds one
+        attend = part("depth_attention", depth_attention_for(sources.device, self.scheme.kernels))
         query = self.scheme.queries[index]
         if self.scheme.key_norms is not None:  # w·(g ⊙ RMSNorm(v)) = (w ⊙ g)·RMSNorm(v)
             query = query * self.scheme.key_norms[index]
-        h, weights = attend(query, self.sources(), self.scheme.eps)
+        h, weights = attend(query, sources, self.scheme.eps)
         if self.record:
             self.weights.append(weights.detach())
         return h
@@ -246,17 +271,18 @@ class BlockAttnRes(nn.Module):
 
     block_size counts sub-layers (K3: 12 decoder layers = 24 sub-layers). The partial sum joins the sources
     only once its block has an output, so block_size 1 equals :class:`FullAttnRes`.
-    queries: [n_sublayers + 1, d_model], zero at init; key_norms (with ``key_weight``) as in :class:`FullAttnRes`.
+    queries: [n_sublayers + 1, d_model], zero at init; key_norms (with ``key_weight``) and kernels as in
+    :class:`FullAttnRes`.
     """
 
     def __init__(self, n_sublayers: int, d_model: int, block_size: int, eps: float = NORM_EPS,
-                 key_weight: bool = False):
+                 key_weight: bool = False, kernels: str | None = None):
         super().__init__()
         _check_sizes(n_sublayers, d_model)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int (sub-layers per block), got {block_size!r}")
         self.n_sublayers, self.d_model, self.block_size, self.eps = n_sublayers, d_model, block_size, eps
-        _add_queries(self, key_weight)
+        _add_queries(self, key_weight, kernels)
 
     def begin(self, embedding: torch.Tensor, record: bool = False) -> _BlockStream:
         _check_embedding(embedding, self.d_model)
@@ -288,19 +314,19 @@ RESIDUAL_KINDS = ("prenorm", "full_attnres", "block_attnres")
 
 
 def make_residual(kind: str, n_sublayers: int, d_model: int, block_size: int | None = None, eps: float = NORM_EPS,
-                  key_weight: bool = False) -> nn.Module:
+                  key_weight: bool = False, kernels: str | None = None) -> nn.Module:
     """The residual scheme module of ``kind``, named as ``K3Config.residual`` names it: 'prenorm' (standard
     PreNorm), 'block_attnres' (needs block_size), or 'full_attnres' (the config's 'block_attnres' with block size
     1, written as its own scheme). The attention schemes' key RMSNorm takes ``eps`` and, with ``key_weight``, a
-    learned weight per read."""
+    learned weight per read; their reads run on the kernel backend ``kernels``."""
     if kind == "prenorm":
         return StandardResidual(n_sublayers, d_model)
     if kind == "full_attnres":
-        return FullAttnRes(n_sublayers, d_model, eps, key_weight)
+        return FullAttnRes(n_sublayers, d_model, eps, key_weight, kernels)
     if kind == "block_attnres":
         if block_size is None:
             raise ValueError("block_size is needed for kind='block_attnres'")
-        return BlockAttnRes(n_sublayers, d_model, block_size, eps, key_weight)
+        return BlockAttnRes(n_sublayers, d_model, block_size, eps, key_weight, kernels)
     raise ValueError(f"kind must be one of {RESIDUAL_KINDS}, got {kind!r}")
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from k3course import train
-from k3course.distributed import all_to_all, gather_state_dict, make_mesh, parallelize, parallelize_experts
+from k3course.distributed import exchange, gather_state_dict, make_mesh, parallelize, parallelize_experts
 from k3course.distributed.sharded_checkpoint import load_sharded, save_sharded
 from k3course.moe import LatentMoE, MoE
 from k3course.moe.balancing import HISTOGRAM_BINS
@@ -147,10 +147,13 @@ def sharded_steps(rank: int, world_size: int, case: dict) -> dict:
     records, the gathered single-process state dict and "idle_expert": per step, whether some expert received
     no token-slot from this rank in it (read before the bias update)."""
     stepper, _ = _sharded_stepper(rank, world_size, case)
-    idle = []
-    stepper.optimizer.register_step_pre_hook(lambda *_: idle.append(any(
-        bool((moe.balancing_statistics()["load"] == 0).any()) for moe in stepper.model.moe_layers())))
-    records = [stepper() for _ in range(case["train"].steps)]
+    loads = {}  # per MoE layer, its record after its last forward (the step's bias hook then clears it)
+    for moe in stepper.model.moe_layers():
+        moe.register_forward_hook(lambda moe, *_: loads.update({moe: moe.balancing_statistics()["load"]}))
+    idle, records = [], []
+    for _ in range(case["train"].steps):
+        records.append(stepper())
+        idle.append(any(bool((load == 0).any()) for load in loads.values()))
     return {"records": records, "state": gather_state_dict(stepper.model), "idle_expert": idle}
 
 
@@ -190,11 +193,18 @@ def checkpointed_steps(rank: int, world_size: int, case: dict) -> dict:
     return gather_state_dict(stepper.model)
 
 
-def exchange_labels(rank: int, world_size: int, counts: list[list[int]]) -> list[tuple[int, int]]:
+def exchange_labels(rank: int, world_size: int, counts: list[list[int]],
+                    guard: bool | None = None) -> list[tuple[int, int]]:
     """On one rank: send rows labelled (this rank, row index), counts[rank][r] of them to rank r, through the
-    package's all-to-all; returns the labels of the rows received, in the order they arrived."""
+    package's all-to-all (``guard``: its padding against empty sends, None: the backend's default,
+    :func:`k3course.distributed.exchange`), and the reverse exchange, which must bring every row home; returns
+    the labels of the rows received, in the order they arrived."""
     send_splits = counts[rank]
     recv_splits = [row[rank] for row in counts]
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     rows = torch.stack([torch.full((sum(send_splits),), float(rank)), torch.arange(float(sum(send_splits)))], 1)
-    received = all_to_all(rows, recv_splits, send_splits)
+    received = exchange(rows.to(device), recv_splits, send_splits, guard=guard)
+    back = exchange(received, send_splits, recv_splits, guard=guard)
+    if not torch.equal(back.cpu(), rows):
+        raise AssertionError(f"rank {rank}: the reverse exchange did not bring every row home")
     return [(int(source), int(index)) for source, index in received.tolist()]

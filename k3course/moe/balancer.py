@@ -53,6 +53,8 @@ class Balancer(nn.Module):
         self.register_buffer("recorded_load", torch.zeros(n_routed_experts, dtype=torch.int64, device=device),
                              persistent=False)  # token-slots per expert since the last update
         self.recorded_tokens = 0  # tokens since the last update
+        self.pending = False  # a training forward recorded since the last update (on every rank alike)
+        self.last_violation: torch.Tensor | None = None  # max-violation of the record the last update used
         # quantile balancing: the detached scores of the recorded tokens in rows [0, recorded_tokens), a buffer
         # that grows only when a step brings more tokens than it holds (reserve sizes it up front)
         self.register_buffer("recorded_scores", torch.zeros(0, n_routed_experts, device=device), persistent=False)
@@ -72,6 +74,7 @@ class Balancer(nn.Module):
         drops the pooled counts (on every rank alike, zero tokens included, so the ranks pool again together).
         """
         self.pooled = None
+        self.pending = True
         m = logits.shape[0]
         if m == 0:
             zero = logits.sum()  # 0, still connected to the router for backward
@@ -111,6 +114,7 @@ class Balancer(nn.Module):
         self.recorded_load.zero_()
         self.recorded_tokens = 0
         self.pooled = None
+        self.pending = False
 
     def pooled_counts(self, dispatcher) -> tuple[int, torch.Tensor]:
         """(M, load [n]) of the record over all ranks, pooled by ``dispatcher`` once per record: the statistics
@@ -122,10 +126,12 @@ class Balancer(nn.Module):
     @torch.no_grad()
     def new_bias(self, bias: torch.Tensor, dispatcher) -> torch.Tensor | None:
         """The rule on the record pooled by ``dispatcher`` (M and the load in one reduction, shared with
-        :meth:`load_statistics`), then the record is cleared. quantile: ``dispatcher.quantile_bias`` on the
-        scores of all M tokens; sign: b − γ sign(load − mean load). None when nothing moves (aux_loss, none, or
-        no token on any rank)."""
+        :meth:`load_statistics`), then the record is cleared, its max-violation kept in ``last_violation``
+        (None when the record holds no token). quantile: ``dispatcher.quantile_bias`` on the scores of all M
+        tokens; sign: b − γ sign(load − mean load). None when nothing moves (aux_loss, none, or no token on any
+        rank)."""
         tokens, load = self.pooled_counts(dispatcher)
+        self.last_violation = load_violation(load) if tokens else None
         scores = self.statistics()["scores"]
         self.reset()
         if tokens == 0 or self.balancing not in ("quantile", "sign"):

@@ -130,6 +130,19 @@ def margin_histogram(margins: torch.Tensor, edges: torch.Tensor) -> torch.Tensor
     return torch.bincount(flat.reshape(-1), minlength=n * bins).reshape(n, bins)
 
 
+def margin_histogram_for(device: torch.device | str, kernels: str):
+    """The margin histogram for the kernel backend ``kernels`` (:func:`k3course.kernels.kernel_backend`) on
+    ``device``: one Triton launch (:func:`k3course.kernels.quantile_histogram.margin_histogram_triton`) where
+    :func:`k3course.kernels.use_triton` says so, else :func:`margin_histogram`; both (margins, edges) -> counts."""
+    from k3course.kernels import use_triton  # imported here: the balancing rules do not depend on the kernels
+
+    if use_triton(device, kernels):
+        from k3course.kernels.quantile_histogram import margin_histogram_triton
+
+        return margin_histogram_triton
+    return margin_histogram
+
+
 def bias_from_histogram(counts: torch.Tensor, edges: torch.Tensor, target: int) -> torch.Tensor:
     """Read b̂_j = −(the (q+1)-th largest margin of expert j) off a histogram, then mean-centre.
 
@@ -168,7 +181,8 @@ def _pooled_edges(margins: torch.Tensor, bins: int, reduce: Reduction) -> torch.
 
 
 def histogram_quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, bins: int = HISTOGRAM_BINS,
-                            reduce: Reduction = on_this_process, tokens: int | None = None) -> torch.Tensor:
+                            reduce: Reduction = on_this_process, tokens: int | None = None,
+                            kernels: str = "auto") -> torch.Tensor:
     """Quantile balancing read off margin histograms pooled by ``reduce``: the one routine for one process,
     for ranks (an all-reduce, :func:`k3course.distributed.balancing.all_reduce_over`) and for the simulation.
 
@@ -178,7 +192,8 @@ def histogram_quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, bi
     Integer counts sum exactly and the edges are the same floats on every holder, so every holder gets the same
     bias, within one bin width of :func:`quantile_balance_bias` on all M tokens. k = n: b − mean(b), as there.
     scores [m_r, n] (this holder's, m_r may be 0), bias [n]; tokens: M when already pooled (else one
-    sum-reduction of m_r) -> new bias [n] in bias.dtype, on the scores' device.
+    sum-reduction of m_r); kernels: the backend of the histogram (:func:`margin_histogram_for`) -> new bias [n]
+    in bias.dtype, on the scores' device.
     """
     if not is_number(bins) or bins < 1:
         raise ValueError(f"bins must be a positive int, got {bins!r}")
@@ -190,7 +205,7 @@ def histogram_quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, bi
     if tokens == 0:
         raise ValueError("scores must hold at least one token over all holders, got none")
     edges = _pooled_edges(margins, bins, reduce)
-    counts = reduce(margin_histogram(margins, edges), "sum")  # [n, bins]
+    counts = reduce(margin_histogram_for(margins.device, kernels)(margins, edges), "sum")  # [n, bins]
     return bias_from_histogram(counts, edges, tokens * k // scores.shape[1]).to(bias.dtype)
 
 

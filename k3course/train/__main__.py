@@ -1,7 +1,8 @@
 """``torchrun --standalone --nproc-per-node P -m k3course.train --ep P --preset tiny [--steps N]``: one rank of an
 expert-parallel run (gloo on CPU; NCCL with rank r on GPU r when every rank has a GPU), trained by the door,
-:func:`k3course.train.train` with ``ranks=P``; ``--config``, ``--out``, ``--set``, ``--resume`` and
-``--extend-to`` as in ``k3course train``."""
+:func:`k3course.train.train` with ``ranks=P``; ``--dp-shard N --ep M`` (N·M = torchrun's world size, over one
+node or several) trains on the FSDP2 × EP mesh N × M with sharded checkpoints; ``--config``, ``--out``,
+``--set``, ``--resume`` and ``--extend-to`` as in ``k3course train``."""
 
 import argparse
 import os
@@ -25,13 +26,15 @@ def _rank(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--extend-to", type=int, default=None, metavar="N")
-    parser.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (must equal torchrun's P)")
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default: world size / dp-shard)")
+    parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2 rows of the mesh (default: 1)")
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error("run me under torchrun (or use `k3course train --ep P`, which spawns the ranks itself)")
     world_size = int(os.environ["WORLD_SIZE"])
-    if args.ep is not None and args.ep != world_size:
-        parser.error(f"--ep {args.ep} must equal torchrun's --nproc-per-node ({world_size})")
+    ep = args.ep if args.ep is not None else world_size // max(1, args.dp_shard)
+    if args.dp_shard < 1 or args.dp_shard * ep != world_size:
+        parser.error(f"--dp-shard {args.dp_shard} × --ep {ep} must equal torchrun's world size ({world_size})")
     device = "cpu"
     if torch.cuda.device_count() >= world_size:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
@@ -42,7 +45,7 @@ def _rank(argv: list[str] | None = None) -> int:
     try:
         config, out, resume, _ = configure(args.preset, args.out, args.config, steps, args.set, args.resume,
                                            args.extend_to)
-        train(config, out, resume, ranks=world_size, device=device, progress=rank == 0)
+        train(config, out, resume, ranks=world_size, dp_shard=args.dp_shard, device=device, progress=rank == 0)
         dist.barrier()  # every rank done before any tears its connections down (as run_ranks does)
     except TrainingInterrupted as stopped:  # every rank stops at the same step (loop.py), so all of them are here
         dist.barrier()

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from k3course import checkpoint, data, distributed
 from k3course.config import K3Config
 from k3course.debug import progress_bar
+from k3course.distributed import sharded_checkpoint
 from k3course.guards import is_number
 from k3course.train.config import DTYPES, RunConfig, SavedRun, TrainConfig, read_saved_run, run_corpus
 from k3course.train.step import (
@@ -167,7 +168,7 @@ def _prepare(config: RunConfig, saved: SavedRun | None, corpus: data.ByteCorpus,
 
 # --- the door ----------------------------------------------------------------------------------------------
 
-def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ranks: int = 1,
+def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ranks: int = 1, dp_shard: int = 1,
           corpus: data.ByteCorpus | None = None, device: torch.device | str = "cpu", progress: bool = True,
           model_factory: Callable[[K3Config, int, object], torch.nn.Module] | None = None,
           compile: bool = False) -> torch.nn.Module | None:
@@ -189,6 +190,14 @@ def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ran
     writes. P > 1 anywhere else spawns P local ranks (gloo on the CPU; NCCL with rank r on GPU r for a CUDA
     ``device``) after checking the run here once; ``model_factory`` must then be importable by name.
 
+    ``dp_shard``: with P ranks, shard them as a 2-D mesh of dp_shard × (P / dp_shard) ranks ("dp_shard",
+    "ep"; :func:`k3course.distributed.parallelize`): FSDP2 over all P for every weight but the routed experts,
+    expert parallelism over "ep", the experts FSDP-sharded over "dp_shard". Such a run (dp_shard > 1, or any run
+    resumed from one) writes sharded checkpoints (DCP: each rank its own pieces, nothing gathered;
+    :mod:`k3course.distributed.sharded_checkpoint`), which resume on any number of ranks and any mesh, one
+    process included (which then writes them too). dp_shard = 1 on P ranks copies all but the experts and
+    writes one-process checkpoints, gathered on rank 0.
+
     ``corpus``: the bytes (default: ``config.run``'s, :func:`run_corpus`; not with spawned ranks, which read
     ``config.run``'s). ``model_factory(model_config, seed, device)`` builds the fresh model (default:
 :func:`build_model` with the kernel backend ``config.run.kernels``). ``compile``: train
@@ -199,21 +208,41 @@ def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ran
         raise ValueError(f"ranks must be a number of expert-parallel ranks ≥ 1, got {ranks!r}")
     if ranks > 1 and compile:
         raise ValueError(f"compile: compiles a one-process run; leave it out with {ranks} ranks")
+    if not is_number(dp_shard) or dp_shard < 1 or ranks % dp_shard:
+        raise ValueError(f"dp_shard must be a positive int dividing the {ranks} ranks, got {dp_shard!r}")
+    if config.train.batch_size % ranks:
+        raise ValueError(f"train.batch_size {config.train.batch_size} must be a multiple of the {ranks} ranks "
+                         "(each reads its share of every micro-batch)")
     model_factory = model_factory or functools.partial(build_model, kernels=config.run.kernels)
     out = Path(out)
     saved = _find_start(out, resume)
+    mesh = _mesh(saved, ranks, dp_shard)
     if ranks > 1 and not (dist.is_initialized() and dist.get_world_size() == ranks):
         if corpus is not None:
             raise ValueError("corpus: spawned ranks read config.run's data; leave corpus out with ranks > 1")
-        _spawn_ranks(config, out, saved, resume == "extend", ranks, device, progress, model_factory)
+        _spawn_ranks(config, out, saved, resume == "extend", ranks, mesh, device, progress, model_factory)
         return None
     corpus = corpus or run_corpus(config.run)
     run_record = _prepare(config, saved, corpus, resume == "extend")
     return _train_here(config, out, saved, run_record, corpus, resume == "extend", device, progress, model_factory,
-                       compile, expert_parallel=ranks > 1)
+                       compile, expert_parallel=ranks > 1, mesh=mesh)
 
 
-def _spawn_ranks(config: RunConfig, out: Path, saved: SavedRun | None, extend: bool, ranks: int, device,
+def _mesh(saved: SavedRun | None, ranks: int, dp_shard: int) -> tuple[int, int] | None:
+    """The run's 2-D mesh (dp_shard, ep), or None: no mesh (P = 1 or replicated ranks, one-process checkpoints).
+    A run that writes sharded checkpoints keeps writing them: resumed on P ranks it trains on the mesh
+    (dp_shard, P / dp_shard); on one process, with the plain model (mesh (1, 1)). A one-process checkpoint does
+    not resume on a mesh of several ranks (its optimizer moments are not cut for FSDP's shards)."""
+    sharded = saved is not None and sharded_checkpoint.is_sharded_checkpoint(saved.folder)
+    if dp_shard == 1 and not sharded:
+        return None
+    if saved is not None and not sharded and ranks > 1:
+        raise ValueError(f"dp_shard: {saved.folder} is a one-process checkpoint; it resumes on one process or on "
+                         f"{ranks} ranks with dp_shard = 1, not on a {dp_shard} × {ranks // dp_shard} mesh")
+    return dp_shard, ranks // dp_shard
+
+
+def _spawn_ranks(config: RunConfig, out: Path, saved: SavedRun | None, extend: bool, ranks: int, mesh, device,
                  progress: bool, model_factory: Callable) -> None:
     """:func:`train` on ``ranks`` spawned local ranks, the run checked and the corpus cache built here once (the
     ranks then only memory-map the bytes). A SIGINT / SIGTERM that reaches the ranks (Ctrl-C reaches them all)
@@ -222,20 +251,20 @@ def _spawn_ranks(config: RunConfig, out: Path, saved: SavedRun | None, extend: b
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     run_record = _prepare(config, saved, run_corpus(config.run), extend)
     with StopOnSignal():
-        stopped = distributed.run_ranks(_spawned_rank, ranks, config, str(out), saved, run_record, extend, progress,
-                                        model_factory, timeout_s=7 * 24 * 3600, backend=backend)[0]
+        stopped = distributed.run_ranks(_spawned_rank, ranks, config, str(out), saved, run_record, extend, mesh,
+                                        progress, model_factory, timeout_s=7 * 24 * 3600, backend=backend)[0]
     if stopped is not None:
         raise TrainingInterrupted(*stopped, out)
 
 
 def _spawned_rank(rank: int, world_size: int, config: RunConfig, out: str, saved: SavedRun | None, run_record: dict,
-                  extend: bool, progress: bool, model_factory: Callable) -> tuple[int, int] | None:
+                  extend: bool, mesh, progress: bool, model_factory: Callable) -> tuple[int, int] | None:
     """One rank of :func:`_spawn_ranks` (the group joined): the run, checked by the parent, trained as this rank.
     Returns None, or (signal, step) when a signal stopped the run."""
     device = f"cuda:{rank}" if dist.get_backend() == "nccl" else "cpu"
     try:
         _train_here(config, Path(out), saved, run_record, run_corpus(config.run), extend, device,
-                    progress and rank == 0, model_factory, compile=False, expert_parallel=True)
+                    progress and rank == 0, model_factory, compile=False, expert_parallel=True, mesh=mesh)
     except TrainingInterrupted as stopped:
         return stopped.signum, stopped.step
     return None
@@ -243,35 +272,41 @@ def _spawned_rank(rank: int, world_size: int, config: RunConfig, out: str, saved
 
 def _train_here(config: RunConfig, out: Path, saved: SavedRun | None, run_record: dict, corpus: data.ByteCorpus,
                 extend: bool, device, progress: bool, model_factory: Callable, compile: bool,
-                expert_parallel: bool) -> torch.nn.Module:
+                expert_parallel: bool, mesh: tuple[int, int] | None = None) -> torch.nn.Module:
     """The run trained in this process (one process, or one rank of the default group): see :func:`train`."""
-    stepper = _stepper(config, saved, corpus, extend, device, model_factory, expert_parallel)
+    stepper = _stepper(config, saved, corpus, extend, device, model_factory, expert_parallel, mesh)
     if compile:
         compile_for_training(stepper.model, config.train)
     writes = not expert_parallel or dist.get_rank() == 0
     if writes:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(config.toml())
-    _train_loop(stepper, corpus, config, out, run_record, progress and writes)
+    _train_loop(stepper, corpus, config, out, run_record, progress and writes, sharded=mesh is not None)
     if writes:
         _plot_losses(out, data.baselines(corpus))
     return stepper.model
 
 
 def _stepper(config: RunConfig, saved: SavedRun | None, corpus: data.ByteCorpus, extend: bool, device,
-             model_factory: Callable, expert_parallel: bool) -> Stepper:
+             model_factory: Callable, expert_parallel: bool, mesh: tuple[int, int] | None) -> Stepper:
     """The run's :class:`Stepper` at ``saved``'s step: the checkpoint's weights loaded into the one-process model
     before its experts are spread over the ranks, then the optimizer, schedule and RNG (on P ranks each rank's
-    block of the experts' moments); ``extend``: the schedule of the new total from the checkpoint's step."""
+    block of the experts' moments); a sharded checkpoint is read into the sharded model and optimizer, each rank
+    its pieces (:func:`_load_sharded`). ``extend``: the schedule of the new total from the checkpoint's step."""
+    sharded = saved is not None and mesh is not None
+
     def restored(model_config: K3Config, seed: int, device) -> torch.nn.Module:
         model = model_factory(model_config, seed, device)
-        if saved is not None:
+        if saved is not None and not sharded:
             checkpoint.load_weights(saved.folder, model)
         return model
 
     stepper = Stepper(config.model, config.train, text_batches(corpus.train, config.train, device), device,
-                      autocast=DTYPES[config.run.dtype], expert_parallel=expert_parallel, model_factory=restored)
-    if saved is not None:
+                      autocast=DTYPES[config.run.dtype], expert_parallel=expert_parallel,
+                      mesh=mesh if expert_parallel else None, model_factory=restored)
+    if sharded:
+        _load_sharded(stepper, saved)
+    elif saved is not None:
         shard = functools.partial(distributed.shard_optimizer_state, stepper.model, stepper.optimizer)
         checkpoint.load_state(saved.folder, stepper.optimizer, stepper.scheduler, shard if expert_parallel else None)
         stepper.steps_taken = saved.step
@@ -280,13 +315,28 @@ def _stepper(config: RunConfig, saved: SavedRun | None, corpus: data.ByteCorpus,
     return stepper
 
 
+def _sharded_extra(stepper: Stepper) -> dict:
+    """What a sharded checkpoint holds besides weights and moments: the schedule and the torch RNG."""
+    return {"scheduler": stepper.scheduler.state_dict(), "rng": torch.get_rng_state()}
+
+
+def _load_sharded(stepper: Stepper, saved: SavedRun) -> None:
+    """``saved`` (a sharded checkpoint) into ``stepper``: each rank reads the pieces of its shards; the schedule,
+    RNG and step."""
+    extra = sharded_checkpoint.load_sharded(saved.folder, stepper.model, stepper.optimizer, stepper.mesh,
+                                            _sharded_extra(stepper))
+    stepper.scheduler.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["rng"])
+    stepper.steps_taken = saved.step
+
+
 def _due(step: int, every: int, last: int) -> bool:
     """Whether an evaluation / checkpoint on an ``every``-step schedule (0: only at the end) falls on ``step``."""
     return step == last or bool(every and step % every == 0)
 
 
 def _train_loop(stepper: Stepper, corpus: data.ByteCorpus, config: RunConfig, out: Path, run_record: dict,
-                progress: bool) -> None:
+                progress: bool, sharded: bool = False) -> None:
     """Steps ``stepper.steps_taken`` → ``train.steps`` (see :func:`train`); on P ranks rank 0 writes."""
     train, writes = config.train, not stepper.expert_parallel or dist.get_rank() == 0
     metrics = checkpoint.MetricsLog(out, keep_until=stepper.steps_taken) if writes else None
@@ -307,7 +357,7 @@ def _train_loop(stepper: Stepper, corpus: data.ByteCorpus, config: RunConfig, ou
             _show(bar, record)
             stopped_by = _agreed_signal(stop.received, stepper)
             if _due(step, train.checkpoint_every, train.steps) or stopped_by:
-                _checkpoint(stepper, out, run_record, config)
+                _checkpoint(stepper, out, run_record, config, sharded)
             if stopped_by and step < train.steps:
                 bar.close()
                 raise TrainingInterrupted(stopped_by, step, out)
@@ -332,13 +382,18 @@ def _agreed_signal(received: int | None, stepper: Stepper) -> int:
     return int(flag)
 
 
-def _checkpoint(stepper: Stepper, out: Path, run_record: dict, config: RunConfig) -> Path | None:
-    """The one-process checkpoint of ``stepper``'s step in ``out`` (:func:`checkpoint.save_checkpoint`).
+def _checkpoint(stepper: Stepper, out: Path, run_record: dict, config: RunConfig, sharded: bool) -> Path | None:
+    """The checkpoint of ``stepper``'s step in ``out``: ``sharded``, each rank (or the one process) writes its
+    pieces (:func:`sharded_checkpoint.save_sharded`); else the one-process checkpoint
+    (:func:`checkpoint.save_checkpoint`).
 
-    On P ranks every rank calls it: the experts' blocks and their optimizer moments are gathered (collectives)
+    Replicated P ranks all call it: the experts' blocks and their optimizer moments are gathered (collectives)
     and rank 0 writes them through a one-process model and optimizer, built with the RNG left as it was.
-    Returns the folder (None on the other ranks)."""
+    Returns the folder (None on the other ranks of a gathered checkpoint)."""
     step = stepper.steps_taken
+    if sharded:
+        return sharded_checkpoint.save_sharded(out, step, stepper.model, stepper.optimizer, stepper.mesh,
+                                               _sharded_extra(stepper), run_record)
     if not stepper.expert_parallel:
         return checkpoint.save_checkpoint(out, step, stepper.model, stepper.optimizer, stepper.scheduler, run_record)
     weights = distributed.gather_state_dict(stepper.model)

@@ -3,7 +3,8 @@
     for each of the A micro-batches (inputs, targets) [B, T]:   loss_j = model(inputs, targets)   (nats/byte)
         backward(loss_j · n_j / N)                              gradients of the mean over all N counted bytes
     clip ‖g‖₂ to grad_clip;  AdamW step at lr(step);  zero the gradients
-    for each MoE layer: read its routing statistics, then update_bias()   (all A micro-batches since the last)
+        its pre-step hook first: for each MoE layer, read its routing statistics, then update_bias()
+        (all A micro-batches since the last; :class:`BiasUpdate`)
 
 The learning rate is lr · f(step) with a linear warmup and a cosine decay to ``min_lr_ratio · lr``:
 
@@ -48,10 +49,12 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
 
 
 def make_optimizer(model: torch.nn.Module, train: TrainConfig) -> tuple[torch.optim.Optimizer, object]:
-    """AdamW over ``model.param_groups(weight_decay, gate_lr_scale, lr)`` (the forget gates at lr × gate_lr_scale)
-    and its warmup + cosine LambdaLR scheduler."""
+    """AdamW over ``model.param_groups(weight_decay, gate_lr_scale, lr)`` (the forget gates at lr × gate_lr_scale),
+    with the MoE bias update as its pre-step hook (:class:`BiasUpdate`), and its warmup + cosine LambdaLR
+    scheduler."""
     groups = model.param_groups(train.weight_decay, train.gate_lr_scale, lr=train.lr)
     optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=train.betas)
+    optimizer.register_step_pre_hook(BiasUpdate(model))
     return optimizer, make_scheduler(optimizer, train)
 
 
@@ -64,7 +67,8 @@ def make_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, step: i
 
 
 def balance_experts(model: torch.nn.Module) -> dict:
-    """Routing statistics of every MoE layer over the micro-batches since the last call, then ``update_bias()``
+    """Every MoE layer's bias update from the routing of the micro-batches since its last update (unless the
+    optimizer's pre-step hook, :class:`BiasUpdate`, already made it this step), and that routing's statistics
     (with expert-parallel experts both pool all ranks' routing: collectives).
 
     Returns {"max_violation": the worst layer's max_j load_j / mean load − 1, "max_violation_per_layer": [...]}
@@ -74,16 +78,33 @@ def balance_experts(model: torch.nn.Module) -> dict:
 
 
 def balance_experts_on_device(model: torch.nn.Module) -> torch.Tensor:
-    """:func:`balance_experts` without reading anything back: each MoE layer's max-violation (its pooled record's
-    max_j load_j / mean load − 1), then its ``update_bias()``. Returns [n_moe_layers] float64 on the model's
-    device."""
+    """:func:`balance_experts` without reading anything back: each MoE layer's ``update_bias()`` when a training
+    forward recorded routing since its last update (every rank alike), then the max-violation of the record that
+    update used (its pooled max_j load_j / mean load − 1). Returns [n_moe_layers] float64 on the model's device."""
     per_layer = []
     for moe in model.moe_layers():
-        per_layer.append(moe.balancer.max_violation(moe.dispatcher))
-        moe.update_bias()
+        if moe.balancer.pending:
+            moe.balancer.max_violation(moe.dispatcher)  # a record without tokens on any rank is refused here
+            moe.update_bias()
+        per_layer.append(moe.balancer.last_violation)
     if not per_layer:
         return torch.zeros(0, dtype=torch.float64, device=next(model.parameters()).device)
     return torch.stack(per_layer)
+
+
+class BiasUpdate:
+    """The MoE layers' bias update as an optimizer pre-step hook (torchtitan's place for it when it composed
+    expert parallelism with FSDP): ``optimizer.step()`` first moves every layer's bias from the routing of all
+    the step's micro-batches (:func:`balance_experts_on_device`), then the weights. Registered by
+    :func:`make_optimizer`, so wherever the step's forwards and backwards came from (gradient accumulation, P
+    ranks, FSDP shards: every rank calls ``step()`` together), the bias moves once per optimizer step, never per
+    micro-batch. The bias is a buffer, not a parameter: updated before or after the weights, it is the same."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        balance_experts_on_device(self.model)
 
 
 def _violation_record(per_layer: list[float]) -> dict:
@@ -163,7 +184,7 @@ def step_on_device(model: torch.nn.Module, optimizer, scheduler, micro_batches, 
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
+    optimizer.step()  # the bias moves in its pre-step hook (make_optimizer's optimizers)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": total, "lr": lr, "grad_norm": grad_norm,
@@ -187,16 +208,17 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int,
     losses never enter a validation number.
 
     With expert-parallel experts every rank calls it together with the same windows: the chunks of
-    ``batch_size`` windows are dealt out to the ranks in turn (chunk i to rank i mod P; a rank with no chunk
-    left in a round joins the experts' exchange with one window it does not count), and the sums of
-    cross-entropies and bytes are all-reduced, so every rank returns the mean over all the windows.
+    ``batch_size`` windows are dealt out to the P ranks that route (all of a 2-D mesh) in turn (chunk i to rank
+    i mod P; a rank with no chunk left in a round joins the experts' exchange with one window it does not
+    count), and the sums of cross-entropies and bytes are all-reduced, so every rank returns the mean over all
+    the windows.
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     chunks = windows.split(batch_size)
     if distributed.expert_parallel_layers(model):
-        group = distributed.expert_group(model)
+        group = distributed.pool_group(model)
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         rounds = [chunks[i: i + world_size] for i in range(0, len(chunks), world_size)]
         sums = [_cross_entropy_sum(model, mine[rank] if rank < len(mine) else mine[0][:1], device, autocast)
@@ -278,18 +300,24 @@ class Stepper:
     ``expert_parallel``: this process is one rank of the default process group; the model's routed experts are
     spread over the ranks (:func:`k3course.distributed.parallelize_experts`, before the optimizer is made) and
     each call trains on this rank's 1/P of ``batches(i)`` (:func:`rank_shards`), together with the other ranks.
+    ``mesh`` (dp_shard, ep), with ``expert_parallel``: the model is sharded instead by
+    :func:`k3course.distributed.parallelize` on that 2-D mesh (FSDP2 × EP; ``self.mesh`` the DeviceMesh).
     The loop of every run: ``k3course train`` (:mod:`k3course.train.loop`), chapter 12's claims, ``bench
     train``, the probes, the capstone and chapter 13's expert-parallel steps.
     """
 
     def __init__(self, model_config: K3Config, train: TrainConfig, batches: Callable[[int], list],
                  device: torch.device | str = "cpu", *, autocast: torch.dtype | None = None,
-                 expert_parallel: bool = False,
+                 expert_parallel: bool = False, mesh: tuple[int, int] | None = None,
                  model_factory: Callable[[K3Config, int, object], torch.nn.Module] = build_model):
         self.model = model_factory(model_config, train.seed, device)
-        self.expert_parallel = expert_parallel
-        if expert_parallel:
+        self.expert_parallel, self.mesh = expert_parallel, None
+        if expert_parallel and mesh is not None:
+            self.mesh = distributed.make_mesh(*mesh, device_type=torch.device(device).type)
+            distributed.parallelize(self.model, self.mesh)
+        elif expert_parallel:
             distributed.parallelize_experts(self.model)
+        if expert_parallel:
             if train.batch_size % dist.get_world_size():
                 raise ValueError(f"train.batch_size {train.batch_size} must be a multiple of the "
                                  f"{dist.get_world_size()} expert-parallel ranks")

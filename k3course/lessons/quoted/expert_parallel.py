@@ -78,3 +78,30 @@ def ep_replicated_crossover(name: str = "kimi-k3") -> int:
 def ep_fp8_dispatch_share() -> float:
     """fp8 dispatch bytes (with scales) over bf16's."""
     return cost.FP8_VALUE_BYTES / 2
+
+
+LAYOUTS = ("replicated", "fsdp_ep", "fsdp")  # replicated DP × EP over 64, FSDP2 × EP over 64, FSDP2 alone
+
+
+def _mesh(gpus: int, layout: str) -> tuple[int, int]:
+    """(dp_shard, ep) of ``layout`` on ``gpus`` GPUs: EP over a 64-GPU SuperNode, or none (FSDP2 alone)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return (gpus, 1) if layout == "fsdp" else (gpus // 64, 64)
+
+
+@quoted
+def k3_rank_training_gib(gpus: int, layout: str, part: str = "total") -> float:
+    """GiB one K3 rank holds to train (bf16 weights and gradients, fp32 AdamW moments) on ``gpus`` GPUs in
+    ``layout`` (:data:`LAYOUTS`); ``part``: "weights", "gradients", "optimizer" or "total"."""
+    dp_shard, ep = _mesh(gpus, layout)
+    held = (cost.replicated_training_bytes_per_rank(k3_config(), ep) if layout == "replicated"
+            else cost.training_bytes_per_rank(k3_config(), dp_shard, ep))
+    return (sum(held.values()) if part == "total" else held[part]) / 2**30
+
+
+@quoted
+def k3_step_collective_gib(gpus: int, layout: str, kind: str, tokens: int = 4096) -> float:
+    """GiB one K3 rank receives in one step's ``kind`` collective ("all-gather", "reduce-scatter", "all-to-all")
+    on ``gpus`` GPUs in ``layout`` ("fsdp_ep" or "fsdp"), ``tokens`` tokens a rank."""
+    return cost.step_collective_bytes(k3_config(), *_mesh(gpus, layout), tokens)[kind] / 2**30

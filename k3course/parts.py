@@ -18,6 +18,8 @@ where it runs
     mla_output_gate             every gated MLA layer's output gate (chapter 09)
     kda_chunk                   the whole chunked KDA op, forward only, in place of the torch or Triton one
                                 (chapter 08's three kernels, composed by kernels.kda_chunk.kda_chunk_from_kernels)
+    grouped_gemm                every routed expert bank's two grouped products, forward only, in place of the
+                                loop, torch or Triton one (chapter 08's grouped GEMM kernel)
     depth_attention             every read of the Full / Block AttnRes residual stream (chapter 10)
     all_to_all                  expert-parallel dispatch and combine between ranks (chapter 13)
 
@@ -33,7 +35,7 @@ from contextlib import contextmanager
 
 PART_NAMES = ("topk_route", "router_scores", "kda_step", "ut_transform", "depth_attention", "all_to_all",
               "shared_experts", "situ_glu", "latent_combine", "quantile_balance_bias", "short_conv", "kda_gate",
-              "mla_output_gate", "kda_chunk")
+              "mla_output_gate", "kda_chunk", "grouped_gemm")
 
 _in_use: dict[str, Callable] = {}  # part name -> the function use_parts put in place of the package's
 

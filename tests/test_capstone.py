@@ -173,8 +173,9 @@ def test_the_shipped_model_with_every_solution_part_inside_scores_as_with_the_pa
     package alone reproduces the run's number on all of them, test above)."""
     parts = capstone.your_parts(ROOT, folder="solutions")
     in_model = capstone.model_parts(parts)
-    # router_scores: no exercise writes it; kda_chunk: chapter 08's three kernels, composed by your_kda_chunk
-    assert set(capstone.PART_NAMES) - set(in_model) == {"router_scores", "kda_chunk"}
+    # router_scores: no exercise writes it; kda_chunk: chapter 08's three kernels, composed by your_kda_chunk;
+    # grouped_gemm: chapter 08's kernel (a Triton kernel runs the interpreter on a CPU: too slow for this run)
+    assert set(capstone.PART_NAMES) - set(in_model) == {"router_scores", "kda_chunk", "grouped_gemm"}
     assert all(part.whose == "the solution's" for part in parts)
     config, model, windows = capstone.shipped_config(), capstone.shipped_model(), capstone.shipped_windows()[:64]
     package = evaluate(model, windows, config["train"]["batch_size"]) / math.log(2)

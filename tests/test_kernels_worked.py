@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3course.kernels import TRITON_MODE
-from k3course.kernels.worked import gdn_decode, matmul_nt, rms_norm_rows, scalar_gate_cumsum, silu
+from k3course.kernels.worked import gdn_decode, matmul_nt, rms_norm_rows, scalar_gate_cumsum, segment_sums, silu
 from k3course.ops import gdn_recurrent
 
 DEVICE = torch.device("cuda" if TRITON_MODE == "native" else "cpu")
@@ -57,3 +57,14 @@ def test_gdn_decode_equals_the_recurrence_and_updates_the_state_in_place():
     assert same_state is state
     torch.testing.assert_close(o, want_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("counts, dtype", [([5, 0, 40, 1, 0, 17], torch.int32), ([0, 3], torch.int64),
+                                           ([0], torch.int32)])
+def test_segment_sums_reads_the_ends_on_the_device_and_zeroes_empty_groups(counts, dtype):
+    M = sum(counts)
+    wide = seeded(M, 27, seed=7)
+    x = wide[:, 2:22]  # rows 27 apart
+    ends = torch.tensor(counts).cumsum(0).to(dtype=dtype, device=DEVICE)
+    want = torch.stack([rows.sum(0) for rows in x.split(counts)])
+    torch.testing.assert_close(segment_sums(x, ends), want, rtol=1e-5, atol=1e-5)

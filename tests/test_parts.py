@@ -13,7 +13,7 @@ from k3course.layers import mla
 from k3course.layers.residual import depth_attention
 from k3course.lessons.parts import PART_NAMES, compare, use_parts
 from k3course.model import K3Model
-from k3course.moe import experts, latent, routing
+from k3course.moe import dispatch, experts, latent, routing
 from k3course.ops import chunk, recurrent
 
 KDA_STEP, UT_TRANSFORM = recurrent.kda_step, chunk.ut_transform  # the package's, before any swap
@@ -43,7 +43,7 @@ def test_every_part_is_called_by_the_model_and_restored_after(model):
                  "depth_attention": depth_attention, "shared_experts": experts.glu_ffn, "situ_glu": experts.situ_glu,
                  "latent_combine": latent.latent_combine, "short_conv": kda_layer.short_conv,
                  "kda_gate": kda_layer.kda_gate, "mla_output_gate": mla.output_gate,
-                 "kda_chunk": chunk.kda_chunk}
+                 "kda_chunk": chunk.kda_chunk, "grouped_gemm": dispatch._grouped_mm_loop}
     # all_to_all runs only on P ranks, in the expert-parallel dispatch: tests/test_capstone.py swaps it there;
     # quantile_balance_bias only when training moves the bias (test_the_quantile_bias_part_moves_the_bias)
     assert set(originals) == set(PART_NAMES) - {"all_to_all", "quantile_balance_bias"}

@@ -28,6 +28,11 @@ What a check does, and how a new exercise asks for it: every mechanism is data o
   enters: Ṽ = U − W S". Each probe switches parts off (state = 0, β = 0, g = 0, one chunk, a channel-constant
   gate); a hint says where to look, never an expected value. ``tests/wrong/chNN_*.py``'s ``POINTED`` pins the
   message each plausible mistake gets.
+- **Triton exercises** (``forbidden=TORCH_MATH``, ``isolate=True``, ``guard_bands=True``): torch maths in the
+  answer is refused (torch only allocates), the answer runs in a forked child (a crash or a hang fails one check),
+  and every tensor it is given or allocates sits between guard bands (:mod:`k3course.grading.guard_bands`) that
+  must come back untouched: a store just outside a tensor, which crashes nothing, fails with the tensor, the side
+  and the distance. ``tests/test_guard_bands.py`` checks every exercise that refuses torch maths has them.
 - **Demo cells** after an exercise run the learner's function through :func:`yours_or_package`, which falls
   back to the package's (and says so) while the learner's is still the stub.
 """

@@ -35,6 +35,7 @@ from k3course.grading.compare import describe, explain_difference
 from k3course.grading.forbid import GRADER_DIR
 from k3course.grading.fresh_stack import call_on_fresh_stack
 from k3course.grading.gradients import NoGradient, finite_differences, gradients, leaves
+from k3course.grading.guard_bands import GuardBands, OutsideWrite
 from k3course.grading.isolation import ChildCrashed, can_isolate, run_isolated
 from k3course.grading.package_answer import PackageAnswer, PackageRule, package_rule
 from k3course.grading.registry import Case, Exercise, get_exercise
@@ -72,14 +73,21 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
 
 def _learner_call(fn, case: Case, exercise: Exercise, package: PackageRule | None):
     """Run ``fn`` on a copy of the case's inputs (through the exercise's harness, if any), every call of it on a
-    fresh stack; its output and the inputs as it left them."""
+    fresh stack; its output and the inputs as it left them. With guard bands, the inputs and what the answer
+    allocates sit inside them, checked after the call (:class:`OutsideWrite`)."""
     __tracebackhide__ = True
     args, kwargs = copy.deepcopy(case.args), copy.deepcopy(case.kwargs)
+    bands = GuardBands() if exercise.guard_bands else None
+    if bands is not None:
+        args, kwargs = bands.inputs(args, kwargs, _parameter_names(exercise.reference))
 
     def answer(*answer_args, **answer_kwargs):
-        return call_on_fresh_stack(fn, answer_args, answer_kwargs, exercise.forbidden, package)
+        return call_on_fresh_stack(fn, answer_args, answer_kwargs, exercise.forbidden, package, bands)
 
-    return exercise.run(answer, args, kwargs), args, kwargs
+    got = exercise.run(answer, args, kwargs)
+    if bands is not None:
+        bands.check()
+    return got, args, kwargs
 
 
 def _same(before: Any, after: Any) -> bool:
@@ -153,7 +161,7 @@ def _run_learner(call, exercise: Exercise, where: str):
     except NotImplementedError:
         raise ExerciseNotDone(f"{exercise.id} is not done yet: replace the NotImplementedError stub "
                               "with your code") from None
-    except (ChildCrashed, PackageAnswer, NoGradient) as failure:
+    except (ChildCrashed, PackageAnswer, NoGradient, OutsideWrite) as failure:
         raise ExerciseFailed(f"{where}: {failure}") from None
     except Exception as error:  # the learner's bug, reported as a failed case
         raise ExerciseFailed(f"{where}: your function raised {type(error).__name__}: "

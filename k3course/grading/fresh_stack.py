@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from k3course.grading.forbid import refusing
+from k3course.grading.guard_bands import GuardBands, guarding
 from k3course.grading.package_answer import PackageAnswer, PackageRule, refusing_package
 
 if TYPE_CHECKING:
@@ -22,12 +23,13 @@ if TYPE_CHECKING:
 
 
 def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, forbidden: Forbidden | None, package: PackageRule | None,
-         outcome: dict) -> None:
+         bands: GuardBands | None, outcome: dict) -> None:
     """On the new thread: outcome["returned"] = fn(*args, **kwargs), or outcome["raised"] = its exception (a
     refused package call, even one the answer caught, counts as raised)."""
     try:
-        # torch's function modes and Python's profile hook are per thread: entered here, on the learner's
-        with refusing(forbidden), refusing_package(package) as refused:
+        # torch's function modes and Python's profile hook are per thread: entered here, on the learner's (the
+        # refusal last: its mode sees a call first, and the bands see what it lets through)
+        with guarding(bands), refusing(forbidden), refusing_package(package) as refused:
             returned = fn(*args, **kwargs)
         if refused:
             raise PackageAnswer(package.message(refused[0]))
@@ -43,13 +45,14 @@ def _interrupt(thread: threading.Thread) -> None:
 
 
 def call_on_fresh_stack(fn: Callable[..., Any], args: tuple, kwargs: dict, forbidden: Forbidden | None = None,
-                        package: PackageRule | None = None):
+                        package: PackageRule | None = None, bands: GuardBands | None = None):
     """``fn(*args, **kwargs)`` on a new thread, refusing ``forbidden``'s torch functions and ``package``'s package
-    functions; its return value, or its exception re-raised here. Interrupting the caller (Ctrl-C, a notebook's
+    functions, and banding what it allocates when ``bands`` is given; its return value, or its exception re-raised
+    here. Interrupting the caller (Ctrl-C, a notebook's
     stop button) interrupts fn too.
     """
     outcome: dict[str, Any] = {}
-    thread = threading.Thread(target=_run, args=(fn, args, kwargs, forbidden, package, outcome), daemon=True,
+    thread = threading.Thread(target=_run, args=(fn, args, kwargs, forbidden, package, bands, outcome), daemon=True,
                               name="k3course learner call")
     thread.start()
     try:

@@ -99,6 +99,8 @@ class Exercise:
     package:   package functions that answer this exercise, refused in an answer like the reference itself is
                (a chapter-local reference's wrapped function, a public function that does the same).
     may_use:   the package functions the exercise lets an answer call (named in the refusal's message).
+    guard_bands: run the answer with every tensor it is given or allocates inside guard bands, and fail it when
+               its kernel writes into one (:mod:`k3course.grading.guard_bands`): every Triton exercise has them.
     """
 
     id: str
@@ -113,6 +115,7 @@ class Exercise:
     probes: Callable[[], list[Probe]] | None = None
     package: tuple[Callable[..., Any], ...] = ()
     may_use: tuple[str, ...] = ()
+    guard_bands: bool = False
 
     def run(self, answer: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """``answer`` on one case's inputs: through the harness when the exercise has one."""

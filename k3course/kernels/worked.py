@@ -8,6 +8,8 @@ The lesson reads these, and the exercises ask for their neighbours (the same ide
 - :func:`scalar_gate_cumsum` the in-chunk cumulative sum of a scalar gate, GDN's [B, T, H]
                                                                                (exercise: KDA's [B, T, H, K])
 - :func:`gdn_decode`         Gated DeltaNet's decode step, one decay per head  (exercise: KDA's per-channel decay)
+- :func:`segment_sums`       each group's rows summed, group ends read on the device, empty groups zero
+                                                                               (exercise: the MoE grouped GEMM)
 
 Each is tested against torch (``tests/test_kernels_worked.py``); fp32 under the interpreter.
 """
@@ -165,3 +167,37 @@ def gdn_decode(q, k, v, g, beta, state: torch.Tensor, scale: float | None = None
     _gdn_decode_kernel[(B * H,)](q, k, v, g, beta, state, o, scale, T, H, K, V,
                                  BK=max(16, triton.next_power_of_2(K)), BV=max(16, triton.next_power_of_2(V)))
     return o, state
+
+
+@triton.jit
+def _segment_sum_kernel(x_ptr, ends_ptr, out_ptr, N, row_stride, BR: tl.constexpr, BN: tl.constexpr):
+    group, col_block = tl.program_id(0), tl.program_id(1)
+    first = tl.load(ends_ptr + group - 1, mask=group > 0, other=0)  # the previous group's end: 0 before group 0
+    stop = tl.load(ends_ptr + group)  # bounds read on the device: the host never learns the group sizes
+    columns = col_block * BN + tl.arange(0, BN)
+    in_n = columns < N
+    total = tl.zeros([BN], dtype=tl.float32)
+    for row0 in range(first, stop, BR):  # an empty group (first == stop) runs no step and stores zeros
+        rows = row0 + tl.arange(0, BR)
+        block = tl.load(x_ptr + rows[:, None].to(tl.int64) * row_stride + columns[None, :],
+                        mask=(rows < stop)[:, None] & in_n[None, :], other=0.0)
+        total += tl.sum(block.to(tl.float32), axis=0)
+    tl.store(out_ptr + group * N + columns, total, mask=in_n)
+
+
+def segment_sums(x_sorted: torch.Tensor, group_ends: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """out[e] = Σ_{r ∈ [ends[e−1], ends[e])} x_sorted[r]: the rows of each group summed, for rows sorted by group.
+
+    x_sorted [M, N] (rows contiguous, possibly strided); group_ends [E] integer, non-decreasing, the end of each
+    group's rows (ends[−1] = 0 before the first), read on the device only. One program per (group, ``block``
+    columns) walks its group's rows; an empty group's row is zero. Returns fp32 [E, N].
+    """
+    if x_sorted.dim() != 2 or x_sorted.stride(1) != 1:
+        raise ValueError(f"x_sorted must be [M, N] with contiguous rows, got shape {tuple(x_sorted.shape)}")
+    if group_ends.dim() != 1 or group_ends.is_floating_point():
+        raise ValueError(f"group_ends must be a 1-D integer tensor, got {group_ends.dtype} {tuple(group_ends.shape)}")
+    E, N = group_ends.numel(), x_sorted.shape[1]
+    out = torch.empty(E, N, dtype=torch.float32, device=x_sorted.device)
+    _segment_sum_kernel[(E, triton.cdiv(N, block))](x_sorted, group_ends, out, N, x_sorted.stride(0), BR=block,
+                                                     BN=block)
+    return out

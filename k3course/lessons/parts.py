@@ -13,7 +13,8 @@ one that departs.
 Where each part runs: ``topk_route`` and ``router_scores`` in every MoE layer; ``ut_transform`` in the chunked
 KDA path (training, and inference on more than a chunk of tokens); ``kda_step`` in the recurrent KDA path
 (inference on up to a chunk of tokens, i.e. decoding); ``depth_attention`` in every Block AttnRes read;
-``kda_chunk`` in place of the whole chunked KDA op (chapter 08's three kernels composed; forward only).
+``kda_chunk`` in place of the whole chunked KDA op (chapter 08's three kernels composed; forward only);
+``grouped_gemm`` in every routed expert bank's two grouped products (chapter 08's kernel; forward only).
 """
 
 from __future__ import annotations

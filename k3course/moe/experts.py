@@ -17,7 +17,7 @@ from k3course.moe.dispatch import (
     grouped_mm_path,
 )
 from k3course.params import residual_output
-from k3course.parts import part
+from k3course.parts import is_replaced, part
 
 SITU_BETA1 = 4.0  # β₁: SiTU-GLU's soft cap on the gate branch (K3)
 SITU_BETA2 = 25.0  # β₂: SiTU-GLU's soft cap on the up branch (K3)
@@ -173,9 +173,10 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         with profiler_range("moe.experts"):  # the expert bank's stage, for k3course bench moe
-            # eager on a CPU: expert by expert; compiled (or another implementation): two grouped products
+            # eager on a CPU: expert by expert; compiled, another implementation or a learner's kernel (chapter 08):
+            # two grouped products
             impl = grouped_mm_path(x_sorted, self.gate_up, self.kernels)  # once: both products take it
-            if impl == "loop" and not torch.compiler.is_compiling():
+            if impl == "loop" and not torch.compiler.is_compiling() and not is_replaced("grouped_gemm"):
                 return self._expert_by_expert(x_sorted, group_offsets)
             gate_up = grouped_mm(x_sorted, self.gate_up, group_offsets, impl)  # [M, 2h]
             gate, up = gate_up.split(self.hidden, dim=-1)

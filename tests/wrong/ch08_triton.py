@@ -67,11 +67,39 @@ def matmul_in_torch(a, b, block=16):
     return a @ b
 
 
-def decode_returns_a_new_state(q, k, v, g, beta, state, scale=None):
-    """The right outputs and state, but advanced on a copy: the caller's state never moves."""
-    from k3course.kernels.kda_decode import kda_decode_triton
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, scale, T, H, K, V, BK: tl.constexpr,
+                   BV: tl.constexpr):
+    """KDA's recurrence for the T tokens of one call, the state [K, V] of one (batch, head) in registers."""
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    rows, cols = tl.arange(0, BK), tl.arange(0, BV)
+    mask_k, mask_v = rows < K, cols < V
+    offsets = bh * K * V + rows[:, None] * V + cols[None, :]
+    mask = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(state_ptr + offsets, mask=mask, other=0.0)
+    for t in range(T):
+        token = (b * T + t) * H + h
+        q = tl.load(q_ptr + token * K + rows, mask=mask_k, other=0.0)
+        k = tl.load(k_ptr + token * K + rows, mask=mask_k, other=0.0)
+        g = tl.load(g_ptr + token * K + rows, mask=mask_k, other=0.0)
+        v = tl.load(v_ptr + token * V + cols, mask=mask_v, other=0.0)
+        state = state * tl.exp(g)[:, None]
+        state += k[:, None] * (tl.load(beta_ptr + token) * (v - tl.sum(k[:, None] * state, axis=0)))[None, :]
+        tl.store(o_ptr + token * V + cols, tl.sum((q * scale)[:, None] * state, axis=0), mask=mask_v)
+    tl.store(state_ptr + offsets, state, mask=mask)
 
-    return kda_decode_triton(q, k, v, g, beta, state.clone(), scale)
+
+def decode_returns_a_new_state(q, k, v, g, beta, state, scale=None):
+    """The right kernel, launched on a copy of the state: right outputs, but the caller's state never moves
+    (decoding then forgets every token)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    new_state, o = state.clone(), torch.empty_like(v)
+    _decode_kernel[(B * H,)](q, k, v, g, beta, new_state, o, K ** -0.5 if scale is None else scale, T, H, K, V,
+                             BK=max(16, triton.next_power_of_2(K)), BV=max(16, triton.next_power_of_2(V)))
+    return o, new_state
 
 
 def decode_in_torch(q, k, v, g, beta, state, scale=None):
@@ -677,7 +705,95 @@ def composed_ignoring_the_lower_bound(q, k, v, g, beta, lower_bound=None, **kwar
     return kda_chunk_from_kernels()(q, k, v, g, beta, **kwargs)
 
 
+@triton.jit
+def _grouped_gemm_slip_kernel(x_ptr, w_ptr, out_ptr, ends_ptr, N, K, stride_xm, stride_we, stride_wk, stride_wn,
+                              stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              MASK_FIRST_START: tl.constexpr, WEIGHT_STRIDES: tl.constexpr,
+                              MASK_COLUMNS: tl.constexpr):
+    """The grouped GEMM with one of three slips: group 0's start read from ends[−1], before the offsets, instead
+    of 0 (MASK_FIRST_START=False); the bank read as a contiguous [E, K, N] whatever its strides
+    (WEIGHT_STRIDES=False); the store masked by rows only (MASK_COLUMNS=False)."""
+    expert, row_block, col_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if MASK_FIRST_START:
+        group_start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int64)
+    else:
+        group_start = tl.load(ends_ptr + expert - 1).to(tl.int64)
+    group_end = tl.load(ends_ptr + expert).to(tl.int64)
+    tile_start = group_start + row_block * BM
+    if tile_start < group_end:
+        rows = tile_start + tl.arange(0, BM)
+        cols = col_block * BN + tl.arange(0, BN)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            depth = k0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + depth[None, :],
+                        mask=(rows < group_end)[:, None] & (depth < K)[None, :], other=0.0)
+            if WEIGHT_STRIDES:
+                w_offsets = expert * stride_we + depth[:, None] * stride_wk + cols[None, :] * stride_wn
+            else:
+                w_offsets = (expert * K + depth[:, None]) * N + cols[None, :]
+            w = tl.load(w_ptr + w_offsets, mask=(depth < K)[:, None] & (cols < N)[None, :], other=0.0)
+            acc += tl.dot(x, w, input_precision="ieee")
+        mask = (rows < group_end)[:, None] & (cols < N)[None, :] if MASK_COLUMNS else (rows < group_end)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc, mask=mask)
+
+
+def _grouped_gemm_slip(x_sorted, expert_weights, group_offsets, row_blocks=None, block=16, **slip):
+    """Launches the slip kernel over (E, row blocks, column blocks); ``row_blocks`` defaults to ⌈M / block⌉."""
+    x_sorted = x_sorted.contiguous()
+    (M, K), (E, _, N) = x_sorted.shape, expert_weights.shape
+    out = torch.empty(M, N, dtype=x_sorted.dtype)
+    rows = triton.cdiv(M, block) if row_blocks is None else row_blocks
+    flags = dict(MASK_FIRST_START=True, WEIGHT_STRIDES=True, MASK_COLUMNS=True) | slip
+    _grouped_gemm_slip_kernel[(E, rows, triton.cdiv(N, block))](
+        x_sorted, expert_weights, out, group_offsets, N, K, x_sorted.stride(0), *expert_weights.stride(),
+        out.stride(0), BM=block, BN=block, BK=block, **flags)
+    return out
+
+
+def grouped_gemm_reads_before_the_offsets(x_sorted, expert_weights, group_offsets):
+    """Group e starts at ends[e − 1], for e = 0 too: expert 0's start is whatever lies before the offsets tensor,
+    and its rows are written from there (before the output's start)."""
+    return _grouped_gemm_slip(x_sorted, expert_weights, group_offsets, MASK_FIRST_START=False)
+
+
+def grouped_gemm_one_tile_per_expert(x_sorted, expert_weights, group_offsets):
+    """One row block per expert: an expert with more rows than a tile leaves the rest unwritten."""
+    return _grouped_gemm_slip(x_sorted, expert_weights, group_offsets, row_blocks=1)
+
+
+def grouped_gemm_assumes_a_contiguous_bank(x_sorted, expert_weights, group_offsets):
+    """Reads weight (e, k, n) at (e·K + k)·N + n: right for a contiguous bank, wrong for a transposed view."""
+    return _grouped_gemm_slip(x_sorted, expert_weights, group_offsets, WEIGHT_STRIDES=False)
+
+
+def grouped_gemm_store_masks_rows_only(x_sorted, expert_weights, group_offsets):
+    """Masks the store's rows but not its columns: with N no multiple of the block, each row's last block spills
+    into the next row, and the last row's past the output's end. The values the next row's programs rewrite
+    hide it, except at the end."""
+    return _grouped_gemm_slip(x_sorted, expert_weights, group_offsets, MASK_COLUMNS=False)
+
+
+def grouped_gemm_offsets_on_the_host(x_sorted, expert_weights, group_offsets):
+    """Right kernel per expert, launched from the group sizes read back to the host (a stall per call on a GPU)."""
+    ends = group_offsets.tolist()
+    out = torch.empty(x_sorted.shape[0], expert_weights.shape[2])
+    for e, (start, end) in enumerate(zip([0, *ends], ends)):
+        if end > start:
+            out[start:end] = matmul_without_the_k_loop(x_sorted[start:end], expert_weights[e], block=64)
+    return out
+
+
+def grouped_gemm_in_torch(x_sorted, expert_weights, group_offsets):
+    """The right products, one torch matmul per expert."""
+    starts = torch.cat([group_offsets.new_zeros(1), group_offsets[:-1]])
+    return torch.cat([x_sorted[s:e] @ expert_weights[i] for i, (s, e) in enumerate(zip(starts, group_offsets))])
+
+
 WRONG = {
+    "08.grouped_gemm": [grouped_gemm_reads_before_the_offsets, grouped_gemm_one_tile_per_expert,
+                        grouped_gemm_assumes_a_contiguous_bank, grouped_gemm_store_masks_rows_only,
+                        grouped_gemm_offsets_on_the_host, grouped_gemm_in_torch],
     "08.kda_decode": [decode_returns_a_new_state, decode_in_torch],
     "08.softmax_rows": [softmax_without_the_max, softmax_padded_with_zeros, softmax_max_includes_the_padding],
     "08.softmax_online": [softmax_online_without_rescaling, softmax_online_max_starts_at_zero],

@@ -52,4 +52,4 @@ def _histogram_cases() -> list[Case]:
 
 
 register(Exercise("03.margin_histogram_kernel", margin_histogram_triton, _histogram_cases, forbidden=NO_TORCH_BINNING,
-                  isolate=True, package=(margin_histogram,)))
+                  isolate=True, package=(margin_histogram,), guard_bands=True))

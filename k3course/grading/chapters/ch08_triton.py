@@ -8,6 +8,7 @@ import torch
 
 from k3course.grading.registry import Case, Exercise, Forbidden, register
 from k3course.kernels.basics import decayed_kk_tile, l2norm_rows, matmul, scale_add
+from k3course.kernels.grouped_gemm import moe_grouped_gemm
 from k3course.kernels.kda_chunk import (
     chunk_local_cumsum,
     intra_chunk_factors,
@@ -26,6 +27,11 @@ TORCH_MATH = Forbidden(
                "div", "rdiv", "truediv", "rtruediv", "add", "radd", "sub", "rsub", "mean", "softmax", "rms_norm",
                "addmm", "baddbmm", "linear", "tril", "triu"}),
     "this exercise asks for a Triton kernel: compute in the kernel, and use torch only to allocate the output")
+HOST_READS = frozenset({"item", "tolist", "int", "index", "float", "bool", "numpy", "nonzero", "unique", "bincount"})
+TORCH_MATH_OFFSETS_ON_THE_DEVICE = Forbidden(
+    TORCH_MATH.names | HOST_READS,
+    "this exercise asks for a Triton kernel that reads the group offsets on the device: compute in the kernel, "
+    "use torch only to allocate the output, and read no tensor back to the host (.item(), .tolist(), int(t))")
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -266,6 +272,44 @@ def _output_cases() -> list[Case]:
     ]
 
 
+def _grouped_inputs(counts: list[int], K: int, N: int, seed: int, offsets_dtype=torch.int32,
+                    strided_x: bool = False, transposed_weights: bool = False) -> tuple:
+    """x_sorted [M, K] (M = Σ counts), expert_weights [E, K, N] and the END offsets [E] of ``counts`` rows per
+    expert; ``strided_x``: x's rows are 8 columns further apart than K (a slice of a wider tensor);
+    ``transposed_weights``: the bank is an [E, N, K] tensor seen as [E, K, N] (as dX = dY Wᵀ reads it)."""
+    gen = _generator(seed)
+    M, E = sum(counts), len(counts)
+    x = torch.randn(M, K + 8, generator=gen)[:, 4:4 + K] if strided_x else torch.randn(M, K, generator=gen)
+    w = torch.randn(E, N, K, generator=gen).transpose(1, 2) if transposed_weights else torch.randn(E, K, N,
+                                                                                                 generator=gen)
+    return x, w, torch.tensor(counts).cumsum(0).to(offsets_dtype)
+
+
+def grouped_gemm_reference(x_sorted: torch.Tensor, expert_weights: torch.Tensor,
+                           group_offsets: torch.Tensor) -> torch.Tensor:
+    """The reference: expert e's rows [ends[e−1], ends[e]) times its weight, one torch matmul per expert — what
+    the package's grouped GEMM op (``moe_grouped_gemm``, refused in an answer) computes in one launch; written
+    here, where the grader's torch maths is not the learner's (tests/test_grouped_gemm_exercise.py: the two
+    agree)."""
+    ends = group_offsets.tolist()
+    return torch.cat([x_sorted[start:end] @ expert_weights[e] for e, (start, end) in enumerate(zip([0, *ends], ends))])
+
+
+def _grouped_gemm_cases() -> list[Case]:
+    return [
+        Case("6 experts, two empty, 63 rows, K = 24, N = 40", _grouped_inputs([5, 0, 40, 1, 0, 17], 24, 40, 90)),
+        Case("the first and the last experts empty, int64 offsets",
+             _grouped_inputs([0, 9, 12, 0], 16, 16, 91, torch.int64)),
+        Case("one expert holds 70 rows: more than one tile of rows", _grouped_inputs([70, 3], 16, 20, 92)),
+        Case("K = 37, N = 19: partial blocks along both", _grouped_inputs([4, 13, 2], 37, 19, 93)),
+        Case("strided x: rows 8 columns further apart than K", _grouped_inputs([6, 0, 11], 20, 24, 94,
+                                                                               strided_x=True)),
+        Case("a transposed weight bank (strides (N·K, 1, K))", _grouped_inputs([7, 9, 0, 5], 16, 24, 95,
+                                                                               transposed_weights=True)),
+        Case("one row, eight experts, seven of them empty", _grouped_inputs([0, 0, 0, 1, 0, 0, 0, 0], 16, 16, 96)),
+    ]
+
+
 def kda_chunk_reference(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64,
                         *, lower_bound=None):
     """The reference for the three kernels composed: the package's chunk op (chapter 07's torch path)."""
@@ -287,14 +331,20 @@ def _composed_cases() -> list[Case]:
 
 
 register(Exercise("08.kda_chunk", kda_chunk_reference, _composed_cases, tolerance={"float32": (1e-5, 2e-5)},
-                  package=(kda_chunk,), isolate=True))
-register(Exercise("08.kda_intra_chunk", intra_chunk_factors, _intra_chunk_cases, forbidden=TORCH_MATH, isolate=True))
-register(Exercise("08.kda_state_pass", state_pass, _state_pass_cases, forbidden=TORCH_MATH, isolate=True))
-register(Exercise("08.kda_chunk_output", output_from_states, _output_cases, forbidden=TORCH_MATH, isolate=True))
+                  package=(kda_chunk,), isolate=True, guard_bands=True))
+register(Exercise("08.kda_intra_chunk", intra_chunk_factors, _intra_chunk_cases, forbidden=TORCH_MATH, isolate=True,
+                  guard_bands=True))
+register(Exercise("08.kda_state_pass", state_pass, _state_pass_cases, forbidden=TORCH_MATH, isolate=True,
+                  guard_bands=True))
+register(Exercise("08.kda_chunk_output", output_from_states, _output_cases, forbidden=TORCH_MATH, isolate=True,
+                  guard_bands=True))
 register(Exercise("08.reverse_state_pass", reverse_state_pass, _reverse_pass_cases, forbidden=TORCH_MATH,
-                  isolate=True))
+                  isolate=True, guard_bands=True))
+register(Exercise("08.grouped_gemm", grouped_gemm_reference, _grouped_gemm_cases,
+                  forbidden=TORCH_MATH_OFFSETS_ON_THE_DEVICE, package=(moe_grouped_gemm,), isolate=True,
+                  guard_bands=True))
 register(Exercise("08.kda_decode", kda_decode_triton, _decode_cases, mutable=("state",), forbidden=TORCH_MATH,
-                  isolate=True))
+                  isolate=True, guard_bands=True))
 for exercise_id, reference, cases in (("08.scale_add", scale_add, _scale_add_cases),
                                       ("08.l2norm_rows", l2norm_rows, _l2norm_cases),
                                       ("08.softmax_rows", softmax_rows, _softmax_cases),
@@ -302,4 +352,4 @@ for exercise_id, reference, cases in (("08.scale_add", scale_add, _scale_add_cas
                                       ("08.matmul", matmul, _matmul_cases),
                                       ("08.chunk_cumsum", chunk_local_cumsum, _cumsum_cases),
                                       ("08.kk_tile", decayed_kk_tile, _tile_cases)):
-    register(Exercise(exercise_id, reference, cases, forbidden=TORCH_MATH, isolate=True))
+    register(Exercise(exercise_id, reference, cases, forbidden=TORCH_MATH, isolate=True, guard_bands=True))

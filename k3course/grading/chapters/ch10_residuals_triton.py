@@ -50,4 +50,4 @@ def _depth_read_cases() -> list[Case]:
 
 
 register(Exercise("10.depth_read_kernel", depth_read_kernel, _depth_read_cases, forbidden=TORCH_MATH, isolate=True,
-                  package=(depth_attention_forward, depth_attention_triton, depth_attention)))
+                  package=(depth_attention_forward, depth_attention_triton, depth_attention), guard_bands=True))

@@ -206,7 +206,8 @@ def test_the_runs_kernel_backend_is_built_into_every_layer_saved_and_used_on_res
     config = train.RunConfig(SMALL, dataclasses.replace(FAST, steps=2), train.RunOptions(kernels="loop"))
     out = tmp_path / "run"
     backends = lambda model: {type(m).__name__: m.kernels for m in model.modules() if hasattr(m, "kernels")}
-    built_with = {"K3Model": "loop", "KimiDeltaAttention": "loop", "RoutedExperts": "loop"}
+    built_with = {"K3Model": "loop", "KimiDeltaAttention": "loop", "GatedMLA": "loop", "BlockAttnRes": "loop",
+                  "RoutedExperts": "loop"}
     assert backends(train.train(config, out, corpus=corpus, progress=False)) == built_with
     saved = read_saved_run(checkpoint.latest_checkpoint(out))
     assert saved.config.run.kernels == "loop"

@@ -191,8 +191,10 @@ def test_the_mesh_is_checked_before_any_rank_starts(tmp_path, run_toml):
     config = resolve_config(config_file=run_toml)
     with pytest.raises(ValueError, match="dp_shard must be a positive int dividing the 4 ranks, got 3"):
         train.train(config, tmp_path / "a", ranks=4, dp_shard=3)
+    with pytest.raises(ValueError, match="train.batch_size 2 must be a multiple of the 4 ranks"):
+        train.train(config, tmp_path / "a", ranks=4)
     assert main(["train", "--threads", "1", "--config", str(run_toml), "--out", str(tmp_path / "b"), "--set",
-                 "steps=1"]) == 0
+                 "steps=1", "batch_size=4"]) == 0
     with pytest.raises(ValueError, match="one-process checkpoint; it resumes on one process or on 4 ranks with"):
-        train.train(resolve_config(config_file=run_toml, sets=["steps=2"]), tmp_path / "b", "extend", ranks=4,
-                    dp_shard=2)
+        train.train(resolve_config(config_file=run_toml, sets=["steps=2", "batch_size=4"]), tmp_path / "b",
+                    "extend", ranks=4, dp_shard=2)

@@ -435,7 +435,7 @@ def _trial(run: dict) -> dict:
 
 def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, sample_prompt: str | None = None,
                    jobs: int = 1, equal_time: tuple[str, str] | None = None, device: str = "cpu",
-                   lr_grid: tuple[float, ...] | None = None) -> dict:
+                   lr_grid: tuple[float, ...] | None = None, more_seeds: dict | None = None) -> dict:
     """Every variant of ``claim`` (:data:`k3course.lessons.claims.CLAIMS`) × every seed, trained by
     :func:`k3course.lessons.claims.run_variant` with ``TrainConfig(**train)``:
     {"variants": {label: :func:`describe`}, "training": {label: :func:`variant_training`}, "torch_threads": 1,
@@ -453,8 +453,12 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
     measures first, both models on one thread taking turns), on its own warmup + cosine schedule over those steps,
     as the variant "FASTER (equal time)" with its "steps"; the result keeps the step times ("step_seconds").
     ``device``: where every run trains (a CUDA device for :data:`GPU_BUDGET`'s runs).
+
+    ``more_seeds`` {"variants": [label, ...], "seeds": [seed, ...]}: those variants also train those seeds (the
+    pair of a comparison that its seeds left within reach of a verdict; the other variants keep ``seeds``).
     """
     variants = claims.CLAIMS[claim]()
+    seeds_of = _seeds_of(variants, seeds, more_seeds)
     base = train_config(train)
     tuned = None if lr_grid is None else \
         tune_learning_rates(variants, base, task, tuning.check_grid(lr_grid), jobs, device)
@@ -467,7 +471,7 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
         equal = [(equal_time_label(faster), variants[faster], settings[faster].replace(steps=steps), seed, None,
                   device, None) for seed in seeds]
     todo = [(label, cfg, settings[label], seed, sample_prompt if seed == seeds[0] else None, device, None)
-            for label, cfg in variants.items() for seed in seeds] + equal
+            for label, cfg in variants.items() for seed in seeds_of[label]] + equal
     runs = _train_all(todo, jobs, task)
     described = {label: describe(cfg) for label, cfg in variants.items()}
     training = {label: variant_training(cfg, settings[label], tuned) for label, cfg in variants.items()}
@@ -478,6 +482,17 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
         training[label] = {**training[faster], "train": dataclasses.asdict(settings[faster].replace(steps=steps))}
     return {"variants": described, "training": training, "torch_threads": 1, "runs": runs,
             **({"tuning": tuned} if tuned else {}), **({"step_seconds": timing} if timing else {})}
+
+
+def _seeds_of(variants: dict, seeds: tuple[int, ...], more_seeds: dict | None) -> dict[str, tuple[int, ...]]:
+    """{label: the seeds it trains}: ``seeds``, then ``more_seeds["seeds"]`` for the variants it names."""
+    more = more_seeds or {"variants": [], "seeds": []}
+    if set(more) != {"variants", "seeds"} or not set(more["variants"]) <= set(variants):
+        raise ValueError(f"more_seeds must be {{'variants': labels of {list(variants)}, 'seeds': [...]}}, "
+                         f"got {more_seeds!r}")
+    if set(more["seeds"]) & set(seeds):
+        raise ValueError(f"more_seeds: seeds {more['seeds']} repeat some of {list(seeds)}")
+    return {label: (*seeds, *(more["seeds"] if label in more["variants"] else ())) for label in variants}
 
 
 def variant_training(cfg: K3Config, settings: TrainConfig, tuned: dict | None) -> dict:
@@ -616,17 +631,17 @@ def tiny_default() -> dict:
 
 SEEDS = (0, 1, 2)
 # Five seeds where three left a verdict of chapter 12's rule within reach (|t| ≥ 2 and the 95% interval still
-# holding 0): every variant of the 120-step hybrid-ratio, residuals, balancing and expert-count claims. The
-# default-budget pairs within reach (3:1 vs all-KDA, Full vs Block AttnRes, latent-wider vs full width) need two more
-# seeds of every variant of hybrid-ratio-default, residuals-default and latent-moe-default (about 2.1 CPU-hours at
-# their saved runs' speeds, quoted.more_seeds_cpu_hours) and stay at three until those run. dense-baseline-default
-# needs none: at equal steps the tiny K3's lead is outside the noise at three seeds, and at equal time the mean
+# holding 0): every variant of the 120-step hybrid-ratio, residuals, balancing and expert-count claims, and the two
+# variants of each default-budget pair within reach (3:1 vs all-KDA, Full vs Block AttnRes, latent-wider vs full
+# width; their claims' other variants stay at three). dense-baseline-default stays at three: at equal steps the
+# tiny K3's lead (0.15 bits/byte) is outside the noise at three seeds already, and at equal time the mean
 # difference (−0.003, s = 0.020) is so far inside it that two more seeds could not decide it.
 FIVE_SEEDS = (0, 1, 2, 3, 4)
 _TUNED = dict(seeds=SEEDS, lr_grid=tuning.LR_GRID)
 _TEXT = dict(**_TUNED, task="text", train=dataclasses.asdict(claims.TEXT_TRAIN))
 _TEXT5 = dict(_TEXT, seeds=FIVE_SEEDS)
 _DEFAULT_TEXT = dict(**_TUNED, task="text", train=dataclasses.asdict(claims.DEFAULT_TEXT_TRAIN))
+_TWO_MORE = (3, 4)
 _MQAR = dict(**_TUNED, task="mqar", train=dataclasses.asdict(claims.MQAR_TRAIN))
 EXPERIMENTS = {
     "tiny-default": (tiny_default, {}),
@@ -644,9 +659,12 @@ EXPERIMENTS = {
     "balancing": (claim_variants, {"claim": "balancing", **_TEXT5}),
     "latent-moe": (claim_variants, {"claim": "latent-moe", **_TEXT}),
     "expert-count": (claim_variants, {"claim": "expert-count", **_TEXT5}),
-    "hybrid-ratio-default": (claim_variants, {"claim": "hybrid-ratio", **_DEFAULT_TEXT}),
-    "residuals-default": (claim_variants, {"claim": "residuals", **_DEFAULT_TEXT}),
-    "latent-moe-default": (claim_variants, {"claim": "latent-moe", **_DEFAULT_TEXT}),
+    "hybrid-ratio-default": (claim_variants, {"claim": "hybrid-ratio", **_DEFAULT_TEXT, "more_seeds": {
+        "variants": ("3:1", "all-KDA"), "seeds": _TWO_MORE}}),
+    "residuals-default": (claim_variants, {"claim": "residuals", **_DEFAULT_TEXT, "more_seeds": {
+        "variants": ("Block AttnRes", "Full AttnRes"), "seeds": _TWO_MORE}}),
+    "latent-moe-default": (claim_variants, {"claim": "latent-moe", **_DEFAULT_TEXT, "more_seeds": {
+        "variants": ("full width", "latent, wider experts"), "seeds": _TWO_MORE}}),
     "tuning-horizon": (tuning_horizon, {"claim_result": "latent-moe"}),
 }
 
@@ -656,7 +674,7 @@ EXPERIMENTS = {
 BUDGETS = ("default", "gpu")
 # The text claims on one GPU: 4× the default run's bytes per step (32 × 256; a model this small is bound by its
 # kernel launches and host reads on a GPU, so the bigger batch comes nearly free) for 700 steps, 3.5× the bytes
-# of the CPU budget: the four claims, tuning runs included, in about one and a half GPU-hours on an H200 in one
+# of the CPU budget: the four claims, tuning runs included, in about 1.8 GPU-hours on an H200 in one
 # process, from the step times measured there (results/gpu_budget.json, :func:`gpu_budget_hours`).
 GPU_TEXT_TRAIN = TrainConfig(steps=700, batch_size=32, seq_len=256, warmup_steps=50, eval_every=0,
                              eval_bytes=262144, checkpoint_every=0)
@@ -698,18 +716,20 @@ def gpu_step_ms() -> dict[str, dict[str, float]]:
 def gpu_budget_hours(step_ms: dict[str, dict[str, float]], train: TrainConfig) -> float:
     """GPU-hours of every run of the :data:`GPU_CLAIMS` at ``train`` in one process: for every distinct variant
     config (a run trained by one claim is copied by the next), steps × its measured step time
-    ``step_ms[claim][variant]`` × (seeds + the tuning runs: grid size × :data:`tuning.TUNING_FRACTION`⁻¹), plus an
+    ``step_ms[claim][variant]`` × (its seeds + the tuning runs: grid size × :data:`tuning.TUNING_FRACTION`⁻¹), plus an
     equal-time claim's faster variant trained again for the slower one's time. A variant without a measurement
     takes the mean of its claim's measured ones. Evaluation (a few seconds per run) is left out."""
     seconds, counted = 0.0, set()
     for name in GPU_CLAIMS:
         settings, measured = budget_settings(name, "gpu"), step_ms[name]
         fallback = sum(measured.values()) / len(measured)
-        runs_per_variant = len(settings["seeds"]) + len(settings.get("lr_grid", ())) / tuning.TUNING_FRACTION
-        for label, cfg in claims.CLAIMS[settings["claim"]]().items():
+        variants = claims.CLAIMS[settings["claim"]]()
+        seeds_of = _seeds_of(variants, settings["seeds"], settings.get("more_seeds"))
+        for label, cfg in variants.items():
             per_step = measured.get(label, fallback) / 1e3
             if cfg not in counted:
-                seconds += train.steps * per_step * runs_per_variant
+                runs = len(seeds_of[label]) + len(settings.get("lr_grid", ())) / tuning.TUNING_FRACTION
+                seconds += train.steps * per_step * runs
                 counted.add(cfg)
             if label == settings.get("equal_time", (None,))[0]:
                 seconds += train.steps * per_step * len(settings["seeds"])
@@ -764,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", help=f"one of {', '.join(EXPERIMENTS)}")
     parser.add_argument("--jobs", type=int, default=1, help="claim experiments: runs trained at a time (processes)")
     parser.add_argument("--budget", choices=BUDGETS, default="default",
-                        help=f"gpu: {', '.join(GPU_CLAIMS)} on a CUDA GPU at GPU_TEXT_TRAIN (about 1.5 GPU-hours for "
+                        help=f"gpu: {', '.join(GPU_CLAIMS)} on a CUDA GPU at GPU_TEXT_TRAIN (about 1.8 GPU-hours for "
                              "all four), saved as NAME-gpu.json")
     parser.add_argument("--device", default=None, help="claim experiments: train on this torch device (default: "
                         "the budget's, cpu or cuda)")

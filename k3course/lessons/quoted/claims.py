@@ -153,20 +153,6 @@ def claim_cpu_hours(*names: str) -> float:
 
 
 @quoted
-def more_seeds_cpu_hours(seeds: int, *names: str) -> float:
-    """CPU-hours ``seeds`` more seeds of every variant of the saved claims ``names`` would take at their saved runs'
-    own speeds: per variant trained for that claim (not copied from another one; a copy from the claim's own earlier
-    save counts), its mean run time × ``seeds``."""
-    seconds = 0.0
-    for name in names:
-        runs = [run for run in _saved(name)["result"]["runs"] if run.get("reused_from", name).split(":")[0] == name]
-        for variant in dict.fromkeys(run["variant"] for run in runs):
-            times = [run["seconds"] for run in runs if run["variant"] == variant]
-            seconds += seeds * sum(times) / len(times)
-    return seconds / 3600
-
-
-@quoted
 def claim_cpu_minutes(name: str) -> float:
     """The same in CPU-minutes."""
     return claim_cpu_hours(name) * 60

@@ -135,7 +135,7 @@ def test_the_gpu_budget_smoke_tested_on_the_cpu_for_two_steps(tmp_path, monkeypa
     monkeypatch.setattr(experiments, "GPU_TEXT_TRAIN", experiments.GPU_TEXT_TRAIN.replace(
         steps=4, warmup_steps=2, eval_bytes=2048, batch_size=4, seq_len=64))
     for name in ("hybrid-ratio-default", "residuals-default", "latent-moe-default", "dense-baseline-default"):
-        settings = {**experiments.EXPERIMENTS[name][1], "seeds": (0,)}
+        settings = {**experiments.EXPERIMENTS[name][1], "seeds": (0,), "more_seeds": None}
         monkeypatch.setitem(experiments.EXPERIMENTS, name, (experiments.claim_variants, settings))
         path = experiments.run_experiment(name, budget="gpu", device="cpu")
         assert path == tmp_path / f"{name}-gpu.json"
@@ -241,8 +241,9 @@ def test_a_saved_claim_run_replays_and_its_variants_are_the_current_configs(name
         assert len(run["losses"]) == len(run["max_violation"]) == run.get("steps", steps)
         assert all(math.isfinite(x) for x in run["losses"])
         assert 0 < run["val_bpb"] < 8 if settings["task"] == "text" else 0 <= run["accuracy"] <= 1
+    seeds = experiments.variant_seeds(variants, settings["seeds"], settings.get("more_seeds"))
     assert [(r["variant"], r["seed"]) for r in result["runs"]] == \
-        [(label, seed) for label in variants for seed in settings["seeds"]]
+        [(label, seed) for label in variants for seed in seeds[label]]
     last = result["runs"][-1]
     # each variant's own settings when tuned alike; a result at one rate (saved before tuning) has one for all
     trained = experiments.train_config(result.get("training", {}).get(last["variant"], settings)["train"])
@@ -276,7 +277,8 @@ def test_a_saved_run_is_found_by_everything_it_is_a_function_of_and_nothing_else
     hybrid = experiments.load("hybrid-ratio-default")["result"]["runs"]
     assert [r.get("reused_from") for r in residuals if r["variant"] == "Block AttnRes"] == \
         ["hybrid-ratio-default: 3:1"] * 3 + [None] * 2
-    assert [r.get("reused_from") for r in hybrid if r["variant"] == "3:1"][3:] == ["residuals-default: Block AttnRes"] * 2
+    assert [r.get("reused_from") for r in hybrid if r["variant"] == "3:1"][3:] == \
+        ["residuals-default: Block AttnRes"] * 2
 
 
 def test_an_interrupted_experiment_takes_back_its_finished_runs_and_trains_only_the_rest(monkeypatch):

@@ -155,9 +155,17 @@ def test_the_depth_variants_differ_in_depth_only_and_their_8_layer_runs_are_the_
     originals = [run for run in hybrid["result"]["runs"] if run["variant"] == "all-KDA"]
     assert [run["reused_from"] for run in copied] == ["hybrid-mqar: all-KDA"] * 3
     assert [run["losses"] for run in copied] == [run["losses"] for run in originals]
-    assert depth["result"]["tuning"]["trials"]["K3 all-KDA, 8 layers"] == \
-        [{**trial, "reused_from": "hybrid-mqar: all-KDA (tuning)"} for trial in
-         hybrid["result"]["tuning"]["trials"]["all-KDA"]]
+    # the same tuning runs, each trained once: the grid's by hybrid-mqar, the run past its bottom edge by mqar-depth
+    # (re-run first under the extended rule), each copied by the other
+    depth_trials = depth["result"]["tuning"]["trials"]["K3 all-KDA, 8 layers"]
+    hybrid_trials = hybrid["result"]["tuning"]["trials"]["all-KDA"]
+    unsourced = lambda trials: [{k: v for k, v in trial.items() if k != "reused_from"} for trial in trials]
+    assert unsourced(depth_trials) == unsourced(hybrid_trials)
+    sources = lambda trials: {trial["lr"]: trial.get("reused_from", "") for trial in trials}
+    past_edge = min(sources(depth_trials))
+    assert sources(hybrid_trials)[past_edge] == "mqar-depth: K3 all-KDA, 8 layers (tuning)"
+    assert all(source == "hybrid-mqar: all-KDA (tuning)" for lr, source in sources(depth_trials).items()
+               if lr != past_edge)
 
 
 # --- what recall_run adds ---------------------------------------------------------------------------------

@@ -110,7 +110,8 @@ def test_the_quoted_tuning_loss_is_the_saved_trials_and_names_the_grid_for_a_rat
     trials = experiments.load("mqar-depth")["result"]["tuning"]["trials"]["K3 all-KDA, 8 layers"]
     assert quoted_tuning.claim_tuning_loss("mqar-depth", "K3 all-KDA, 8 layers", 1e-3) == \
         next(trial["tail_loss"] for trial in trials if trial["lr"] == 1e-3)
-    with pytest.raises(KeyError, match=r"tuned at \[0.001, 0.003, 0.01\]"):
+    # the grid and its run past the bottom edge
+    with pytest.raises(KeyError, match=r"tuned at \[0.0003, 0.001, 0.003, 0.01\]"):
         quoted_tuning.claim_tuning_loss("mqar-depth", "K3 all-KDA, 8 layers", 5e-3)
     # one variant's runs, in minutes: the 8-layer stack takes longer than the 2-layer one
     two, eight = (quoted_claims.claim_minutes("mqar-depth", f"K3 all-KDA, {n} layers") for n in (2, 8))

@@ -458,7 +458,7 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
     pair of a comparison that its seeds left within reach of a verdict; the other variants keep ``seeds``).
     """
     variants = claims.CLAIMS[claim]()
-    seeds_of = _seeds_of(variants, seeds, more_seeds)
+    seeds_of = variant_seeds(variants, seeds, more_seeds)
     base = train_config(train)
     tuned = None if lr_grid is None else \
         tune_learning_rates(variants, base, task, tuning.check_grid(lr_grid), jobs, device)
@@ -484,7 +484,7 @@ def claim_variants(claim: str, seeds: tuple[int, ...], task: str, train: dict, s
             **({"tuning": tuned} if tuned else {}), **({"step_seconds": timing} if timing else {})}
 
 
-def _seeds_of(variants: dict, seeds: tuple[int, ...], more_seeds: dict | None) -> dict[str, tuple[int, ...]]:
+def variant_seeds(variants: dict, seeds: tuple[int, ...], more_seeds: dict | None) -> dict[str, tuple[int, ...]]:
     """{label: the seeds it trains}: ``seeds``, then ``more_seeds["seeds"]`` for the variants it names."""
     more = more_seeds or {"variants": [], "seeds": []}
     if set(more) != {"variants", "seeds"} or not set(more["variants"]) <= set(variants):
@@ -724,7 +724,7 @@ def gpu_budget_hours(step_ms: dict[str, dict[str, float]], train: TrainConfig) -
         settings, measured = budget_settings(name, "gpu"), step_ms[name]
         fallback = sum(measured.values()) / len(measured)
         variants = claims.CLAIMS[settings["claim"]]()
-        seeds_of = _seeds_of(variants, settings["seeds"], settings.get("more_seeds"))
+        seeds_of = variant_seeds(variants, settings["seeds"], settings.get("more_seeds"))
         for label, cfg in variants.items():
             per_step = measured.get(label, fallback) / 1e3
             if cfg not in counted:

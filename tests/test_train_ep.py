@@ -187,6 +187,32 @@ def test_a_dp_shard_by_ep_run_writes_sharded_checkpoints_that_resume_on_2_ranks_
     assert losses(back)[:3] == pytest.approx(losses(four), rel=1e-6)
 
 
+def test_a_mesh_run_stopped_by_sigint_on_one_rank_resumes_to_the_straight_runs_weights(tmp_path, run_toml, capsys):
+    """``--dp-shard 2 --ep 2``: SIGINT reaches rank 1 alone, during step 3; all four ranks stop after step 3 with
+    its complete sharded checkpoint (every rank's pieces, no .partial folder left). Resumed on the same mesh, the
+    run ends bit for bit with the weights, losses and validation numbers of a straight four-rank run."""
+    sets = ["--set", "eval_every=2", "checkpoint_every=2", "batch_size=4"]
+    mesh = ["--dp-shard", "2", "--ep", "2", "--threads", "1"]
+    assert main(["train", *mesh, "--config", str(run_toml), *sets, "--out", str(tmp_path / "straight")]) == 0
+    config = resolve_config(config_file=run_toml, sets=sets[1:])
+    stopped = tmp_path / "stopped"
+    with pytest.raises(train.TrainingInterrupted, match="SIGINT at step 3: checkpoint .* --resume") as interrupted:
+        train.train(config, stopped, ranks=4, dp_shard=2, progress=False, model_factory=_interrupted_on_rank_1)
+    assert interrupted.value.step == 3 and interrupted.value.signum == signal.SIGINT
+    assert [step for step, _ in checkpoint.checkpoints(stopped)] == [2, 3]
+    assert sorted(path.name for path in checkpoint.step_dir(stopped, 3).iterdir()) == [
+        ".metadata", *(f"__{rank}_0.distcp" for rank in range(4)), "config.json"]
+    assert checkpoint.read_config(checkpoint.step_dir(stopped, 3))["step"] == 3
+    assert not list(stopped.glob(".*.partial"))
+    assert [r["step"] for r in checkpoint.read_metrics(stopped)] == [1, 2, 3]
+    assert main(["train", *mesh, "--out", str(stopped), "--resume"]) == 0
+    resumed, straight = load_model(stopped).state_dict(), load_model(tmp_path / "straight").state_dict()
+    assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
+    numbers = lambda out: [(r["step"], r["loss"], r.get("val_bpb")) for r in checkpoint.read_metrics(out)]
+    assert numbers(stopped) == numbers(tmp_path / "straight")
+    capsys.readouterr()
+
+
 def test_the_mesh_is_checked_before_any_rank_starts(tmp_path, run_toml):
     config = resolve_config(config_file=run_toml)
     with pytest.raises(ValueError, match="dp_shard must be a positive int dividing the 4 ranks, got 3"):

@@ -22,7 +22,6 @@ import re
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import safetensors.torch
@@ -149,16 +148,12 @@ def _load_sharded_weights(folder: Path, model: torch.nn.Module) -> None:
         raise CheckpointError(f"checkpoint: {folder} (sharded) does not fit this model: {error}") from error
 
 
-def load_state(folder: Path, optimizer, scheduler, shard: Callable[[dict], dict] | None = None) -> None:
-    """Restore optimizer, scheduler and RNG state from state.pt (the step to continue from is config.json's).
-
-    ``shard`` maps the saved (one-process) optimizer state to ``optimizer``'s: with expert-parallel experts,
-    :func:`k3course.distributed.shard_optimizer_state` keeps this rank's block of every expert's moments.
-    """
+def load_state(folder: Path, optimizer, scheduler) -> None:
+    """Restore optimizer, scheduler and RNG state from state.pt (the step to continue from is config.json's)."""
     folder = _require_complete(Path(folder))
     try:
         state = torch.load(folder / "state.pt", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"] if shard is None else shard(state["optimizer"]))
+        optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
     except (RuntimeError, OSError, KeyError, ValueError) as error:
         raise CheckpointError(f"checkpoint: {folder}/state.pt is corrupt or from another optimizer: {error}") from error

@@ -267,10 +267,11 @@ def _add_train(sub) -> None:
     option("--compile", action="store_true", help="torch.compile the model: the first step compiles (minutes on a "
                                                   "CPU), later steps run the compiled graphs (default: off)")
     option("--ep", type=_positive_int, default=1, help="expert-parallel ranks: spawn P local processes, gloo on the "
-                                                       "CPU, NCCL for --device cuda (default: 1)")
+                                                       "CPU, NCCL for --device cuda, the routed experts split over "
+                                                       "them, every other weight sharded (default: 1)")
     option("--dp-shard", type=_positive_int, default=1, metavar="N",
            help="FSDP2 × EP: spawn N × P ranks on a mesh of N × P (\"dp_shard\", \"ep\"), every weight sharded, "
-                "sharded (DCP) checkpoints; 1: all but the experts copied on every rank (default: 1)")
+                "each expert block over N; any run of several ranks writes sharded (DCP) checkpoints (default: 1)")
     train.set_defaults(run=_train)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from k3course import pretrained, pretrained_save
 from k3course.config import K3Config
@@ -154,14 +155,20 @@ class K3Model(nn.Module):
         in ``layout``: "kimi_linear" (what transformers' Kimi Linear opens; UnsupportedCheckpoint names each
         setting Kimi Linear cannot express: Block AttnRes, SiTU-GLU, K3's full-rank or biased gates, the bounded
         KDA gate, latent MoE, RoPE ...) or "kimi_k3" (the released K3 layout in bf16, routed experts in MXFP4 with
-        ``mxfp4``; UnsupportedCheckpoint names what it cannot express)."""
-        if layout not in pretrained_save.LAYOUTS:
-            raise ValueError(f"layout must be one of {', '.join(pretrained_save.LAYOUTS)}, got {layout!r}")
-        if mxfp4 and layout != "kimi_k3":
-            raise ValueError("mxfp4: only the kimi_k3 layout stores routed experts in MXFP4")
-        if layout == "kimi_k3":
-            return pretrained_save.save_kimi_k3(self.cfg, self.state_dict(), path, max_shard_bytes, mxfp4)
-        return pretrained_save.save_kimi_linear(self.cfg, self.state_dict(), path, max_shard_bytes)
+        ``mxfp4``; UnsupportedCheckpoint names what it cannot express). A model sharded over ranks
+        (:meth:`is_sharded`) is written by :func:`k3course.distributed.save_pretrained`, which every rank calls;
+        here it is refused."""
+        if self.is_sharded():
+            raise ValueError("save_pretrained: this model is sharded over ranks (FSDP2 DTensor weights or expert "
+                             "parallelism); every rank calls k3course.distributed.save_pretrained(model, path, mesh) "
+                             "instead, which gathers it one tensor at a time")
+        return pretrained_save.save(self.cfg, self.state_dict(), path, layout, max_shard_bytes, mxfp4)
+
+    def is_sharded(self) -> bool:
+        """Whether this process holds only part of the model: FSDP2 shards (DTensor weights) or a block of some
+        MoE layer's routed experts (expert parallelism)."""
+        return (any(isinstance(param, DTensor) for param in self.parameters())
+                or any(moe.experts.gate_up.shape[0] < moe.n_routed_experts for moe in self.moe_layers()))
 
     @torch.no_grad()
     def _assign(self, name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:

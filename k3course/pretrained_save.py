@@ -6,15 +6,22 @@ kimi_linear  a :class:`~k3course.config.K3Config` that Kimi Linear can express, 
 kimi_k3      the released K3 layout (``model_type`` ``kimi_k3``, nested ``text_config``, tensors under
              ``language_model.model.``), written from the table :func:`k3course.layout.checkpoint_layout` that
              :mod:`k3course.pretrained` reads with; routed experts in bf16, or MXFP4 on request.
+
+The writers read their state tensor by tensor and convert one part at a time (a part: the rows of one layer, or
+of the embeddings and head), so a state may be a :class:`LazyState`, whose item access gathers one tensor of a
+sharded model (:func:`k3course.distributed.save_pretrained`): the writing process then holds at most one output
+file's tensors and the part being converted.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import safetensors.torch
 import torch
+from torch.distributed.tensor import DTensor
 
 from k3course import layout
 from k3course.config import K3Config
@@ -36,6 +43,49 @@ from k3course.pretrained import (
 )
 
 LAYOUTS = ("kimi_linear", "kimi_k3")
+
+
+class LazyState(Mapping):
+    """A state dict read one tensor at a time: ``views`` {name: the tensor's global view, a DTensor or a tensor
+    held whole}; item access returns the whole tensor (a DTensor's ``full_tensor()``, a collective: every rank
+    reads the same names in the same order). ``keeps``: whether this process writes the folder; the others take
+    part in the gathers and write nothing."""
+
+    def __init__(self, views: dict[str, torch.Tensor], keeps: bool):
+        self.views, self.keeps = views, keeps
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        view = self.views[name]
+        return view.full_tensor() if isinstance(view, DTensor) else view
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.views)
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+
+def _described(state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """{name: a tensor of state[name]'s shape and dtype}, read without gathering (a LazyState's views)."""
+    return state.views if isinstance(state, LazyState) else state
+
+
+def _keeps(state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether this process writes the folder of ``state`` (a LazyState: one rank of several)."""
+    return not isinstance(state, LazyState) or state.keeps
+
+
+def save(cfg: K3Config, state: Mapping[str, torch.Tensor], path: str | Path, layout: str = "kimi_linear",
+         max_shard_bytes: int = 5 * 2**30, mxfp4: bool = False) -> Path:
+    """Write ``state`` (a K3Model state dict, or a :class:`LazyState` of one) as a checkpoint folder in
+    ``layout`` (:data:`LAYOUTS`: :func:`save_kimi_linear`, :func:`save_kimi_k3`). Returns the folder."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if mxfp4 and layout != "kimi_k3":
+        raise ValueError("mxfp4: only the kimi_k3 layout stores routed experts in MXFP4")
+    if layout == "kimi_k3":
+        return save_kimi_k3(cfg, state, path, max_shard_bytes, mxfp4)
+    return save_kimi_linear(cfg, state, path, max_shard_bytes)
 
 
 def kimi_linear_config(cfg: K3Config, dtype: torch.dtype = torch.float32) -> dict:
@@ -69,7 +119,7 @@ def kimi_linear_config(cfg: K3Config, dtype: torch.dtype = torch.float32) -> dic
     }
 
 
-def save_kimi_linear(cfg: K3Config, state: dict[str, torch.Tensor], path: str | Path,
+def save_kimi_linear(cfg: K3Config, state: Mapping[str, torch.Tensor], path: str | Path,
                      max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write ``state`` (a K3Model state dict) as a Kimi Linear checkpoint folder: config.json and safetensors in
     the released names (:func:`k3course.layout.checkpoint_layout`), sharded at part boundaries (at most
@@ -78,7 +128,7 @@ def save_kimi_linear(cfg: K3Config, state: dict[str, torch.Tensor], path: str | 
     transformers' Kimi Linear then has the right head whether or not it ties it, and
     :class:`~k3course.pretrained.PretrainedFolder` reads the pair back as tied. Converts one part at a time. Returns the
     folder."""
-    config = kimi_linear_config(cfg, state["embed.weight"].dtype)
+    config = kimi_linear_config(cfg, _described(state)["embed.weight"].dtype)
     parts = layout.checkpoint_layout(cfg)
 
     def stored(part: list[layout.Row]) -> dict[str, torch.Tensor]:
@@ -87,14 +137,15 @@ def save_kimi_linear(cfg: K3Config, state: dict[str, torch.Tensor], path: str | 
             out[HEAD] = state["embed.weight"].clone()
         return out
     return _write_folder(config, [lambda part=part: stored(part) for part in parts], _sizes(parts, state), path,
-                         max_shard_bytes)
+                         max_shard_bytes, _keeps(state))
 
 
-def _sizes(parts: list[list[layout.Row]], state: dict[str, torch.Tensor],
+def _sizes(parts: list[list[layout.Row]], state: Mapping[str, torch.Tensor],
            dtype: torch.dtype | None = None) -> list[int]:
-    """The bytes of each part's tensors (in ``dtype``, or their own)."""
-    return [sum(state[name].numel() * (dtype or state[name].dtype).itemsize for row in part for name in row.ours)
-            for part in parts]
+    """The bytes of each part's tensors (in ``dtype``, or their own), read without gathering."""
+    described = _described(state)
+    return [sum(described[name].numel() * (dtype or described[name].dtype).itemsize for row in part
+                for name in row.ours) for part in parts]
 
 
 def kimi_k3_config(cfg: K3Config, dtype: torch.dtype = torch.bfloat16, mxfp4: bool = False) -> dict:
@@ -138,7 +189,7 @@ _K3_NEEDS = {"kda_norm_eps": "equal to norm_eps, both rms_norm_eps", "latent_dim
              "attnres_block_size": "even: whole decoder layers"}
 
 
-def save_kimi_k3(cfg: K3Config, state: dict[str, torch.Tensor], path: str | Path, max_shard_bytes: int = 5 * 2**30,
+def save_kimi_k3(cfg: K3Config, state: Mapping[str, torch.Tensor], path: str | Path, max_shard_bytes: int = 5 * 2**30,
                  mxfp4: bool = False, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``state`` (a K3Model state dict) in the released K3 layout: config.json (:func:`kimi_k3_config`) and
     safetensors under ``language_model.``, weights in ``dtype`` (bf16, as released; the MoE selection biases in
@@ -147,10 +198,10 @@ def save_kimi_k3(cfg: K3Config, state: dict[str, torch.Tensor], path: str | Path
     config = kimi_k3_config(cfg, dtype, mxfp4)
     parts = layout.checkpoint_layout(cfg)
     return _write_folder(config, [lambda part=part: _k3_stored(part, state, cfg, mxfp4, dtype) for part in parts],
-                         _sizes(parts, state, dtype), path, max_shard_bytes)
+                         _sizes(parts, state, dtype), path, max_shard_bytes, _keeps(state))
 
 
-def _k3_stored(part: list[layout.Row], state: dict[str, torch.Tensor], cfg: K3Config, mxfp4: bool,
+def _k3_stored(part: list[layout.Row], state: Mapping[str, torch.Tensor], cfg: K3Config, mxfp4: bool,
                dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """One part of the K3 layout under its released names: each row written, in ``dtype`` (the MoE biases fp32),
     routed experts as ``weight_packed`` + ``weight_scale`` with ``mxfp4``."""
@@ -166,25 +217,38 @@ def _k3_stored(part: list[layout.Row], state: dict[str, torch.Tensor], cfg: K3Co
     return out
 
 
-def _write_folder(config: dict, parts: list, sizes: list[int], path: str | Path, max_shard_bytes: int) -> Path:
+def _write_folder(config: dict, parts: list, sizes: list[int], path: str | Path, max_shard_bytes: int,
+                  keeps: bool = True) -> Path:
     """config.json and the tensors of ``parts`` (callables, each giving {name: tensor}; ``sizes`` their bytes)
-    in safetensors files, sharded greedily at part boundaries, with an index when there is more than one."""
+    in safetensors files, sharded greedily at part boundaries, with an index when there is more than one. One
+    file's tensors are held at a time. ``keeps`` False: every part is made (the gathers of a LazyState, which
+    every rank joins) and nothing is written."""
     if not is_number(max_shard_bytes) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    if keeps:
+        path.mkdir(parents=True, exist_ok=True)
     shards = _shard_plan(sizes, max_shard_bytes)
     weight_map = {}
     for number, members in enumerate(shards, 1):
         file = SINGLE_FILE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: t.detach().cpu() for index in members for name, t in parts[index]().items()}
-        safetensors.torch.save_file(tensors, path / file, metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(tensors, file)
+        weight_map |= dict.fromkeys(_write_file([parts[index] for index in members], path / file, keeps), file)
+    if not keeps:
+        return path
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=1))
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=1))
     return path
+
+
+def _write_file(parts: list, file: Path, keeps: bool) -> list[str]:
+    """The tensors of ``parts`` (made in turn) saved in one safetensors ``file`` (``keeps`` False: made only);
+    returns their names. They are let go on return, before the next file's are made."""
+    tensors = {name: t.detach().cpu() for part in parts for name, t in part().items()}
+    if keeps:
+        safetensors.torch.save_file(tensors, file, metadata={"format": "pt"})
+    return list(tensors)
 
 
 def _shard_plan(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:

@@ -281,7 +281,9 @@ def test_one_train_step_on_two_ranks_matches_one_process_on_the_concatenated_bat
                           for rank in ranks)  # the sign rule on equal loads: the same biases
 
 
-def test_train_ep_writes_a_one_process_checkpoint_with_the_one_process_first_loss(tmp_path):
+def test_train_ep_takes_the_one_process_first_step_into_a_checkpoint_the_plain_model_reads(tmp_path):
+    """``k3course train --ep 2`` (the 1 × 2 mesh): the one-process first loss, and its sharded checkpoint read in
+    one process into the plain model holds the one-process step's weights."""
     import json
 
     from k3course import data
@@ -300,7 +302,7 @@ def test_train_ep_writes_a_one_process_checkpoint_with_the_one_process_first_los
     want = train_step(model, optimizer, scheduler, batches, train_config.grad_clip)
     got = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"]
-    loaded = dict(load_model(tmp_path).named_parameters())  # the gathered checkpoint loads into the plain model
+    loaded = dict(load_model(tmp_path).named_parameters())  # each rank's pieces, read into the plain model
     for name, param in model.named_parameters():  # (the biases come from a histogram: within a bin, not equal)
         assert float((loaded[name] - param).detach().abs().max()) <= 0.05 * train_config.lr, name
     assert main(["train", "--preset", "tiny", "--ep", "2", "--out", str(tmp_path)]) == 2  # refuses to overwrite

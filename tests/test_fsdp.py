@@ -3,18 +3,24 @@ layouts 2 × 2, 4 × 1 and 1 × 4 train a small K3 to the weights of one rank, i
 other summation order stays far below every tolerance), with quantile balancing pooled over all ranks,
 gradient accumulation over micro-batches of unequal sizes, clipping by the global norm (active: the norm is
 ~40× the limit) and a rank whose tokens send nothing to some expert; and sharded checkpoints (DCP) that resume
-exactly, also on other meshes."""
+exactly, also on other meshes; and the one Hugging Face folder the ranks write of a sharded model, gathered
+tensor by tensor."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import safetensors.torch
 import torch
 
+from k3course import layout, pretrained_save
 from k3course.config import K3Config
-from k3course.distributed import make_mesh, parallelize, run_ranks
+from k3course.distributed import keep_experts, make_mesh, parallelize, run_ranks
 from k3course.distributed.cost import training_bytes_per_rank
 from k3course.distributed.sharded_checkpoint import latest_sharded, step_folder
-from k3course.lessons.ep_workers import bytes_held, checkpointed_steps, sharded_steps
+from k3course.lessons.ep_workers import bytes_held, checkpointed_steps, pretrained_folders, sharded_steps
 from k3course.train import TrainConfig, build_model
 from k3course.train.step import make_optimizer, train_step
 
@@ -132,3 +138,66 @@ def test_what_a_rank_holds_is_the_accountings_prediction(mesh):
     for rank in run_ranks(bytes_held, 4, case, timeout_s=600, start_method="fork"):
         for kind, value in predicted.items():
             assert abs(rank[kind] - value) <= 0.05 * value, (kind, rank[kind], value)
+
+
+# --- save_pretrained of a sharded model ----------------------------------------------------------------------
+
+# four layers (three MoE) so that no output file holds most of the model; each model in a layout it can express
+LINEAR = MODEL.replace(n_layers=4, residual="prenorm", ffn_activation="swiglu", mla_gated=False, latent_dim=None,
+                       kda_output_gate="low_rank", kda_gate_bias=False, kda_lower_bound=None)
+K3_RELEASED = MODEL.replace(n_layers=4, attnres_key_weight=True, latent_dim=32)  # MXFP4 packs groups of 32
+SAVES = [(LINEAR, {"layout": "kimi_linear", "max_shard_bytes": 100_000}),
+         (K3_RELEASED, {"layout": "kimi_k3", "mxfp4": True, "max_shard_bytes": 100_000})]
+
+
+def _assert_same_folder(got: Path, want: Path) -> None:
+    """The same files; every safetensors tensor torch.equal, config.json and the index equal."""
+    assert sorted(path.name for path in got.iterdir()) == sorted(path.name for path in want.iterdir())
+    for file in want.iterdir():
+        if file.suffix == ".safetensors":
+            mine, theirs = safetensors.torch.load_file(got / file.name), safetensors.torch.load_file(file)
+            assert mine.keys() == theirs.keys(), file.name
+            assert all(torch.equal(mine[name], theirs[name]) for name in theirs), file.name
+        else:
+            assert json.loads((got / file.name).read_text()) == json.loads(file.read_text()), file.name
+
+
+def _largest_file_gathered(config: K3Config, state: dict, options: dict) -> int:
+    """The bytes, as gathered (the model's float32), of the parts that make the largest output file."""
+    parts = layout.checkpoint_layout(config)
+    stored = torch.bfloat16 if options["layout"] == "kimi_k3" else None  # what the writer groups parts by
+    plan = pretrained_save._shard_plan(pretrained_save._sizes(parts, state, stored), options["max_shard_bytes"])
+    gathered = pretrained_save._sizes(parts, state)
+    return max(sum(gathered[index] for index in members) for members in plan)
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (1, 4)], ids=lambda mesh: f"{mesh[0]}x{mesh[1]}")
+def test_the_ranks_write_the_one_process_folder_gathering_tensor_by_tensor(mesh, tmp_path):
+    """Every rank calls k3course.distributed.save_pretrained after a step on ``mesh``: rank 0 writes, in both
+    layouts (kimi_k3 with MXFP4 experts), the folder that one process writes from the same weights (gathered),
+    file for file and tensor for tensor; the gathered tensors it held at once never exceed the largest output
+    file's, a fraction of the model; K3Model.save_pretrained refuses the sharded model, naming the collective."""
+    case = {"train": TRAIN.replace(steps=1), "batches": _batches(), "mesh": mesh, "saves": SAVES,
+            "out": str(tmp_path / "ranks")}
+    rank0 = run_ranks(pretrained_folders, 4, case, timeout_s=600, start_method="fork")[0]
+    for index, ((config, options), result) in enumerate(zip(SAVES, rank0, strict=True)):
+        model = build_model(config, TRAIN.seed)
+        model.load_state_dict(result["state"])
+        want = model.save_pretrained(tmp_path / f"one-{index}", **options)
+        assert len(list(want.glob("*.safetensors"))) > 2
+        _assert_same_folder(tmp_path / "ranks" / str(index), want)
+        _assert_same_folder(tmp_path / "ranks" / f"{index}-held", want)
+        whole = sum(tensor.nbytes for tensor in result["state"].values())
+        largest_file = _largest_file_gathered(config, result["state"], options)
+        assert 0 < result["peak"] <= largest_file < whole / 2, (result["peak"], largest_file, whole)
+        assert "k3course.distributed.save_pretrained" in result["refusal"]
+        assert not (tmp_path / "ranks" / "refused").exists()
+
+
+def test_save_pretrained_refuses_a_model_holding_a_block_of_experts(tmp_path):
+    """Expert parallelism without FSDP leaves plain tensors, a block of each bank: no folder of part of a model."""
+    model = build_model(K3_RELEASED, TRAIN.seed)
+    keep_experts(model.moe_layers()[0].experts, 0, 4)
+    with pytest.raises(ValueError, match=r"k3course\.distributed\.save_pretrained\(model, path, mesh\)"):
+        model.save_pretrained(tmp_path / "folder", layout="kimi_k3")
+    assert not (tmp_path / "folder").exists()

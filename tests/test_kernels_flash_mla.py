@@ -172,15 +172,18 @@ def test_lesson_09s_one_query_kernel_equals_torch_softmax_attention(S, D, DV):
 
 
 def test_flash_mla_kernels_compute_offsets_in_int64():
-    """Each kernel casts its batch·head program id to int64 before forming offsets, and forms the outputs' offsets
-    from it (``tile_offsets``): at K3's size (T = 1M, H = 96, v = 128) an element offset passes 2^31. Checked on
-    the code; the kernels run at small sizes above."""
+    """Each kernel takes its batch·head program id from ``_program_tiles``, which casts it to int64 before forming
+    offsets, and forms the outputs' offsets from it (``tile_offsets``): at K3's size (T = 1M, H = 96, v = 128) an
+    element offset passes 2^31. Checked on the code; the kernels run at small sizes above."""
     import inspect
 
+    prologue = inspect.getsource(flash_module._program_tiles.fn)
+    cast, split = prologue.find("tl.program_id(1).to(tl.int64)"), prologue.find("b, h = bh // H, bh % H")
+    assert 0 <= cast < split, "_program_tiles: program id not cast to int64 before the offsets"
     kernels = [flash_module._forward_kernel, flash_module._key_grad_kernel, flash_module._query_grad_kernel]
     for kernel in kernels:
         source = inspect.getsource(kernel.fn)
-        cast, split = source.find("tl.program_id(1).to(tl.int64)"), source.find("b, h = bh // H, bh % H")
-        assert 0 <= cast < split, f"{kernel.fn.__name__}: program id not cast to int64 before the offsets"
+        assert "bh, b, h, " in source and "= _program_tiles(" in source and "tl.program_id" not in source, \
+            f"{kernel.fn.__name__}: batch·head not taken from _program_tiles"
         assert "T * H" not in source and "S * H" not in source, f"{kernel.fn.__name__}: an int32 size product"
     assert 96 * 128 * (1 << 20) > 2 ** 31

@@ -1,6 +1,7 @@
-"""The one run loop on P expert-parallel ranks (``k3course train --ep P``): evaluation and checkpoints on their
-schedule, a signal that stops every rank at one step boundary, an exact resume, --extend-to, and checkpoints that
-a one-process run continues. Two spawned gloo ranks on a two-layer model and a few small text files."""
+"""The one run loop on P ranks (``k3course train --ep P``, ``--dp-shard N --ep M``), every one on the mesh of
+FSDP2 × EP: evaluation and checkpoints on their schedule, a signal that stops every rank at one step boundary, an
+exact resume, --extend-to, sharded checkpoints that a one-process run continues and one-process checkpoints that
+P ranks continue. Two or four spawned gloo ranks on a two-layer model and a few small text files."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-import safetensors.torch
 import torch
 import torch.distributed as dist
 from helpers import ROOT
@@ -65,7 +65,7 @@ def _ep_train(*argv) -> int:
 
 
 def _weights(out, step: int) -> dict[str, torch.Tensor]:
-    return safetensors.torch.load_file(checkpoint.step_dir(out, step) / "model.safetensors")
+    return load_model(checkpoint.step_dir(out, step)).state_dict()
 
 
 def test_an_ep_run_evaluates_and_checkpoints_on_schedule(tmp_path, run_toml, capsys):
@@ -81,7 +81,9 @@ def test_an_ep_run_evaluates_and_checkpoints_on_schedule(tmp_path, run_toml, cap
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG" and (out / "config.toml").exists()
     saved = json.loads((checkpoint.step_dir(out, 6) / "config.json").read_text())
     assert saved["step"] == 6 and saved["train"]["eval_every"] == 2 and saved["model"]["n_routed_experts"] == 4
-    model = load_model(out)  # a one-process checkpoint: every expert, loadable by the plain model
+    assert sorted(path.name for path in checkpoint.step_dir(out, 6).iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "config.json"]  # each rank its pieces: a 1 × 2 mesh
+    model = load_model(out)  # read in one process into the plain model: every expert
     assert model.moe_layers()[0].experts.gate_up.shape[0] == SMALL.n_routed_experts
 
 
@@ -187,14 +189,59 @@ def test_a_dp_shard_by_ep_run_writes_sharded_checkpoints_that_resume_on_2_ranks_
     assert losses(back)[:3] == pytest.approx(losses(four), rel=1e-6)
 
 
+def test_a_mesh_run_stopped_by_sigint_on_one_rank_resumes_to_the_straight_runs_weights(tmp_path, run_toml, capsys):
+    """``--dp-shard 2 --ep 2``: SIGINT reaches rank 1 alone, during step 3; all four ranks stop after step 3 with
+    its complete sharded checkpoint (every rank's pieces, no .partial folder left). Resumed on the same mesh, the
+    run ends bit for bit with the weights, losses and validation numbers of a straight four-rank run."""
+    sets = ["--set", "eval_every=2", "checkpoint_every=2", "batch_size=4"]
+    mesh = ["--dp-shard", "2", "--ep", "2", "--threads", "1"]
+    assert main(["train", *mesh, "--config", str(run_toml), *sets, "--out", str(tmp_path / "straight")]) == 0
+    config = resolve_config(config_file=run_toml, sets=sets[1:])
+    stopped = tmp_path / "stopped"
+    with pytest.raises(train.TrainingInterrupted, match="SIGINT at step 3: checkpoint .* --resume") as interrupted:
+        train.train(config, stopped, ranks=4, dp_shard=2, progress=False, model_factory=_interrupted_on_rank_1)
+    assert interrupted.value.step == 3 and interrupted.value.signum == signal.SIGINT
+    assert [step for step, _ in checkpoint.checkpoints(stopped)] == [2, 3]
+    assert sorted(path.name for path in checkpoint.step_dir(stopped, 3).iterdir()) == [
+        ".metadata", *(f"__{rank}_0.distcp" for rank in range(4)), "config.json"]
+    assert checkpoint.read_config(checkpoint.step_dir(stopped, 3))["step"] == 3
+    assert not list(stopped.glob(".*.partial"))
+    assert [r["step"] for r in checkpoint.read_metrics(stopped)] == [1, 2, 3]
+    assert main(["train", *mesh, "--out", str(stopped), "--resume"]) == 0
+    resumed, straight = load_model(stopped).state_dict(), load_model(tmp_path / "straight").state_dict()
+    assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
+    numbers = lambda out: [(r["step"], r["loss"], r.get("val_bpb")) for r in checkpoint.read_metrics(out)]
+    assert numbers(stopped) == numbers(tmp_path / "straight")
+    capsys.readouterr()
+
+
 def test_the_mesh_is_checked_before_any_rank_starts(tmp_path, run_toml):
     config = resolve_config(config_file=run_toml)
     with pytest.raises(ValueError, match="dp_shard must be a positive int dividing the 4 ranks, got 3"):
         train.train(config, tmp_path / "a", ranks=4, dp_shard=3)
     with pytest.raises(ValueError, match="train.batch_size 2 must be a multiple of the 4 ranks"):
         train.train(config, tmp_path / "a", ranks=4)
-    assert main(["train", "--threads", "1", "--config", str(run_toml), "--out", str(tmp_path / "b"), "--set",
-                 "steps=1", "batch_size=4"]) == 0
-    with pytest.raises(ValueError, match="one-process checkpoint; it resumes on one process or on 4 ranks with"):
-        train.train(resolve_config(config_file=run_toml, sets=["steps=2", "batch_size=4"]), tmp_path / "b",
-                    "extend", ranks=4, dp_shard=2)
+    with pytest.raises(ValueError, match="ep: 3 expert-parallel ranks must divide the model's 4 routed experts"):
+        train.train(resolve_config(config_file=run_toml, sets=["batch_size=6"]), tmp_path / "a", ranks=6,
+                    dp_shard=2)
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_one_process_checkpoint_resumes_on_a_mesh(tmp_path, run_toml):
+    """A one-process checkpoint (model.safetensors, state.pt) resumes on a 2 × 2 mesh: rank 0 rewrites it as a
+    sharded checkpoint, which every rank reads its shards from, and removes it; the ranks' step 3 is one
+    process's, to 1e-5 (float32, other summation orders) and the quantile biases to 0.1 (the ranks read them off
+    pooled histograms), and the run then writes sharded checkpoints."""
+    sets = ["--set", "batch_size=4", "steps=2"]
+    assert main(["train", "--threads", "1", "--config", str(run_toml), "--out", str(tmp_path / "one"), *sets]) == 0
+    assert (checkpoint.step_dir(tmp_path / "one", 2) / "model.safetensors").is_file()
+    shutil.copytree(tmp_path / "one", tmp_path / "four")
+    extend = ["--threads", "1", "--extend-to", "3", "--out"]
+    assert main(["train", "--dp-shard", "2", "--ep", "2", *extend, str(tmp_path / "four")]) == 0
+    assert main(["train", *extend, str(tmp_path / "one")]) == 0
+    assert sorted(path.name for path in checkpoint.step_dir(tmp_path / "four", 3).iterdir()) == [
+        ".metadata", *(f"__{rank}_0.distcp" for rank in range(4)), "config.json"]
+    assert not (tmp_path / "four" / ".resharding").exists()
+    assert _close(_weights(tmp_path / "four", 3), _weights(tmp_path / "one", 3), 1e-5, 0.1)
+    losses = lambda out: [record["loss"] for record in checkpoint.read_metrics(out)]
+    assert losses(tmp_path / "four") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)

@@ -7,14 +7,12 @@ from k3course.distributed.data_parallel import (
     average_over_ranks,
     clip_global_grad_norm,
     expert_group,
-    gather_optimizer_state,
     gather_state_dict,
     pool_group,
-    shard_optimizer_state,
 )
 from k3course.distributed.ep import AllToAllDispatch, expert_parallel_layers, keep_experts, parallelize_experts
 from k3course.distributed.exchange import all_to_all, exchange, exchange_counts
-from k3course.distributed.fsdp import is_sharded, make_mesh, parallelize
+from k3course.distributed.fsdp import make_mesh, parallelize
 from k3course.distributed.launch import RankFailed, join_group, leave_group, run_ranks
 from k3course.distributed.plan import (
     combine,
@@ -26,10 +24,11 @@ from k3course.distributed.plan import (
     split_sizes,
     traffic_bytes,
 )
+from k3course.distributed.sharded_checkpoint import save_pretrained
 
 __all__ = ["AllToAllDispatch", "RankFailed", "all_to_all", "average_gradients", "average_over_ranks",
            "clip_global_grad_norm", "combine", "dedup_pairs", "dispatch_permutation", "exchange", "exchange_counts",
-           "expert_group", "expert_parallel_layers", "expert_ranges", "gather_optimizer_state", "gather_state_dict",
-           "inverse_permutation", "is_sharded", "join_group", "keep_experts", "leave_group", "make_mesh",
-           "parallelize", "parallelize_experts", "pool_group", "rank_of_expert", "run_ranks", "shard_optimizer_state",
+           "expert_group", "expert_parallel_layers", "expert_ranges", "gather_state_dict",
+           "inverse_permutation", "join_group", "keep_experts", "leave_group", "make_mesh", "parallelize",
+           "parallelize_experts", "pool_group", "rank_of_expert", "run_ranks", "save_pretrained",
            "split_sizes", "traffic_bytes"]

@@ -111,6 +111,20 @@ def capacity_drop_fraction(load: torch.Tensor, capacity_factor: float) -> float:
     return float((load - capacity).clamp(min=0).sum() / load.sum())
 
 
+def _mesh_parameters(cfg: K3Config, dp_shard: int, ep: int, **counts: int) -> tuple[int, float]:
+    """The parameters a dp_shard × ep mesh splits: (P_rest, P_block), the non-expert parameters and the largest
+    block of ⌈n/ep⌉ routed experts of every layer, P_block = P_routed · ⌈n/ep⌉ / n. dp_shard, ep and the
+    caller's other ``counts`` must be positive ints (checked in that order), ep at most n."""
+    for name, value in {"dp_shard": dp_shard, "ep": ep, **counts}.items():
+        if not is_number(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if ep > cfg.n_routed_experts:
+        raise ValueError(f"ep must be at most the {cfg.n_routed_experts} routed experts, got {ep}")
+    count = accounting.param_count(cfg)
+    routed = count.components["routed_experts"][0]
+    return count.total - routed, routed * -(-cfg.n_routed_experts // ep) / cfg.n_routed_experts
+
+
 def training_bytes_per_rank(cfg: K3Config, dp_shard: int, ep: int, weight_bytes: int = 2, grad_bytes: int = 2,
                             state_bytes: int = 8) -> dict[str, float]:
     """What one rank of FSDP2 × EP (:func:`k3course.distributed.parallelize`, N = dp_shard · ep ranks) holds for
@@ -121,15 +135,8 @@ def training_bytes_per_rank(cfg: K3Config, dp_shard: int, ep: int, weight_bytes:
     (every non-expert weight 1/N; the largest block of ⌈n/ep⌉ routed experts, 1/dp_shard of it).
     ``state_bytes``: the optimizer's per value (AdamW's two fp32 moments: 8). FSDP's padding of a dimension
     that N does not divide is left out (< one row a tensor)."""
-    for name, value in (("dp_shard", dp_shard), ("ep", ep)):
-        if not is_number(value) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if ep > cfg.n_routed_experts:
-        raise ValueError(f"ep must be at most the {cfg.n_routed_experts} routed experts, got {ep}")
-    count = accounting.param_count(cfg)
-    routed = count.components["routed_experts"][0]
-    block = -(-cfg.n_routed_experts // ep)
-    per_rank = (count.total - routed) / (dp_shard * ep) + routed * block / cfg.n_routed_experts / dp_shard
+    rest, block = _mesh_parameters(cfg, dp_shard, ep)
+    per_rank = rest / (dp_shard * ep) + block / dp_shard
     return {"weights": per_rank * weight_bytes, "gradients": per_rank * grad_bytes,
             "optimizer": per_rank * state_bytes}
 
@@ -161,16 +168,9 @@ def step_collective_bytes(cfg: K3Config, dp_shard: int, ep: int, tokens: int, we
     layers, w / g: bytes per weight / gradient value. (Replicated DP's all-reduce of the same gradients is a
     reduce-scatter plus one all-gather: FSDP moves one all-gather more, 1.5× the bytes, for 1/N of the memory.)
     The scalars (the gradient norm, the loss, the balancing histograms) are a few KiB and left out."""
-    for name, value in (("dp_shard", dp_shard), ("ep", ep), ("tokens", tokens)):
-        if not is_number(value) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if ep > cfg.n_routed_experts:
-        raise ValueError(f"ep must be at most the {cfg.n_routed_experts} routed experts, got {ep}")
-    count = accounting.param_count(cfg)
-    routed = count.components["routed_experts"][0]
+    rest, block = _mesh_parameters(cfg, dp_shard, ep, tokens=tokens)
     ranks = dp_shard * ep
-    block = routed * -(-cfg.n_routed_experts // ep) / cfg.n_routed_experts
-    sharded = (count.total - routed) * (ranks - 1) / ranks + block * (dp_shard - 1) / dp_shard
+    sharded = rest * (ranks - 1) / ranks + block * (dp_shard - 1) / dp_shard
     width = cfg.latent_dim or cfg.d_model
     exchange = bytes_per_token(width, cfg.top_k, cfg.n_routed_experts, ep) if ep > 1 else 0.0
     return {"all-gather": 2 * weight_bytes * sharded, "reduce-scatter": grad_bytes * sharded,

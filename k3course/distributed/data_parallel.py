@@ -10,9 +10,8 @@ global loss is L = (1/P) Σ_r L_r, so after backward:
 and the gradient norm for clipping is ‖g‖² = ‖g_replicated‖² + Σ_r ‖g_experts of r‖² (one more all-reduce).
 The group is the one the model's experts were spread over. On a 2-D mesh (:func:`k3course.distributed.parallelize`)
 FSDP averages every gradient itself (each a DTensor shard), the norm sums every rank's shards, and losses average
-over every rank that routes (:func:`pool_group`). :func:`gather_state_dict` and
-:func:`gather_optimizer_state` turn the ranks' blocks back into the one-process model's state, and
-:func:`shard_optimizer_state` cuts a one-process optimizer state into this rank's (resuming on P ranks).
+over every rank that routes (:func:`pool_group`). :func:`gather_state_dict` turns the ranks' blocks and shards
+back into the one-process model's state (tests and lessons compare it with one process's).
 """
 
 from __future__ import annotations
@@ -117,40 +116,3 @@ def _gather_blocks(block: torch.Tensor, ranges: list[tuple[int, int]], group=Non
     pieces = [torch.empty_like(padded) for _ in ranges]
     dist.all_gather(pieces, padded, group=group)
     return torch.cat([piece[: end - start] for piece, (start, end) in zip(pieces, ranges)])
-
-
-def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer.state_dict()`` with every routed expert's per-parameter state (Adam's moments) all-gathered,
-    so the single-process model's optimizer can load it (its parameters come in the same order)."""
-    group = expert_group(model)
-    blocks = {id(p): layer.dispatcher.expert_ranges for layer in expert_parallel_layers(model)
-              for p in layer.experts.parameters()}
-    params = [p for group_ in optimizer.param_groups for p in group_["params"]]
-    state = optimizer.state_dict()
-    for index, param in enumerate(params):
-        if id(param) in blocks and index in state["state"]:
-            state["state"][index] = {key: _gather_blocks(value, blocks[id(param)], group)
-                                     if torch.is_tensor(value) and value.shape == param.shape else value
-                                     for key, value in state["state"][index].items()}
-    return state
-
-
-def shard_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    """The one-process optimizer ``state`` (a state_dict as :func:`gather_optimizer_state` returns it) cut for
-    ``optimizer`` over this rank's ``model``: each routed expert's per-parameter tensors [n, ...] -> this rank's
-    block [start:end] of experts; everything else as it is. Load the result with ``optimizer.load_state_dict``."""
-    blocks = {id(p): layer.dispatcher.local_expert_range for layer in expert_parallel_layers(model)
-              for p in layer.experts.parameters()}
-    params = [p for group_ in optimizer.param_groups for p in group_["params"]]
-    sharded = {**state, "state": dict(state["state"])}
-    for index, param in enumerate(params):
-        if id(param) in blocks and index in state["state"]:
-            start, end = blocks[id(param)]
-            sharded["state"][index] = {key: value[start:end].clone() if _is_expert_tensor(value, param) else value
-                                       for key, value in state["state"][index].items()}
-    return sharded
-
-
-def _is_expert_tensor(value, param: torch.Tensor) -> bool:
-    """Whether ``value`` is a per-expert tensor of the expert parameter ``param`` (any number of experts)."""
-    return torch.is_tensor(value) and value.dim() == param.dim() and value.shape[1:] == param.shape[1:]

@@ -95,11 +95,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model``'s parameters are FSDP shards (:func:`parallelize`)."""
-    return any(isinstance(param, DTensor) for param in model.parameters())
-
-
 def local_squared_norm(tensors, device) -> torch.Tensor:
     """Σ ‖t‖² over this rank's part of ``tensors`` (a DTensor's local shard), float64 on ``device``."""
     total = torch.zeros((), dtype=torch.float64, device=device)

@@ -17,6 +17,10 @@ does, so a run folder lists, reads and resumes either kind.
 
 On one process (``mesh`` None, a plain model: every view the whole tensor) the same files are written and read
 without a process group: a run that began sharded keeps its format when it goes on at one process.
+
+The Hugging Face folder of a sharded model (:func:`save_pretrained`) is written from the same global views, one
+tensor at a time: each is all-gathered when the writer reaches it, converted with its part, and let go once its
+safetensors file is written, so rank 0, which writes, holds at most one output file and the part being made.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from k3course import pretrained_save
 from k3course.distributed.ep import expert_parallel_layers
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -71,6 +76,14 @@ def _global_views(model: nn.Module, mesh: DeviceMesh | None) -> dict[int, object
     return views
 
 
+def _weights(model: nn.Module, mesh: DeviceMesh | None) -> dict[str, torch.Tensor]:
+    """{name: global view} of every parameter and persistent buffer of ``model`` (buffers are whole)."""
+    views = _global_views(model, mesh)
+    weights = {name: views[id(param)](param.detach()) for name, param in model.named_parameters()}
+    persistent = model.state_dict().keys()
+    return weights | {name: buffer for name, buffer in model.named_buffers() if name in persistent}
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None, extra: dict) -> dict:
     """The dict DCP saves and loads in place: {"model": {name: global view}, "optimizer": {name: {"step",
     "exp_avg", "exp_avg_sq"}}, "param_groups": the optimizer's settings per group (its learning rates among
@@ -82,15 +95,12 @@ as AdamW's first step makes it for a weight that has none yet: step 0, zero mome
         if not optimizer.state[param]:
             optimizer.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
                                           exp_avg_sq=torch.zeros_like(param))
-    weights = {name: views[id(param)](param.detach()) for name, param in names.items()}
-    persistent = model.state_dict().keys()
-    weights.update({name: buffer for name, buffer in model.named_buffers() if name in persistent})
     moments = {}
     for name, param in names.items():
         state = optimizer.state[param]
         moments[name] = {"step": state["step"], **{key: views[id(param)](state[key]) for key in MOMENTS}}
     groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
-    return {"model": weights, "optimizer": moments, "param_groups": groups, "extra": extra}
+    return {"model": _weights(model, mesh), "optimizer": moments, "param_groups": groups, "extra": extra}
 
 
 def is_sharded_checkpoint(folder: Path | str) -> bool:
@@ -143,3 +153,22 @@ def load_sharded(folder: Path | str, model: nn.Module, optimizer: torch.optim.Op
     for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
         group.update(saved)
     return state["extra"]
+
+
+def pretrained_state(model: nn.Module, mesh: DeviceMesh) -> pretrained_save.LazyState:
+    """``model``'s state dict (parallelized on ``mesh``) as a :class:`~k3course.pretrained_save.LazyState`: item
+    access all-gathers one tensor's global view (every rank, in the same order); rank 0 keeps what it writes."""
+    return pretrained_save.LazyState(_weights(model, mesh), keeps=dist.get_rank() == 0)
+
+
+def save_pretrained(model: nn.Module, path: Path | str, mesh: DeviceMesh, layout: str = "kimi_linear",
+                    max_shard_bytes: int = 5 * 2**30, mxfp4: bool = False) -> Path:
+    """:meth:`K3Model.save_pretrained <k3course.model.K3Model.save_pretrained>` of a model parallelized on
+    ``mesh`` (:func:`~k3course.distributed.parallelize`; or the blocks of
+    :func:`~k3course.distributed.parallelize_experts` on ``make_mesh(1, P)``): every rank calls it; the tensors are
+    all-gathered one at a time in the writer's order and rank 0 writes the one folder, file by file (the same
+    layouts and options), holding at most one output file's tensors and the part being converted, never the
+    whole model. Returns the folder once it is complete."""
+    folder = pretrained_save.save(model.cfg, pretrained_state(model, mesh), path, layout, max_shard_bytes, mxfp4)
+    dist.barrier()
+    return folder

@@ -79,17 +79,28 @@ def _scores(q_nope, q_rope, k_nope, k_rope, scale, q_rows, k_rows, S, start, LOW
 
 
 @triton.jit
+def _program_tiles(nope_ptr, rope_ptr, sn_b, sn_t, sn_h, sr_b, sr_t, sr_h, n_rows, H, N, E,
+                   BLOCK: tl.constexpr, BDN: tl.constexpr, BDE: tl.constexpr):
+    """What a program (row block, batch·head) starts from: its block index, bh (int64), batch b, head h, its
+    BLOCK rows, and the NoPE [BLOCK, BDN] and rope [BLOCK, BDE] tiles of those rows (the queries, or the keys
+    with sr_h = 0: one rope key per token, shared by the heads)."""
+    block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    rows = block * BLOCK + tl.arange(0, BLOCK)
+    nope_tile = _tile(nope_ptr, sn_b, sn_t, sn_h, b, h, rows, n_rows, tl.arange(0, BDN), N)
+    rope_tile = _tile(rope_ptr, sr_b, sr_t, sr_h, b, h, rows, n_rows, tl.arange(0, BDE), E)
+    return block, bh, b, h, rows, nope_tile, rope_tile
+
+
+@triton.jit
 def _forward_kernel(qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, o_ptr, lse_ptr, scale, T, S, H, N, E, V, start,
                     sqn_b, sqn_t, sqn_h, sqr_b, sqr_t, sqr_h, skn_b, skn_t, skn_h, skr_b, skr_t, sv_b, sv_t, sv_h,
                     BM: tl.constexpr, BN: tl.constexpr, BDN: tl.constexpr, BDE: tl.constexpr, BDV: tl.constexpr,
                     LOW_PRECISION: tl.constexpr):
     """One program per (query block, batch·head): o [BM, V] and L [BM] of its rows by the online softmax."""
-    m_block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    q_rows = m_block * BM + tl.arange(0, BM)
+    m_block, bh, b, h, q_rows, q_nope, q_rope = _program_tiles(qn_ptr, qr_ptr, sqn_b, sqn_t, sqn_h, sqr_b, sqr_t,
+                                                                sqr_h, T, H, N, E, BM, BDN, BDE)
     nope, rope, vals = tl.arange(0, BDN), tl.arange(0, BDE), tl.arange(0, BDV)
-    q_nope = _tile(qn_ptr, sqn_b, sqn_t, sqn_h, b, h, q_rows, T, nope, N)
-    q_rope = _tile(qr_ptr, sqr_b, sqr_t, sqr_h, b, h, q_rows, T, rope, E)
     row_max = tl.full([BM], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, BDV], dtype=tl.float32)
@@ -118,12 +129,9 @@ def _key_grad_kernel(qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, do_ptr, lse_ptr, del
                      LOW_PRECISION: tl.constexpr):
     """One program per (key block, batch·head): dK_nope, this head's dk_rope share and dV of its BN keys,
     Σ over the query blocks that see them of dV += Pᵀ dO, dK += scale · dXᵀ Q."""
-    n_block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    k_rows = n_block * BN + tl.arange(0, BN)
+    n_block, bh, b, h, k_rows, k_nope, k_rope = _program_tiles(kn_ptr, kr_ptr, skn_b, skn_t, skn_h, skr_b, skr_t,
+                                                                0, S, H, N, E, BN, BDN, BDE)
     nope, rope, vals = tl.arange(0, BDN), tl.arange(0, BDE), tl.arange(0, BDV)
-    k_nope = _tile(kn_ptr, skn_b, skn_t, skn_h, b, h, k_rows, S, nope, N)
-    k_rope = _tile(kr_ptr, skr_b, skr_t, 0, b, h, k_rows, S, rope, E)
     values = _tile(v_ptr, sv_b, sv_t, sv_h, b, h, k_rows, S, vals, V)
     grad_k_nope = tl.zeros([BN, BDN], dtype=tl.float32)
     grad_k_rope = tl.zeros([BN, BDE], dtype=tl.float32)
@@ -154,12 +162,9 @@ def _query_grad_kernel(qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, do_ptr, lse_ptr, d
                        BM: tl.constexpr, BN: tl.constexpr, BDN: tl.constexpr, BDE: tl.constexpr,
                        BDV: tl.constexpr, LOW_PRECISION: tl.constexpr):
     """One program per (query block, batch·head): dQ = scale · Σ over the visible key blocks of dX K."""
-    m_block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    q_rows = m_block * BM + tl.arange(0, BM)
+    m_block, bh, b, h, q_rows, q_nope, q_rope = _program_tiles(qn_ptr, qr_ptr, sqn_b, sqn_t, sqn_h, sqr_b, sqr_t,
+                                                                sqr_h, T, H, N, E, BM, BDN, BDE)
     nope, rope, vals = tl.arange(0, BDN), tl.arange(0, BDE), tl.arange(0, BDV)
-    q_nope = _tile(qn_ptr, sqn_b, sqn_t, sqn_h, b, h, q_rows, T, nope, N)
-    q_rope = _tile(qr_ptr, sqr_b, sqr_t, sqr_h, b, h, q_rows, T, rope, E)
     grad_o = _load_contiguous(do_ptr, b, h, q_rows, T, H, vals, V)
     lse = tl.load(lse_ptr + bh * T + q_rows, mask=q_rows < T, other=float("inf"))
     delta = tl.load(delta_ptr + bh * T + q_rows, mask=q_rows < T, other=0.0)

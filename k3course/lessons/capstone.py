@@ -313,7 +313,7 @@ def _steps_on_rank(rank: int, world_size: int, batches: list[list], config: trai
 def train_on_ranks(world_size: int, batches: list[list], config: train.TrainConfig,
                    parts: dict[str, Callable]) -> list[list[float]]:
     """Each rank's losses when ``world_size`` forked gloo processes continue the shipped model together for
-    len(``batches``) steps with expert-parallel experts (``k3course train --ep P``'s step), with ``parts`` (e.g.
-    your ``all_to_all``: the dispatch and the combine) in place of the package's. Every rank reports the loss of
-    the whole batch, which equals one process's to float rounding."""
+    len(``batches``) steps with expert-parallel experts (:func:`~k3course.distributed.parallelize_experts`), with
+    ``parts`` (e.g. your ``all_to_all``: the dispatch and the combine) in place of the package's. Every rank
+    reports the loss of the whole batch, which equals one process's to float rounding."""
     return distributed.run_ranks(_steps_on_rank, world_size, batches, config, parts, start_method="fork")

@@ -18,9 +18,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from k3course import train
-from k3course.distributed import exchange, gather_state_dict, make_mesh, parallelize, parallelize_experts
-from k3course.distributed.sharded_checkpoint import load_sharded, save_sharded
+from k3course import pretrained_save, train
+from k3course.distributed import (
+    exchange,
+    gather_state_dict,
+    make_mesh,
+    parallelize,
+    parallelize_experts,
+    save_pretrained,
+)
+from k3course.distributed.sharded_checkpoint import load_sharded, pretrained_state, save_sharded
 from k3course.moe import LatentMoE, MoE
 from k3course.moe.balancing import HISTOGRAM_BINS
 from k3course.train.step import make_optimizer, rank_shards
@@ -191,6 +198,48 @@ def checkpointed_steps(rank: int, world_size: int, case: dict) -> dict:
             save_sharded(case["out"], stepper.steps_taken, stepper.model, stepper.optimizer, mesh,
                          {"scheduler": stepper.scheduler.state_dict(), "step": stepper.steps_taken})
     return gather_state_dict(stepper.model)
+
+
+class _HeldState(pretrained_save.LazyState):
+    """A LazyState that measures, at each gather, the bytes of the gathered tensors still held by anyone (their
+    storages' use counts beyond this record's own reference) and keeps the most: the gathered bytes this process
+    held at once (the count only rises at a gather)."""
+
+    def __init__(self, state: pretrained_save.LazyState):
+        super().__init__(state.views, state.keeps)
+        self.storages, self.peak = [], 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        whole = super().__getitem__(name)
+        if isinstance(self.views[name], DTensor):
+            held = lambda storage: torch._C._storage_Use_Count(storage._cdata) > 1
+            self.storages = [storage for storage in self.storages if held(storage)] + [whole.untyped_storage()]
+            self.peak = max(self.peak, sum(storage.nbytes() for storage in self.storages))
+        return whole
+
+
+def pretrained_folders(rank: int, world_size: int, case: dict) -> dict:
+    """For each (model config, save options) of ``case["saves"]``: that model trained ``case["train"].steps``
+    steps sharded on ``case["mesh"]`` (as :func:`sharded_steps`), then written by every rank through
+    :func:`k3course.distributed.save_pretrained` into case["out"]/<index>, and once more into
+    case["out"]/<index>-held measuring the gathered bytes held at once (:class:`_HeldState`). Returns per save
+    the gathered single-process state dict, that peak and K3Model.save_pretrained's refusal of the sharded model."""
+    results = []
+    for index, (model_config, options) in enumerate(case["saves"]):
+        stepper, mesh = _sharded_stepper(rank, world_size, {**case, "model": model_config})
+        for _ in range(case["train"].steps):
+            stepper()
+        model = stepper.model
+        save_pretrained(model, Path(case["out"]) / str(index), mesh, **options)
+        held = _HeldState(pretrained_state(model, mesh))
+        pretrained_save.save(model.cfg, held, Path(case["out"]) / f"{index}-held", **options)
+        try:
+            model.save_pretrained(Path(case["out"]) / "refused")
+            refusal = None
+        except ValueError as error:
+            refusal = str(error)
+        results.append({"state": gather_state_dict(model), "peak": held.peak, "refusal": refusal})
+    return results
 
 
 def exchange_labels(rank: int, world_size: int, counts: list[list[int]],

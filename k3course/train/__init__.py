@@ -1,4 +1,4 @@
-"""Training K3 on bytes (the stdlib's or yours): one door, :func:`train`, for one process or P expert-parallel ranks.
+"""Training K3 on bytes (the stdlib's or yours): one door, :func:`train`, for one process or P ranks (FSDP2 × EP).
 
     from k3course.train import RunConfig, TrainConfig, train
     config = RunConfig(model_config, TrainConfig(steps=800))
@@ -6,9 +6,9 @@
     train(config, "runs/tiny", resume=True)                               # continue it exactly
     train(RunConfig(model_config, TrainConfig(steps=1200)), "runs/tiny", resume="extend")  # on, a new tail
 
-A rank of an expert-parallel run calls the same door with ``ranks=P`` (``python -m k3course.train`` under
-torchrun does); ``k3course train --ep P`` spawns P local ranks through it. :class:`Stepper` is the step the
-lessons drive themselves: a seeded model, its optimizer and schedule, one optimizer step per call.
+A rank of a P-rank run calls the same door with ``ranks=P`` (``python -m k3course.train`` under torchrun
+does); ``k3course train --ep P`` (``--dp-shard N --ep M``) spawns the local ranks through it. :class:`Stepper`
+is the step the lessons drive themselves: a seeded model, its optimizer and schedule, one optimizer step per call.
 
     config.py    a run's whole configuration (:class:`RunConfig`: [model], [train], [run]), presets, TOML, --set;
                  :class:`~k3course.train.config.SavedRun`, a checkpoint's record, read once

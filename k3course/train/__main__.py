@@ -1,7 +1,7 @@
-"""``torchrun --standalone --nproc-per-node P -m k3course.train --ep P --preset tiny [--steps N]``: one rank of an
-expert-parallel run (gloo on CPU; NCCL with rank r on GPU r when every rank has a GPU), trained by the door,
-:func:`k3course.train.train` with ``ranks=P``; ``--dp-shard N --ep M`` (N·M = torchrun's world size, over one
-node or several) trains on the FSDP2 × EP mesh N × M with sharded checkpoints; ``--config``, ``--out``,
+"""``torchrun --standalone --nproc-per-node P -m k3course.train --ep P --preset tiny [--steps N]``: one rank of a
+P-rank run (gloo on CPU; NCCL with rank r on GPU r when every rank has a GPU), trained by the door,
+:func:`k3course.train.train` with ``ranks=P``, on the FSDP2 × EP mesh 1 × P, or N × M with ``--dp-shard N --ep M``
+(N·M = torchrun's world size, over one node or several), with sharded checkpoints; ``--config``, ``--out``,
 ``--set``, ``--resume`` and ``--extend-to`` as in ``k3course train``."""
 
 import argparse

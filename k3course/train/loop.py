@@ -11,14 +11,14 @@ Micro-batch j of step s is a function of s (:mod:`k3course.train.step`), so a ru
 run on to more steps on a new schedule tail. SIGINT / SIGTERM stop it at a step boundary with a checkpoint
 (:class:`TrainingInterrupted`).
 
-On P expert-parallel ranks (the default process group: ``k3course train --ep P`` or torchrun; a rank calls
-``train(config, out, resume, ranks=P)``) every rank runs this same loop with its block of routed experts and its
-1/P of every micro-batch, and scores its share of the validation windows (:func:`k3course.train.step.evaluate`);
-rank 0 does all the writing. A checkpoint is always a
-one-process checkpoint: the experts' blocks and their optimizer moments are gathered from all ranks, and a
-resume on P ranks cuts them again, so a run may be continued on any number of ranks. A signal stops every rank
-at the same step: each step the ranks agree by an all-reduce (max) of the signal each received, on the model's
-device.
+On P ranks (the default process group: ``k3course train --dp-shard N --ep M``, N·M = P, or torchrun; a rank
+calls ``train(config, out, resume, ranks=P, dp_shard=N)``) every rank runs this same loop on the 2-D mesh (N, M)
+of :func:`k3course.distributed.parallelize` (every weight sharded, its block of routed experts), with its 1/P of
+every micro-batch, and scores its share of the validation windows (:func:`k3course.train.step.evaluate`); rank 0
+writes the run's files, and every rank writes its own pieces of each checkpoint (DCP,
+:mod:`k3course.distributed.sharded_checkpoint`), which resume on any mesh or on one process. A signal stops every
+rank at the same step: each step the ranks agree by an all-reduce (max) of the signal each received, on the
+model's device.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import shlex
+import shutil
 import signal
 import threading
 import time
@@ -184,19 +185,20 @@ def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ran
     tail: from the checkpoint's step the learning rate follows the warmup + cosine of a ``train.steps``-step
     run, which is NOT a straight run of that many steps (its first steps followed the old, shorter cosine).
 
-    ``ranks``: P expert-parallel ranks. P = 1 trains in this process. P > 1 in a process that is already one of
-    P ranks of the default process group (torchrun: ``python -m k3course.train``) trains as that rank: every
-    rank calls ``train`` together, with its block of routed experts and its 1/P of every micro-batch, and rank 0
-    writes. P > 1 anywhere else spawns P local ranks (gloo on the CPU; NCCL with rank r on GPU r for a CUDA
-    ``device``) after checking the run here once; ``model_factory`` must then be importable by name.
+    ``ranks``: P ranks. P = 1 trains in this process. P > 1 in a process that is already one of P ranks of the
+    default process group (torchrun: ``python -m k3course.train``) trains as that rank: every rank calls
+    ``train`` together, with its shards and its 1/P of every micro-batch, and rank 0 writes the run's files.
+    P > 1 anywhere else spawns P local ranks (gloo on the CPU; NCCL with rank r on GPU r for a CUDA ``device``)
+    after checking the run here once; ``model_factory`` must then be importable by name.
 
-    ``dp_shard``: with P ranks, shard them as a 2-D mesh of dp_shard × (P / dp_shard) ranks ("dp_shard",
-    "ep"; :func:`k3course.distributed.parallelize`): FSDP2 over all P for every weight but the routed experts,
-    expert parallelism over "ep", the experts FSDP-sharded over "dp_shard". Such a run (dp_shard > 1, or any run
-    resumed from one) writes sharded checkpoints (DCP: each rank its own pieces, nothing gathered;
+    ``dp_shard``: the P ranks form a 2-D mesh of dp_shard × (P / dp_shard) ranks ("dp_shard", "ep";
+    :func:`k3course.distributed.parallelize`): FSDP2 over all P for every weight but the routed experts, expert
+    parallelism over "ep" (which must divide the routed experts), the experts FSDP-sharded over "dp_shard";
+    dp_shard = 1 is expert parallelism with every other weight sharded, not copied. Such a run writes sharded
+    checkpoints (DCP: each rank its own pieces, nothing gathered;
     :mod:`k3course.distributed.sharded_checkpoint`), which resume on any number of ranks and any mesh, one
-    process included (which then writes them too). dp_shard = 1 on P ranks copies all but the experts and
-    writes one-process checkpoints, gathered on rank 0.
+    process included (which then writes them too). A one-process checkpoint resumes on P ranks too: rank 0
+    rewrites it as a sharded one first, which every rank then reads its shards from.
 
     ``corpus``: the bytes (default: ``config.run``'s, :func:`run_corpus`; not with spawned ranks, which read
     ``config.run``'s). ``model_factory(model_config, seed, device)`` builds the fresh model (default:
@@ -213,6 +215,10 @@ def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ran
     if config.train.batch_size % ranks:
         raise ValueError(f"train.batch_size {config.train.batch_size} must be a multiple of the {ranks} ranks "
                          "(each reads its share of every micro-batch)")
+    if config.model.n_routed_experts % (ranks // dp_shard):
+        raise ValueError(f"ep: {ranks // dp_shard} expert-parallel ranks must divide the model's "
+                         f"{config.model.n_routed_experts} routed experts (equal blocks, as a sharded checkpoint "
+                         "stores them)")
     model_factory = model_factory or functools.partial(build_model, kernels=config.run.kernels)
     out = Path(out)
     saved = _find_start(out, resume)
@@ -229,16 +235,10 @@ def train(config: RunConfig, out: Path | str, resume: bool | str = False, *, ran
 
 
 def _mesh(saved: SavedRun | None, ranks: int, dp_shard: int) -> tuple[int, int] | None:
-    """The run's 2-D mesh (dp_shard, ep), or None: no mesh (P = 1 or replicated ranks, one-process checkpoints).
-    A run that writes sharded checkpoints keeps writing them: resumed on P ranks it trains on the mesh
-    (dp_shard, P / dp_shard); on one process, with the plain model (mesh (1, 1)). A one-process checkpoint does
-    not resume on a mesh of several ranks (its optimizer moments are not cut for FSDP's shards)."""
-    sharded = saved is not None and sharded_checkpoint.is_sharded_checkpoint(saved.folder)
-    if dp_shard == 1 and not sharded:
+    """The run's 2-D mesh (dp_shard, P / dp_shard), or None: one process writing one-process checkpoints. A run
+    that writes sharded checkpoints keeps writing them: on one process, with the plain model (mesh (1, 1))."""
+    if ranks == 1 and not (saved is not None and sharded_checkpoint.is_sharded_checkpoint(saved.folder)):
         return None
-    if saved is not None and not sharded and ranks > 1:
-        raise ValueError(f"dp_shard: {saved.folder} is a one-process checkpoint; it resumes on one process or on "
-                         f"{ranks} ranks with dp_shard = 1, not on a {dp_shard} × {ranks // dp_shard} mesh")
     return dp_shard, ranks // dp_shard
 
 
@@ -289,9 +289,8 @@ def _train_here(config: RunConfig, out: Path, saved: SavedRun | None, run_record
 
 def _stepper(config: RunConfig, saved: SavedRun | None, corpus: data.ByteCorpus, extend: bool, device,
              model_factory: Callable, expert_parallel: bool, mesh: tuple[int, int] | None) -> Stepper:
-    """The run's :class:`Stepper` at ``saved``'s step: the checkpoint's weights loaded into the one-process model
-    before its experts are spread over the ranks, then the optimizer, schedule and RNG (on P ranks each rank's
-    block of the experts' moments); a sharded checkpoint is read into the sharded model and optimizer, each rank
+    """The run's :class:`Stepper` at ``saved``'s step: on one process without a mesh, the checkpoint's weights,
+    optimizer, schedule and RNG; on a mesh, the checkpoint read into the sharded model and optimizer, each rank
     its pieces (:func:`_load_sharded`). ``extend``: the schedule of the new total from the checkpoint's step."""
     sharded = saved is not None and mesh is not None
 
@@ -305,10 +304,9 @@ def _stepper(config: RunConfig, saved: SavedRun | None, corpus: data.ByteCorpus,
                       autocast=DTYPES[config.run.dtype], expert_parallel=expert_parallel,
                       mesh=mesh if expert_parallel else None, model_factory=restored)
     if sharded:
-        _load_sharded(stepper, saved)
+        _load_sharded(stepper, saved, functools.partial(_resharded, saved, config, model_factory, device))
     elif saved is not None:
-        shard = functools.partial(distributed.shard_optimizer_state, stepper.model, stepper.optimizer)
-        checkpoint.load_state(saved.folder, stepper.optimizer, stepper.scheduler, shard if expert_parallel else None)
+        checkpoint.load_state(saved.folder, stepper.optimizer, stepper.scheduler)
         stepper.steps_taken = saved.step
     if extend:
         stepper.scheduler = make_scheduler(stepper.optimizer, config.train, stepper.steps_taken)
@@ -320,14 +318,42 @@ def _sharded_extra(stepper: Stepper) -> dict:
     return {"scheduler": stepper.scheduler.state_dict(), "rng": torch.get_rng_state()}
 
 
-def _load_sharded(stepper: Stepper, saved: SavedRun) -> None:
-    """``saved`` (a sharded checkpoint) into ``stepper``: each rank reads the pieces of its shards; the schedule,
-    RNG and step."""
-    extra = sharded_checkpoint.load_sharded(saved.folder, stepper.model, stepper.optimizer, stepper.mesh,
+RESHARDING = ".resharding"  # in a run folder: a one-process checkpoint rewritten as a sharded one, while read
+
+
+def _load_sharded(stepper: Stepper, saved: SavedRun, resharded: Callable[[], Path]) -> None:
+    """``saved`` into ``stepper`` on its mesh: each rank reads the pieces of its shards; the schedule, RNG and
+    step. A one-process checkpoint is first rewritten as a sharded one by rank 0 (``resharded()``, the same
+    weights, moments, schedule and RNG), removed once every rank has read it."""
+    folder = saved.folder
+    one_process = not sharded_checkpoint.is_sharded_checkpoint(folder)
+    if one_process:
+        folder = resharded() if dist.get_rank() == 0 else sharded_checkpoint.step_folder(
+            folder.parent / RESHARDING, saved.step)
+        dist.barrier()
+    extra = sharded_checkpoint.load_sharded(folder, stepper.model, stepper.optimizer, stepper.mesh,
                                             _sharded_extra(stepper))
+    if one_process:
+        dist.barrier()  # every rank has read its pieces
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder.parent)
     stepper.scheduler.load_state_dict(extra["scheduler"])
     torch.set_rng_state(extra["rng"])
     stepper.steps_taken = saved.step
+
+
+def _resharded(saved: SavedRun, config: RunConfig, model_factory: Callable, device) -> Path:
+    """The one-process checkpoint ``saved`` written as a sharded checkpoint (weights, AdamW's moments, schedule,
+    RNG) into out/.resharding/, by this process alone, through the one-process model and optimizer it builds for
+    it (the RNG left as it was); any mesh reads its shards from it. Returns its folder."""
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        model = model_factory(config.model, config.train.seed, device)
+        checkpoint.load_weights(saved.folder, model)
+        optimizer, scheduler = make_optimizer(model, config.train)
+        checkpoint.load_state(saved.folder, optimizer, scheduler)
+        extra = {"scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}
+    return sharded_checkpoint.save_sharded(saved.folder.parent / RESHARDING, saved.step, model, optimizer, None,
+                                           extra)
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -357,7 +383,7 @@ def _train_loop(stepper: Stepper, corpus: data.ByteCorpus, config: RunConfig, ou
             _show(bar, record)
             stopped_by = _agreed_signal(stop.received, stepper)
             if _due(step, train.checkpoint_every, train.steps) or stopped_by:
-                _checkpoint(stepper, out, run_record, config, sharded)
+                _checkpoint(stepper, out, run_record, sharded)
             if stopped_by and step < train.steps:
                 bar.close()
                 raise TrainingInterrupted(stopped_by, step, out)
@@ -382,31 +408,15 @@ def _agreed_signal(received: int | None, stepper: Stepper) -> int:
     return int(flag)
 
 
-def _checkpoint(stepper: Stepper, out: Path, run_record: dict, config: RunConfig, sharded: bool) -> Path | None:
+def _checkpoint(stepper: Stepper, out: Path, run_record: dict, sharded: bool) -> Path:
     """The checkpoint of ``stepper``'s step in ``out``: ``sharded``, each rank (or the one process) writes its
     pieces (:func:`sharded_checkpoint.save_sharded`); else the one-process checkpoint
-    (:func:`checkpoint.save_checkpoint`).
-
-    Replicated P ranks all call it: the experts' blocks and their optimizer moments are gathered (collectives)
-    and rank 0 writes them through a one-process model and optimizer, built with the RNG left as it was.
-    Returns the folder (None on the other ranks of a gathered checkpoint)."""
+    (:func:`checkpoint.save_checkpoint`). Returns the folder."""
     step = stepper.steps_taken
     if sharded:
         return sharded_checkpoint.save_sharded(out, step, stepper.model, stepper.optimizer, stepper.mesh,
                                                _sharded_extra(stepper), run_record)
-    if not stepper.expert_parallel:
-        return checkpoint.save_checkpoint(out, step, stepper.model, stepper.optimizer, stepper.scheduler, run_record)
-    weights = distributed.gather_state_dict(stepper.model)
-    optimizer_state = distributed.gather_optimizer_state(stepper.model, stepper.optimizer)
-    if dist.get_rank() != 0:
-        return None
-    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
-        single = build_model(config.model, config.train.seed, kernels=config.run.kernels)
-    single.load_state_dict(weights)
-    optimizer, scheduler = make_optimizer(single, config.train)
-    optimizer.load_state_dict(optimizer_state)
-    scheduler.load_state_dict(stepper.scheduler.state_dict())
-    return checkpoint.save_checkpoint(out, step, single, optimizer, scheduler, run_record)
+    return checkpoint.save_checkpoint(out, step, stepper.model, stepper.optimizer, stepper.scheduler, run_record)
 
 
 def _plot_losses(out: Path, baselines: dict[str, float] | None = None) -> Path:

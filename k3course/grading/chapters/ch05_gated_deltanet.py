@@ -69,21 +69,27 @@ def _recurrent_probes():
     return recurrence_probes(_sequence_inputs(17, 5), state, "S_t = e^{g_t}(I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ")
 
 
-def _gdn_step_probes():
-    """The decay, the write (β) and the incoming state switched off one at a time, simplest first."""
-    state, q, k, v, g, beta = _step_inputs(18, True)
+def gated_step_probes(inputs: tuple, decay: str, decayed_state: str) -> list[Probe]:
+    """Probes of one gated delta-rule step (05's and 06's): the decay, the write (β) and the incoming state
+    switched off one at a time, simplest first. ``inputs``: (state, q, k, v, g, beta); ``decay`` says what the
+    gate does to S and ``decayed_state`` writes the decayed S, for the hints."""
+    state, q, k, v, g, beta = inputs
     no_decay, no_write = torch.zeros_like(g), torch.zeros_like(beta)
     return [Probe(Case("g = 0, β = 0", (state, q, k, v, no_decay, no_write)), "with g = 0 and β = 0 (S is only read)",
-                  "check the output o_t = S_tᵀ q_t, read from the new state"),
+                  "check the output o_t = S_tᵀ q_t: read from the new state, q unscaled"),
             Probe(Case("β = 0", (state, q, k, v, g, no_write)), "with β = 0 (S only decays)",
-                  "check the decay: the whole state times e^{g}, and o read from the decayed state"),
-            Probe(Case("g = 0", (state, q, k, v, no_decay, beta)), "with g = 0 (DeltaNet)",
+                  f"check the decay: {decay}, and o read from the decayed state"),
+            Probe(Case("g = 0", (state, q, k, v, no_decay, beta)), "with g = 0 (the delta rule alone)",
                   "check the delta correction S + β k (v − Sᵀk)ᵀ"),
             Probe(Case("S = 0", (torch.zeros_like(state), q, k, v, g, beta)),
                   "with no incoming state (S = 0) under a decay",
                   "decay the old state first, then correct and write: the new write βkvᵀ is not decayed"),
             Probe(Case("all on", (state, q, k, v, g, beta)), "with a state, a decay and a write together",
-                  "the correction reads the decayed state: v − (e^g S)ᵀ k")]
+                  f"the correction reads the decayed state: v − ({decayed_state})ᵀ k")]
+
+
+def _gdn_step_probes():
+    return gated_step_probes(_step_inputs(18, True), "the whole state times e^{g}", "e^g S")
 
 
 register(Exercise("05.delta_step", delta_step, _delta_cases, backward=Backward()))

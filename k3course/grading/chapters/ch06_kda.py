@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3course.grading.registry import Backward, Case, Exercise, Probe, register
+from k3course.grading.chapters.ch05_gated_deltanet import gated_step_probes
+from k3course.grading.registry import Backward, Case, Exercise, register
 from k3course.layers.kda import kda_gate, short_conv
 from k3course.ops.chunk import kda_chunk, kda_chunk_step
 from k3course.ops.recurrent import kda_step
@@ -25,20 +26,7 @@ def _step_inputs(seed: int = 0):
 
 
 def _step_probes():
-    """The decay, the write (β) and the incoming state switched off one at a time, simplest first."""
-    state, q, k, v, g, beta = _step_inputs(20)
-    no_decay, no_write = torch.zeros_like(g), torch.zeros_like(beta)
-    return [Probe(Case("g = 0, β = 0", (state, q, k, v, no_decay, no_write)), "with g = 0 and β = 0 (S is only read)",
-                  "check the output o_t = S_tᵀ q_t: read from the new state, q unscaled"),
-            Probe(Case("β = 0", (state, q, k, v, g, no_write)), "with β = 0 (S only decays)",
-                  "check the decay: row i of S (key channel i) times e^{g_i}, and o read from the decayed state"),
-            Probe(Case("g = 0", (state, q, k, v, no_decay, beta)), "with g = 0 (the delta rule alone)",
-                  "check the delta correction S + β k (v − Sᵀk)ᵀ"),
-            Probe(Case("S = 0", (torch.zeros_like(state), q, k, v, g, beta)),
-                  "with no incoming state (S = 0) under a decay",
-                  "decay the old state first, then correct and write: the new write βkvᵀ is not decayed"),
-            Probe(Case("all on", (state, q, k, v, g, beta)), "with a state, a decay and a write together",
-                  "the correction reads the decayed state: v − (Diag(e^g) S)ᵀ k")]
+    return gated_step_probes(_step_inputs(20), "row i of S (key channel i) times e^{g_i}", "Diag(e^g) S")
 
 
 def _step_cases():

@@ -154,6 +154,17 @@ def _decode_cases() -> list[Case]:
     ]
 
 
+def _draw_kda_inputs(gen: torch.Generator, B: int, T: int, K: int, V: int, decay: tuple[float, float]) -> tuple:
+    """q, k (unit rows), v, g (uniform in ``decay``) and β of KDA for two heads, drawn from ``gen`` in that order
+    (the caller draws what else it needs from ``gen`` after them)."""
+    q = torch.randn(B, T, 2, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, 2, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, 2, V, generator=gen)
+    low, high = decay
+    g = low + (high - low) * torch.rand(B, T, 2, K, generator=gen)
+    return q, k, v, g, torch.rand(B, T, 2, generator=gen)
+
+
 def _reverse_pass_inputs(T: int, K: int, V: int, chunk_size: int, seed: int, decay: tuple[float, float] = (-5.0, 0.0),
                          batch: int = 1, final_gradient: bool = True, scale: float | None = None,
                          grad_dtype: torch.dtype = torch.float32, strided_grad_o: bool = False) -> tuple:
@@ -163,12 +174,8 @@ def _reverse_pass_inputs(T: int, K: int, V: int, chunk_size: int, seed: int, dec
     come in ``grad_dtype`` (bf16: mixed-precision training; the outputs stay fp32); ``strided_grad_o``: dO is a
     [B, T, V, H] tensor seen as [B, T, H, V] (strides (T·V·H, V·H, 1, H)), as a transposed gradient arrives."""
     gen = _generator(seed)
-    q = torch.randn(batch, T, 2, K, generator=gen)
-    k = torch.nn.functional.normalize(torch.randn(batch, T, 2, K, generator=gen), dim=-1)
-    v = torch.randn(batch, T, 2, V, generator=gen)
-    low, high = decay
-    g = low + (high - low) * torch.rand(batch, T, 2, K, generator=gen)
-    beta, scale = torch.rand(batch, T, 2, generator=gen), K ** -0.5 if scale is None else scale
+    q, k, v, g, beta = _draw_kda_inputs(gen, batch, T, K, V, decay)
+    scale = K ** -0.5 if scale is None else scale
     gc = chunk_local_cumsum(g, chunk_size)
     akk, aqk = intra_chunk_scores(q, k, gc, beta, scale, chunk_size)
     w, _ = wy_factors(k, v, gc, beta, akk, chunk_size)
@@ -205,12 +212,8 @@ def _kda_inputs(B: int, T: int, K: int, V: int, seed: int, decay: tuple[float, f
                 dtype: torch.dtype = torch.float32) -> tuple:
     """Seeded q, k (unit rows), v, g (uniform in ``decay``), β and an initial state for two heads."""
     gen = _generator(seed)
-    q = torch.randn(B, T, 2, K, generator=gen)
-    k = torch.nn.functional.normalize(torch.randn(B, T, 2, K, generator=gen), dim=-1)
-    v = torch.randn(B, T, 2, V, generator=gen)
-    low, high = decay
-    g = low + (high - low) * torch.rand(B, T, 2, K, generator=gen)
-    beta, h0 = torch.rand(B, T, 2, generator=gen), torch.randn(B, 2, K, V, generator=gen)
+    q, k, v, g, beta = _draw_kda_inputs(gen, B, T, K, V, decay)
+    h0 = torch.randn(B, 2, K, V, generator=gen)
     return *(x.to(dtype) for x in (q, k, v, g, beta)), h0
 
 

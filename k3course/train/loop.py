@@ -313,9 +313,9 @@ def _stepper(config: RunConfig, saved: SavedRun | None, corpus: data.ByteCorpus,
     return stepper
 
 
-def _sharded_extra(stepper: Stepper) -> dict:
+def _sharded_extra(scheduler) -> dict:
     """What a sharded checkpoint holds besides weights and moments: the schedule and the torch RNG."""
-    return {"scheduler": stepper.scheduler.state_dict(), "rng": torch.get_rng_state()}
+    return {"scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}
 
 
 RESHARDING = ".resharding"  # in a run folder: a one-process checkpoint rewritten as a sharded one, while read
@@ -332,7 +332,7 @@ def _load_sharded(stepper: Stepper, saved: SavedRun, resharded: Callable[[], Pat
             folder.parent / RESHARDING, saved.step)
         dist.barrier()
     extra = sharded_checkpoint.load_sharded(folder, stepper.model, stepper.optimizer, stepper.mesh,
-                                            _sharded_extra(stepper))
+                                            _sharded_extra(stepper.scheduler))
     if one_process:
         dist.barrier()  # every rank has read its pieces
         if dist.get_rank() == 0:
@@ -351,7 +351,7 @@ def _resharded(saved: SavedRun, config: RunConfig, model_factory: Callable, devi
         checkpoint.load_weights(saved.folder, model)
         optimizer, scheduler = make_optimizer(model, config.train)
         checkpoint.load_state(saved.folder, optimizer, scheduler)
-        extra = {"scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}
+        extra = _sharded_extra(scheduler)
     return sharded_checkpoint.save_sharded(saved.folder.parent / RESHARDING, saved.step, model, optimizer, None,
                                            extra)
 
@@ -415,7 +415,7 @@ def _checkpoint(stepper: Stepper, out: Path, run_record: dict, sharded: bool) ->
     step = stepper.steps_taken
     if sharded:
         return sharded_checkpoint.save_sharded(out, step, stepper.model, stepper.optimizer, stepper.mesh,
-                                               _sharded_extra(stepper), run_record)
+                                               _sharded_extra(stepper.scheduler), run_record)
     return checkpoint.save_checkpoint(out, step, stepper.model, stepper.optimizer, stepper.scheduler, run_record)
 
 
